@@ -1,0 +1,290 @@
+"""Engine: the public Python API.
+
+    engine = Engine.from_pretrained()            # the embedded default model, CPU
+    result = engine.generate("Hello", SamplingParams(max_tokens=32))
+    for chunk in engine.stream("Hello"): print(chunk.text, end="")
+
+The engine owns the model, the tokenizer and the KV cache. ``prefill``/``decode_step``
+are the primitives the scheduler drives; ``generate``/``stream``/``chat`` run one
+request to completion on the calling thread.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from edge.config import ModelConfig, parse_dtype
+from edge.generation import Chunk, Generation, GenerationResult
+from edge.kernels import reference
+from edge.kv import KVOutOfMemory, SequenceKV
+from edge.kv.contiguous import ContiguousKV
+from edge.kv.paged import BlockPool, PagedKVCache
+from edge.model import Model
+from edge.sampling import SamplerState, SamplingParams, sample
+from edge.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+KV_KINDS = ("paged", "contiguous")
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
+class PromptTooLong(ValueError):
+    """The prompt does not fit the context with room for one generated token."""
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def kernel_ops(device: torch.device, kernels: str = "auto") -> ModuleType:
+    """CUDA kernels on a GPU when they load, else the torch reference (with a warning
+    when CUDA was expected): a broken NVRTC install degrades speed, not service."""
+    if device.type != "cuda" or kernels == "reference":
+        return reference
+    try:
+        from edge.kernels import paged_cuda
+
+        paged_cuda.load(device)
+        return paged_cuda
+    except Exception as exc:  # any failure to build or load kernels means: fall back
+        if kernels == "cuda":
+            raise
+        log.warning("CUDA kernels unavailable (%s); using the torch reference attention", exc)
+        return reference
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Model,
+        tokenizer: Tokenizer | None,
+        model_dir: Path,
+        kv_cache: str = "paged",
+        page_size: int = 16,
+        max_seq_len: int | None = None,
+        num_blocks: int | None = None,
+        prefill_chunk: int = 512,
+        poison_kv: bool = False,
+        kernels: str = "auto",
+        cuda_graph: bool | None = None,
+    ) -> None:
+        if kv_cache not in KV_KINDS:
+            raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.model = model
+        self.cfg = model.cfg
+        self.tokenizer = tokenizer
+        self.model_dir = model_dir
+        self.device = model.device
+        self.dtype = model.dtype
+        self.kv_kind = kv_cache
+        self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        self.prefill_chunk = prefill_chunk
+        self.page_size = page_size
+        self.kv: PagedKVCache | None = None
+        if kv_cache == "paged":
+            per_seq = -(-self.max_seq_len // page_size)
+            pool = BlockPool(
+                self.cfg,
+                num_blocks or 2 * per_seq,
+                page_size,
+                self.device,
+                self.dtype,
+                poison=poison_kv,
+            )
+            self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, kernel_ops(self.device, kernels))
+        self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else self.device.type == "cuda"
+        if self.cuda_graph and (self.device.type != "cuda" or kv_cache != "paged"):
+            raise ValueError("cuda_graph needs device='cuda' and kv_cache='paged'")
+        self._sampler = SamplerState(self.cfg.vocab_size, self.device)
+        self._contiguous: ContiguousKV | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        kv_cache: str = "paged",
+        page_size: int = 16,
+        cuda_graph: bool | None = None,
+        max_seq_len: int | None = None,
+        **options,
+    ) -> "Engine":
+        """Load a Hugging Face model directory (default: the embedded random model).
+
+        dtype defaults to float32 on the CPU and bfloat16 on a GPU.
+        """
+        if path is None:
+            from edge.random_model import default_model_path
+
+            path = default_model_path()
+        path = Path(path)
+        if not path.is_dir():
+            raise FileNotFoundError(f"model directory {path} does not exist")
+        dev = torch.device(device) if device is not None else default_device()
+        dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
+        cfg = ModelConfig.from_pretrained(path)
+        seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        model = Model.load(path, cfg, dev, dt, seq_len)
+        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+        if tokenizer is None:
+            log.warning("%s has no tokenizer.json: token ids in and out only", path)
+        return cls(
+            model,
+            tokenizer,
+            path,
+            kv_cache=kv_cache,
+            page_size=page_size,
+            max_seq_len=seq_len,
+            cuda_graph=cuda_graph,
+            **options,
+        )
+
+    # -- primitives -------------------------------------------------------------------
+
+    def new_sequence(self) -> SequenceKV:
+        if self.kv is not None:
+            return self.kv.new_sequence()
+        if self._contiguous is None:
+            self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype)
+        self._contiguous.release()
+        return self._contiguous
+
+    def forward(self, seq: SequenceKV, ids: list[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+        """Run ``ids`` through the model after the tokens ``seq`` holds; float32 logits
+        of the last token ``[vocab]`` (or of every token ``[T, vocab]``)."""
+        ids_t = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True).view(-1)
+        t = ids_t.shape[0]
+        seq.reserve(t)
+        positions = torch.arange(seq.length, seq.length + t, device=self.device)
+        hidden = self.model.forward(ids_t, positions, seq)
+        seq.advance(t)
+        return self.model.logits(hidden if all_logits else hidden[-1:])[slice(None) if all_logits else 0]
+
+    def prefill(self, seq: SequenceKV, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """Prefill in chunks of ``prefill_chunk`` tokens; logits as ``forward``."""
+        if not ids:
+            raise ValueError("cannot prefill an empty prompt")
+        outs = []
+        for i in range(0, len(ids), self.prefill_chunk):
+            outs.append(self.forward(seq, ids[i : i + self.prefill_chunk], all_logits))
+        return torch.cat(outs) if all_logits else outs[-1]
+
+    def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
+        if not prompt_ids:
+            raise PromptTooLong("the prompt is empty")
+        if len(prompt_ids) + min(max_tokens, 1) > self.max_seq_len:
+            raise PromptTooLong(
+                f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_seq_len} tokens"
+            )
+
+    # -- one request on the calling thread ----------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids, not text")
+        return self.tokenizer.encode(prompt)
+
+    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> Iterator[Chunk]:
+        """Yield chunks as tokens are produced; the last one carries finish_reason and usage."""
+        params = replace(params or SamplingParams(), **overrides)
+        params.validate()
+        prompt_ids = self.encode(prompt)
+        self.check_prompt(prompt_ids, params.max_tokens)
+        gen = self.new_generation(prompt_ids, params, self._sampler)
+        seq = self.new_sequence()
+        try:
+            yield from self._run(seq, gen)
+        finally:
+            seq.release()
+
+    def new_generation(self, prompt_ids: list[int], params: SamplingParams, sampler: SamplerState) -> Generation:
+        return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids))
+
+    def _run(self, seq: SequenceKV, gen: Generation) -> Iterator[Chunk]:
+        logits = self.prefill(seq, gen.prompt_ids)
+        gen.mark_prefilled()
+        if gen.params.max_tokens == 0:
+            yield gen.finish("length")
+            return
+        greedy = gen.params.greedy
+        token = sample(logits, gen.sampler, greedy)
+        while True:
+            chunk = gen.feed(int(token))
+            if chunk.token_ids or chunk.text:
+                yield chunk
+            if gen.done:
+                break
+            try:
+                logits = self.forward(seq, token)
+            except KVOutOfMemory as exc:
+                yield gen.finish("length", message=str(exc))
+                return
+            token = sample(logits, gen.sampler, greedy)
+        yield gen.finish()
+
+    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
+        params = replace(params or SamplingParams(), **overrides)
+        chunks = list(self.stream(prompt, params))
+        final = chunks[-1]
+        return GenerationResult(
+            token_ids=[t for c in chunks for t in c.token_ids],
+            text="".join(c.text for c in chunks),
+            finish_reason=final.finish_reason or "length",
+            usage=final.usage,
+            message=final.message,
+        )
+
+    def chat(self, messages: list[dict], params: SamplingParams | None = None, **overrides) -> GenerationResult:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
+        return self.generate(self.tokenizer.encode_chat(messages), params, **overrides)
+
+    def score(self, token_ids: list[int]) -> torch.Tensor:
+        """Float32 logits of every position ``[T, vocab]`` on the CPU (for verification)."""
+        ids = [int(t) for t in token_ids]
+        self.check_prompt(ids, 0)
+        seq = self.new_sequence()
+        try:
+            return self.prefill(seq, ids, all_logits=True).cpu()
+        finally:
+            seq.release()
+
+    def info(self) -> dict:
+        cfg = self.cfg
+        out = {
+            "model_dir": str(self.model_dir),
+            "architecture": cfg.architecture,
+            "layers": cfg.num_layers,
+            "hidden_size": cfg.hidden_size,
+            "heads": cfg.num_heads,
+            "kv_heads": cfg.num_kv_heads,
+            "head_dim": cfg.head_dim,
+            "vocab_size": cfg.vocab_size,
+            "weight_bytes": self.model.weight_bytes(),
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "kv_cache": self.kv_kind,
+            "max_seq_len": self.max_seq_len,
+            "cuda_graph": self.cuda_graph,
+        }
+        if self.kv is not None:
+            pool = self.kv.pool
+            out |= {
+                "page_size": pool.page_size,
+                "kv_blocks": pool.num_blocks,
+                "kv_blocks_free": pool.num_free,
+                "kernels": self.kv.ops.__name__.rsplit(".", 1)[-1],
+            }
+        return out

@@ -1,0 +1,96 @@
+"""Paged-attention kernels in plain torch.
+
+This is the CPU path and the oracle every CUDA kernel is tested against. Pools hold
+one layer each here: ``k_pool``/``v_pool`` are ``[num_blocks, page_size, kv_heads,
+head_dim]`` and a block table is ``[max_blocks_per_seq]`` int32. A token at position
+``p`` lives in block ``table[p // page_size]`` at row ``p % page_size``.
+
+Nothing here reads a pool row at or beyond ``kv_len``: pools are never cleared
+(lazy memset), so anything past the sequence is stale or NaN-poisoned memory.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def slot_indices(block_table: torch.Tensor, start: int, count: int, page_size: int) -> torch.Tensor:
+    """Flat row indices (block * page_size + offset) of positions [start, start + count)."""
+    pos = torch.arange(start, start + count, device=block_table.device, dtype=torch.long)
+    blocks = block_table.index_select(0, pos // page_size).long()
+    return blocks * page_size + pos % page_size
+
+
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+) -> None:
+    """Write K/V ``[T, kv_heads, head_dim]`` of positions [start, start+T) in one scatter."""
+    num_blocks, page_size = k_pool.shape[0], k_pool.shape[1]
+    slots = slot_indices(block_table, start, k.shape[0], page_size)
+    k_pool.view(num_blocks * page_size, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.view(num_blocks * page_size, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+
+
+def gather_kv(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, kv_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of positions [0, kv_len) as contiguous ``[kv_len, kv_heads, head_dim]``."""
+    num_blocks, page_size = k_pool.shape[0], k_pool.shape[1]
+    slots = slot_indices(block_table, 0, kv_len, page_size)
+    k = k_pool.view(num_blocks * page_size, *k_pool.shape[2:]).index_select(0, slots)
+    v = v_pool.view(num_blocks * page_size, *v_pool.shape[2:]).index_select(0, slots)
+    return k, v
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Grouped-query causal attention of queries at positions [start, start+T).
+
+    q: ``[T, q_heads, D]``; k, v: ``[kv_len, kv_heads, D]`` with kv_len = start + T.
+    Query i sees keys [0, start + i]. Softmax runs in float32 whatever the input dtype,
+    as the CUDA kernels do.
+    """
+    t, q_heads, d = q.shape
+    kv_len, kv_heads = k.shape[0], k.shape[1]
+    group = q_heads // kv_heads
+    qf = q.float().view(t, kv_heads, group, d).permute(1, 2, 0, 3)  # [Hkv, G, T, D]
+    kf = k.float().permute(1, 2, 0)  # [Hkv, D, S]
+    vf = v.float().permute(1, 0, 2)  # [Hkv, S, D]
+    scores = torch.matmul(qf.reshape(kv_heads, group * t, d), kf).view(kv_heads, group, t, kv_len) * scale
+    q_pos = torch.arange(start, start + t, device=q.device).view(t, 1)
+    k_pos = torch.arange(kv_len, device=q.device).view(1, kv_len)
+    scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.view(kv_heads, group * t, kv_len), vf).view(kv_heads, group, t, d)
+    return out.permute(2, 0, 1, 3).reshape(t, q_heads, d).to(q.dtype)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a chunk ``q [T, q_heads, D]`` at positions [start, start+T)
+    against the paged prefix and itself (its K/V must already be written)."""
+    k, v = gather_kv(k_pool, v_pool, block_table, start + q.shape[0])
+    return causal_attention(q, k, v, start, scale)
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """One query token ``q [q_heads, D]`` against positions [0, kv_len) → ``[q_heads, D]``."""
+    k, v = gather_kv(k_pool, v_pool, block_table, kv_len)
+    return causal_attention(q.unsqueeze(0), k, v, kv_len - 1, scale).squeeze(0)

@@ -1,0 +1,34 @@
+"""KV-cache backends: contiguous (the baseline) and paged (block pool + block tables)."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+
+class KVOutOfMemory(RuntimeError):
+    """Logical OOM: the cache has no room for the tokens asked for.
+
+    Raised before anything is written, with the sequence left as it was, so the
+    caller can evict cached blocks, wait, or end the request with reason ``length``.
+    """
+
+
+class SequenceKV(Protocol):
+    """The KV state of one sequence, as the model's forward pass sees it."""
+
+    length: int  # tokens whose K/V are stored
+
+    def reserve(self, n: int) -> None:
+        """Make room for ``n`` more tokens; raise KVOutOfMemory without side effects."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Store k/v ``[T, kv_heads, D]`` at positions [length, length+T) and return causal
+        attention of q ``[T, q_heads, D]`` over positions [0, length+T)."""
+
+    def advance(self, n: int) -> None:
+        """Commit ``n`` tokens written by the last forward pass."""
+
+    def release(self) -> None:
+        """Drop everything the sequence holds (O(blocks held))."""

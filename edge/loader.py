@@ -1,0 +1,172 @@
+"""Safetensors checkpoint directory -> tensors on the target device.
+
+Files are memory-mapped by ``safetensors``; each tensor is copied exactly once to its
+device and dtype and the host view dropped right away. On Orin the page cache and the
+"device" copy live in the same DRAM, so holding both would double the footprint.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from edge.config import ModelConfig
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be loaded; the message names the file or tensor."""
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {root} does not exist")
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"unreadable index {index}: {exc}") from exc
+        files = {name: root / shard for name, shard in weight_map.items()}
+        for shard in set(files.values()):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} named in {INDEX_FILE} is missing from {root}")
+        return files
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):  # noqa: ANN202 - safetensors' handle type is private
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises several private error types
+        raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
+
+
+def file_metadata(model_dir: str | Path) -> dict[str, str]:
+    """``__metadata__`` of the checkpoint (of its first shard when sharded)."""
+    files = checkpoint_files(model_dir)
+    with _open(next(iter(sorted(set(files.values()))))) as f:
+        return dict(f.metadata() or {})
+
+
+def iter_tensors(model_dir: str | Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, memory-mapped host tensor) shard by shard.
+
+    The caller copies each one to its destination and drops it before the next, so
+    at most one tensor's pages are touched on the host at a time.
+    """
+    files = checkpoint_files(model_dir)
+    missing = [n for n in names if n not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint in {model_dir} lacks tensors: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(files[n], []).append(n)
+    for path, shard_names in sorted(by_file.items()):
+        with _open(path) as f:
+            for n in shard_names:
+                try:
+                    yield n, f.get_tensor(n)
+                except CheckpointError:
+                    raise
+                except Exception as exc:
+                    raise CheckpointError(f"cannot read tensor {n} from {path.name}: {exc}") from exc
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a float checkpoint of this config must hold, with its shape."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.q_size,),
+                p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                p + "self_attn.v_proj.bias": (cfg.kv_size,),
+            }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fused_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
+    """Where each checkpoint tensor goes: (destination name, first row in it).
+
+    q/k/v and gate/up are stacked along the output dimension so decode runs one
+    matmul where the checkpoint has three (or two): fewer, larger kernels.
+    """
+    layout: dict[str, tuple[str, int]] = {}
+    for name in shapes:
+        layout[name] = (name, 0)
+    for name in shapes:
+        prefix, _, tail = name.partition("layers.")
+        if not tail:
+            continue
+        idx, _, local = tail.partition(".")
+        for fused, parts in FUSED.items():
+            if local in parts:
+                row = sum(shapes[f"{prefix}layers.{idx}.{p}"][0] for p in parts[: parts.index(local)])
+                layout[name] = (f"{prefix}layers.{idx}.{fused}", row)
+    return layout
+
+
+def load_weights(
+    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``.
+
+    Destinations are allocated once on the device and every checkpoint tensor is
+    copied straight into its slice: one copy per tensor, no host-side concatenation.
+    """
+    shapes = expected_shapes(cfg)
+    layout = fused_layout(shapes)
+    dest_shapes: dict[str, list[int]] = {}
+    for name, (dest, row) in layout.items():
+        shape = shapes[name]
+        current = dest_shapes.setdefault(dest, [0, *shape[1:]])
+        current[0] = max(current[0], row + shape[0])
+    out = {d: torch.empty(s, device=device, dtype=dtype) for d, s in dest_shapes.items()}
+    for name, host in iter_tensors(model_dir, list(shapes)):
+        if tuple(host.shape) != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {tuple(host.shape)}, config.json implies {shapes[name]}")
+        dest, row = layout[name]
+        out[dest][row : row + host.shape[0]].copy_(host)
+        del host
+    return out

@@ -1,0 +1,103 @@
+"""Llama / Qwen2 / Qwen3 decoder in plain torch, run against a KV backend.
+
+One sequence at a time (the scheduler decodes one conversation while the other
+prefills), so activations are ``[T, hidden]`` with no batch dimension. Numerics follow
+Hugging Face: RMSNorm in float32 then cast, RoPE tables in float32 cast to the model
+dtype, attention softmax in float32.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from edge.config import ModelConfig, rope_inv_freq
+from edge.kv import SequenceKV
+from edge.loader import load_weights
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Model:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_seq_len: int) -> None:
+        self.cfg = cfg
+        self.w = weights
+        embed = weights["model.embed_tokens.weight"]
+        self.device, self.dtype = embed.device, embed.dtype
+        self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        self.layers = [self._layer_weights(i) for i in range(cfg.num_layers)]
+        positions = torch.arange(max_seq_len, dtype=torch.float64)
+        angles = torch.outer(positions, rope_inv_freq(cfg))
+        emb = torch.cat((angles, angles), dim=-1)
+        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+
+    @classmethod
+    def load(cls, model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_seq_len: int) -> "Model":
+        return cls(cfg, load_weights(model_dir, cfg, device, dtype), max_seq_len)
+
+    def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
+        p = f"model.layers.{i}."
+        w = self.w
+        return {
+            "ln1": w[p + "input_layernorm.weight"],
+            "ln2": w[p + "post_attention_layernorm.weight"],
+            "qkv": w[p + "self_attn.qkv_proj.weight"],
+            "qkv_b": w.get(p + "self_attn.qkv_proj.bias"),
+            "o": w[p + "self_attn.o_proj.weight"],
+            "q_norm": w.get(p + "self_attn.q_norm.weight"),
+            "k_norm": w.get(p + "self_attn.k_norm.weight"),
+            "gate_up": w[p + "mlp.gate_up_proj.weight"],
+            "down": w[p + "mlp.down_proj.weight"],
+        }
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
+        """Hidden states after the final norm, ``[T, hidden]``, for tokens ``ids`` at
+        ``positions`` (both device tensors of length T). Writes their K/V through ``kv``."""
+        cfg = self.cfg
+        x = F.embedding(ids, self.w["model.embed_tokens.weight"])
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        t = ids.shape[0]
+        for i, lw in enumerate(self.layers):
+            h = rms_norm(x, lw["ln1"], cfg.rms_norm_eps)
+            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
+            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm:
+                q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
+                k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
+            q = q * cos + rotate_half(q) * sin
+            k = k * cos + rotate_half(k) * sin
+            attn = kv.attend(i, q, k, v)
+            x = x + F.linear(attn.reshape(t, cfg.q_size), lw["o"])
+            h = rms_norm(x, lw["ln2"], cfg.rms_norm_eps)
+            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, lw["down"])
+        return rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]``."""
+        return F.linear(hidden, self.lm_head).float()
+
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.w.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
