@@ -179,6 +179,12 @@ class Engine:
             outs.append(self.forward(seq, ids[i : i + self.prefill_chunk], all_logits))
         return torch.cat(outs) if all_logits else outs[-1]
 
+    def decode(self, seq: SequenceKV, token: torch.Tensor, sampler: SamplerState, greedy: bool) -> torch.Tensor:
+        """One decode step: feed ``token`` ([1] long, on the device), return the next
+        one, still on the device (reading it is the caller's synchronisation point).
+        Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free."""
+        return sample(self.forward(seq, token), sampler, greedy)
+
     def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")
@@ -227,11 +233,10 @@ class Engine:
             if gen.done:
                 break
             try:
-                logits = self.forward(seq, token)
+                token = self.decode(seq, token, gen.sampler, greedy)
             except KVOutOfMemory as exc:
                 yield gen.finish("length", message=str(exc))
                 return
-            token = sample(logits, gen.sampler, greedy)
         yield gen.finish()
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
