@@ -49,3 +49,15 @@ def test_greedy_tokens_match_transformers(hf_checkpoint, kv: str) -> None:
             )[0, len(ids) :].tolist()
         ours = engine.generate(ids, SamplingParams(max_tokens=48, ignore_eos=True)).token_ids
         assert ours == ref, f"{name} {kv}: first mismatch at {next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)}"
+
+
+@pytest.mark.parametrize("page_size", [1, 8, 16, 64])
+def test_paged_matches_contiguous(hf_checkpoint, page_size: int) -> None:
+    name, _, path = hf_checkpoint
+    contiguous = Engine.from_pretrained(path, device="cpu", dtype="float32", kv_cache="contiguous")
+    paged = Engine(contiguous.model, None, path, kv_cache="paged", page_size=page_size, prefill_chunk=24)
+    ids = prompt(70, seed=page_size)
+    base = contiguous.score(ids)
+    assert rel_err(paged.score(ids), base) < 1e-5, f"{name} page {page_size}"
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    assert paged.generate(ids[:9], params).token_ids == contiguous.generate(ids[:9], params).token_ids

@@ -146,6 +146,7 @@ class PagedKVCache:
     max_seq_len: int
     scale: float
     ops: ModuleType = reference
+    bytes_synced: int = 0  # block-table bytes copied host -> device, all sequences
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -183,7 +184,7 @@ class PagedSequence:
             for b in fresh:
                 self.table[len(self.blocks)] = b
                 self.blocks.append(b)
-        self.table.sync()
+        self.cache.bytes_synced += self.table.sync()
 
     def share_prefix(self, blocks: list[int]) -> None:
         """Start an empty sequence on cached full blocks (reference-counted, not copied)."""

@@ -1,0 +1,225 @@
+"""The ``edge`` command: generate, chat, info, verify, monitor, serve."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from collections.abc import Callable
+
+DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="Hugging Face model directory (default: the embedded random model)")
+    p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
+    p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+    p.add_argument("--kv", choices=("paged", "contiguous"), default="paged", help="KV-cache backend")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block (power of two)")
+    p.add_argument("--max-seq-len", type=int, help="context length (default: min(model max, 4096))")
+    p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+
+
+def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of `edge --help`
+    from edge.engine import Engine
+
+    return Engine.from_pretrained(
+        args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache=args.kv,
+        page_size=args.page_size,
+        max_seq_len=args.max_seq_len,
+        cuda_graph=False if args.no_cuda_graph else None,
+    )
+
+
+def sampling_params(args: argparse.Namespace):  # noqa: ANN201
+    from edge.sampling import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        seed=args.seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    if args.prompt_ids:
+        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+    else:
+        prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
+    params = sampling_params(args)
+    if args.json:
+        r = engine.generate(prompt, params)
+        out = {
+            "token_ids": r.token_ids,
+            "text": r.text,
+            "finish_reason": r.finish_reason,
+            "ttft_ms": r.usage.ttft_ms,
+            "decode_tok_s": r.usage.decode_tok_s,
+            "usage": r.usage.as_dict(),
+        }
+        if r.message:
+            out["message"] = r.message
+        print(json.dumps(out))
+        return 0
+    if isinstance(prompt, str):
+        print(prompt, end="", flush=True)
+    final = None
+    for chunk in engine.stream(prompt, params):
+        print(chunk.text, end="", flush=True)
+        final = chunk
+    u = final.usage if final else None
+    if u is not None:
+        tps = f"{u.decode_tok_s:.1f} tok/s" if u.decode_tok_s else "n/a"
+        print(
+            f"\n[{final.finish_reason}] {u.completion_tokens} tokens, TTFT {u.ttft_ms or 0:.1f} ms, decode {tps}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    import torch
+
+    info: dict = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available()}
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info["gpu"] = {
+            "name": props.name,
+            "capability": f"sm_{props.major}{props.minor}",
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "integrated": bool(getattr(props, "is_integrated", False)),
+            "bf16": torch.cuda.is_bf16_supported(),
+        }
+    info["model"] = load_engine(args).info()
+    try:
+        from edge.monitor import Monitor
+
+        info["monitor"] = Monitor().describe()
+    except Exception as exc:  # monitoring is informative here, never fatal
+        info["monitor"] = {"error": str(exc)}
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    engine = load_engine(args)
+    history: list[dict] = []
+    params = sampling_params(args)
+    print("edge chat — /reset clears the history, /system TEXT sets the system prompt, Ctrl-D quits")
+    system: str | None = None
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            print()
+            return 0
+        if not line:
+            continue
+        if line == "/reset":
+            history.clear()
+            continue
+        if line.startswith("/system "):
+            system = line.removeprefix("/system ").strip()
+            history.clear()
+            continue
+        history.append({"role": "user", "content": line})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        reply: list[str] = []
+        try:
+            for chunk in engine.stream(engine.tokenizer.encode_chat(messages), params):
+                print(chunk.text, end="", flush=True)
+                reply.append(chunk.text)
+        except KeyboardInterrupt:
+            print(" [interrupted]")
+        print()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from edge.verify import main as verify_main
+
+    return verify_main(args.verify_args)
+
+
+def cmd_monitor(args: argparse.Namespace) -> int:
+    from edge.monitor import run_monitor_cli
+
+    return run_monitor_cli(args.period, args.count, args.json, args.source, args.sysfs_root)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="edge", description="LLM inference for NVIDIA Jetson Orin")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate from a prompt (default: the embedded model)")
+    _engine_args(g)
+    _sampling_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="interactive chat")
+    _engine_args(c)
+    _sampling_args(c)
+    c.set_defaults(func=cmd_chat, max_tokens=256)
+
+    i = sub.add_parser("info", help="device, dtype support and model summary as JSON")
+    _engine_args(i)
+    i.set_defaults(func=cmd_info)
+
+    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token", add_help=False)
+    v.add_argument("verify_args", nargs=argparse.REMAINDER)
+    v.set_defaults(func=cmd_verify)
+
+    m = sub.add_parser("monitor", help="print live temperature and power samples")
+    m.add_argument("--period", type=float, default=1.0, help="seconds between samples")
+    m.add_argument("--count", type=int, help="stop after N samples")
+    m.add_argument("--json", action="store_true", help="JSON lines")
+    m.add_argument("--source", choices=("jtop", "sysfs", "nvml", "none"), help="force a source")
+    m.add_argument("--sysfs-root", help="sysfs root (default /sys or $EDGE_SYSFS_ROOT)")
+    m.set_defaults(func=cmd_monitor)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    func: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (FileNotFoundError, ValueError, RuntimeError) as exc:
+        print(f"edge: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

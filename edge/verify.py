@@ -1,0 +1,193 @@
+"""Contiguous vs paged verification: same prompts, greedy, diffed token by token.
+
+Every mode shares one set of weights; only the KV path differs. The contiguous cache
+is the baseline. A divergence is accepted only at a genuine near-tie: where the
+baseline's top-2 logit gap is below ``--tie-tolerance``. Exit code 0 only when every
+mode agrees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from edge.config import parse_dtype
+from edge.engine import Engine, default_device
+from edge.kv.paged import PagedKVCache
+
+DEFAULT_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+
+
+@dataclass
+class Case:
+    name: str
+    turns: list[tuple[list[int], int]]  # (new prompt tokens, tokens to generate) per turn
+
+
+@dataclass
+class Trace:
+    tokens: list[int] = field(default_factory=list)
+    logits: list[torch.Tensor] = field(default_factory=list)  # float32 [vocab] per generated token
+
+
+@dataclass
+class Row:
+    mode: str
+    case: str
+    compared: int
+    mismatch_at: int | None = None
+    tokens: tuple[int, int] | None = None
+    baseline_gap: float | None = None
+    accepted_tie: bool = False
+    max_abs_dlogit: float = 0.0
+    table_bytes: int = 0
+    blocks_allocated: int = 0
+    blocks_freed: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return (self.mismatch_at is None or self.accepted_tie) and self.blocks_allocated == self.blocks_freed
+
+
+def prompt_suite(engine: Engine, page: int) -> list[Case]:
+    """Prompts shorter than a page, exactly a page, several pages, long decodes, turns."""
+    text = (
+        "Paged attention keeps the cache in fixed blocks. The robot answers questions at the kiosk, "
+        "and every answer streams token by token to the speaker while the next question waits. "
+    ) * 40
+    ids = engine.encode(text) if engine.tokenizer is not None else list(range(3, 3 + 40 * 30))
+    ids = [t % engine.cfg.vocab_size for t in ids]
+
+    def take(n: int, offset: int = 0) -> list[int]:
+        return ids[offset : offset + n]
+
+    return [
+        Case("shorter-than-page", [(take(max(1, page // 2 - 1)), 24)]),
+        Case("exactly-one-page", [(take(page), 24)]),
+        Case("several-pages", [(take(3 * page + 5, 7), 24)]),
+        Case("long-decode", [(take(5, 11), 6 * page + 3)]),
+        Case("multi-turn", [(take(page + 3, 13), 20), (take(7, 200), 20), (take(2 * page, 300), 20)]),
+    ]
+
+
+def run_case(engine: Engine, case: Case) -> Trace:
+    """Greedy generation of every turn; each turn resends the whole conversation on a
+    fresh sequence, so blocks freed by one turn are reused (stale) by the next."""
+    trace = Trace()
+    history: list[int] = []
+    for new_ids, n in case.turns:
+        history = history + new_ids
+        seq = engine.new_sequence()
+        try:
+            logits = engine.prefill(seq, history)
+            for _ in range(n):
+                tok = int(torch.argmax(logits))
+                trace.tokens.append(tok)
+                trace.logits.append(logits.float().cpu())
+                history.append(tok)
+                logits = engine.forward(seq, [tok])
+        finally:
+            seq.release()
+    return trace
+
+
+def compare(mode: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
+    row = Row(mode, case.name, compared=0)
+    for i, (a, b) in enumerate(zip(base.tokens, other.tokens)):
+        row.compared += 1
+        row.max_abs_dlogit = max(row.max_abs_dlogit, (base.logits[i] - other.logits[i]).abs().max().item())
+        if a != b:
+            top2 = torch.topk(base.logits[i], 2).values
+            row.mismatch_at, row.tokens = i, (a, b)
+            row.baseline_gap = (top2[0] - top2[1]).item()
+            row.accepted_tie = row.baseline_gap < tie_tol
+            break
+    return row
+
+
+def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
+    """The paged variants to check against the contiguous baseline."""
+    out: dict[str, Engine] = {}
+
+    def paged(name: str, **kw) -> None:
+        out[name] = Engine(base.model, base.tokenizer, base.model_dir, kv_cache="paged", **kw)
+
+    paged("paged", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=False)
+    paged("paged+nan-poison", page_size=base.page_size, max_seq_len=base.max_seq_len, poison_kv=True, cuda_graph=False)
+    if device.type == "cuda":
+        paged("paged-reference", page_size=base.page_size, max_seq_len=base.max_seq_len, kernels="reference", cuda_graph=False)
+    return out
+
+
+def print_table(rows: list[Row], tie_tol: float) -> None:
+    head = f"{'mode':<18} {'case':<18} {'tokens':>6} {'first mismatch':<28} {'max|dlogit|':>11} {'table B':>8} {'alloc/freed':>11}  ok"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        if r.mismatch_at is None:
+            mm = "-"
+        else:
+            tie = " (near-tie)" if r.accepted_tie else ""
+            mm = f"@{r.mismatch_at} {r.tokens[0]}!={r.tokens[1]} gap {r.baseline_gap:.2g}{tie}"
+        print(
+            f"{r.mode:<18} {r.case:<18} {r.compared:>6} {mm:<28} {r.max_abs_dlogit:>11.3g} "
+            f"{r.table_bytes:>8} {r.blocks_allocated:>5}/{r.blocks_freed:<5}  {'yes' if r.ok else 'NO'}"
+        )
+    print(f"divergences accepted only where the baseline top-2 logit gap < {tie_tol:g}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="verify_paged", description=__doc__)
+    p.add_argument("--model", help="model directory (default: the embedded model)")
+    p.add_argument("--device", help="cpu or cuda")
+    p.add_argument("--dtype", help="float32, bfloat16, float16")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=1024)
+    p.add_argument("--tie-tolerance", type=float, help="top-2 gap under which a divergence is a tie")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = p.parse_args(argv)
+
+    device = torch.device(args.device) if args.device else default_device()
+    base = Engine.from_pretrained(
+        args.model,
+        device=device,
+        dtype=args.dtype,
+        kv_cache="contiguous",
+        page_size=args.page_size,
+        max_seq_len=args.max_seq_len,
+        cuda_graph=False,
+    )
+    tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
+    cases = prompt_suite(base, args.page_size)
+    baseline = {c.name: run_case(base, c) for c in cases}
+    rows: list[Row] = []
+    for name, engine in modes(base, device).items():
+        kv: PagedKVCache = engine.kv
+        for c in cases:
+            before = (kv.pool.allocations, kv.pool.frees, _table_bytes(engine))
+            trace = run_case(engine, c)
+            row = compare(name, c, baseline[c.name], trace, tie_tol)
+            row.blocks_allocated = kv.pool.allocations - before[0]
+            row.blocks_freed = kv.pool.frees - before[1]
+            row.table_bytes = _table_bytes(engine) - before[2]
+            rows.append(row)
+    ok = all(r.ok for r in rows)
+    if args.json:
+        print(json.dumps({"ok": ok, "tie_tolerance": tie_tol, "dtype": str(base.dtype), "rows": [asdict(r) for r in rows]}))
+    else:
+        print(f"model {base.model_dir} ({base.cfg.architecture}), {device}, {str(base.dtype).removeprefix('torch.')}, page {args.page_size}")
+        print_table(rows, tie_tol)
+        print("ALL MODES AGREE" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def _table_bytes(engine: Engine) -> int:
+    return engine.kv.bytes_synced if engine.kv is not None else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

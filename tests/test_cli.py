@@ -1,0 +1,50 @@
+"""The `edge` command and the verification script, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def test_generate_json_with_no_model_argument() -> None:
+    r = run("-m", "edge.cli", "generate", "--prompt", "Hello", "--max-tokens", "12", "--kv", "paged", "--page-size", "8", "--ignore-eos", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert len(out["token_ids"]) == 12
+    assert out["finish_reason"] == "length"
+    assert set(out) >= {"token_ids", "text", "finish_reason", "ttft_ms", "decode_tok_s"}
+
+
+def test_generate_same_tokens_for_contiguous_and_paged() -> None:
+    outs = []
+    for kv in ("contiguous", "paged"):
+        r = run("-m", "edge.cli", "generate", "--prompt-ids", "5,6,7,8,9", "--max-tokens", "20", "--kv", kv, "--ignore-eos", "--json")
+        assert r.returncode == 0, r.stderr
+        outs.append(json.loads(r.stdout)["token_ids"])
+    assert outs[0] == outs[1]
+
+
+def test_missing_model_directory_is_a_clear_error() -> None:
+    r = run("-m", "edge.cli", "generate", "--model", "/nonexistent/model", "--max-tokens", "2")
+    assert r.returncode == 2
+    assert "does not exist" in r.stderr
+
+
+def test_verify_paged_script_exits_zero() -> None:
+    r = run("tools/verify_paged.py", "--json", timeout=600)
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads(r.stdout)
+    assert report["ok"]
+    cases = {row["case"] for row in report["rows"]}
+    assert {"shorter-than-page", "exactly-one-page", "several-pages", "long-decode", "multi-turn"} <= cases
+    assert all(row["mismatch_at"] is None for row in report["rows"])
