@@ -1,0 +1,66 @@
+#!/usr/bin/env python3
+"""Write a random-weight model directory in Hugging Face format (see edge/random_model.py).
+
+python tools/make_model.py OUT_DIR [--arch qwen3] [--preset tiny] [--seed 0]
+    [--dtype float32] [--max-shard-mb N] [--vocab-size N] [--num-layers N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("edge") is None:
+    # Run from a checkout without installing the package.
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from edge.random_model import ARCHITECTURES, PRESETS, make_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", type=Path, help="directory to write (created if missing)")
+    parser.add_argument(
+        "--arch",
+        choices=sorted(ARCHITECTURES),
+        default=None,
+        help="architecture (default: the preset's own, qwen3 for tiny)",
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument(
+        "--max-shard-mb", type=float, default=None, help="split the weights into shards of at most this many MiB"
+    )
+    parser.add_argument(
+        "--vocab-size", type=int, default=None, help="model vocabulary (>= the tokenizer's; larger pads the embedding)"
+    )
+    parser.add_argument("--num-layers", type=int, default=None, help="num_hidden_layers")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    overrides = {}
+    if args.vocab_size is not None:
+        overrides["vocab_size"] = args.vocab_size
+    if args.num_layers is not None:
+        overrides["num_hidden_layers"] = args.num_layers
+    max_shard_bytes = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
+    out = make_model(
+        args.out_dir,
+        arch=args.arch,
+        preset=args.preset,
+        seed=args.seed,
+        dtype=args.dtype,
+        max_shard_bytes=max_shard_bytes,
+        **overrides,
+    )
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
