@@ -12,6 +12,7 @@ request to completion on the calling thread.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ import torch
 
 from edge.config import ModelConfig, parse_dtype
 from edge.generation import Chunk, Generation, GenerationResult
+from edge.graph import SlotDecoder, StepHandle
 from edge.kernels import reference
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.contiguous import ContiguousKV
@@ -106,6 +108,8 @@ class Engine:
             raise ValueError("cuda_graph needs device='cuda' and kv_cache='paged'")
         self._sampler = SamplerState(self.cfg.vocab_size, self.device)
         self._contiguous: ContiguousKV | None = None
+        self._decoders: dict[int, SlotDecoder] = {}
+        self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
 
     @classmethod
     def from_pretrained(
@@ -151,9 +155,13 @@ class Engine:
 
     # -- primitives -------------------------------------------------------------------
 
-    def new_sequence(self) -> SequenceKV:
+    def new_sequence(self, slot: int | None = None) -> SequenceKV:
+        """A fresh sequence. ``slot`` names the scheduler slot it decodes in, which
+        selects that slot's captured CUDA graphs."""
         if self.kv is not None:
-            return self.kv.new_sequence()
+            seq = self.kv.new_sequence()
+            seq.slot = slot
+            return seq
         if self._contiguous is None:
             self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype)
         self._contiguous.release()
@@ -183,7 +191,22 @@ class Engine:
         """One decode step: feed ``token`` ([1] long, on the device), return the next
         one, still on the device (reading it is the caller's synchronisation point).
         Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free."""
-        return sample(self.forward(seq, token), sampler, greedy)
+        decoder = self.slot_decoder(seq)
+        if decoder is None:
+            return sample(self.forward(seq, token), sampler, greedy)
+        if decoder.bound is not seq:
+            decoder.bind(seq, sampler, token)
+        handle = decoder.launch(seq, greedy)
+        return torch.tensor([handle.token(decoder)])
+
+    def slot_decoder(self, seq: SequenceKV) -> SlotDecoder | None:
+        """The CUDA-graph decoder of the sequence's slot, or None for eager decode."""
+        slot = getattr(seq, "slot", None)
+        if not self.cuda_graph or slot is None:
+            return None
+        if slot not in self._decoders:
+            self._decoders[slot] = SlotDecoder(self, self._graph_pool)
+        return self._decoders[slot]
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
         if not prompt_ids:
@@ -209,7 +232,7 @@ class Engine:
         prompt_ids = self.encode(prompt)
         self.check_prompt(prompt_ids, params.max_tokens)
         gen = self.new_generation(prompt_ids, params, self._sampler)
-        seq = self.new_sequence()
+        seq = self.new_sequence(slot=0)
         try:
             yield from self._run(seq, gen)
         finally:
@@ -226,6 +249,10 @@ class Engine:
             return
         greedy = gen.params.greedy
         token = sample(logits, gen.sampler, greedy)
+        decoder = self.slot_decoder(seq)
+        if decoder is not None:
+            yield from self._run_graph(seq, gen, decoder, token)
+            return
         while True:
             chunk = gen.feed(int(token))
             if chunk.token_ids or chunk.text:
@@ -238,6 +265,30 @@ class Engine:
                 yield gen.finish("length", message=str(exc))
                 return
         yield gen.finish()
+
+    def _run_graph(self, seq: SequenceKV, gen: Generation, decoder: SlotDecoder, first: torch.Tensor) -> Iterator[Chunk]:
+        """Graph decode, one step ahead: step n+1 is enqueued before token n is read,
+        so the GPU never waits for the host; steps launched past a stop are dropped."""
+        decoder.bind(seq, gen.sampler, first)
+        greedy = gen.params.greedy
+        pending: deque[StepHandle] = deque()
+        oom: str | None = None
+        chunk = gen.feed(int(first))
+        if chunk.token_ids or chunk.text:
+            yield chunk
+        while not gen.done:
+            while oom is None and len(pending) < 2:
+                try:
+                    pending.append(decoder.launch(seq, greedy))
+                except KVOutOfMemory as exc:
+                    oom = str(exc)
+            if not pending:
+                break
+            chunk = gen.feed(pending.popleft().token(decoder))
+            if chunk.token_ids or chunk.text:
+                yield chunk
+        decoder.unbind(seq, steps_to_drop=len(pending))
+        yield gen.finish("length", message=oom) if oom is not None and not gen.done else gen.finish()
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)

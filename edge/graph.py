@@ -1,0 +1,148 @@
+"""CUDA-graph decode with a GPU-resident position.
+
+One decode step — embedding, every layer, logits, sampling — is captured once per
+slot and sampling mode, then replayed. All inputs live in static device buffers: the
+token id, ``pos``, the slot's block table and the sampler state. The graph itself
+writes the sampled token into the next step's input and advances ``pos``, so a step
+inside a page copies nothing from the host. At a page crossing the host allocates
+the block and syncs its one table entry *before* replay (forgetting that is the
+page-crossing garbage bug of seed 001 ch.15).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from edge.kv.paged import PagedSequence
+from edge.sampling import SamplerState, sample
+
+if TYPE_CHECKING:
+    from edge.engine import Engine
+
+
+class GraphStepKV:
+    """``SequenceKV.attend`` for the captured step: position read from device memory."""
+
+    def __init__(self, decoder: "SlotDecoder") -> None:
+        self.d = decoder
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        d = self.d
+        pool, ops = d.cache.pool, d.cache.ops
+        k_pool, v_pool = pool.k[layer], pool.v[layer]
+        ops.write_kv(k_pool, v_pool, d.table, k, v, 0, pos=d.pos)
+        out = ops.decode_attention(
+            q[0], k_pool, v_pool, d.table, d.cache.max_seq_len, d.cache.scale, pos=d.pos, out=d.attn_out[layer]
+        )
+        return out.unsqueeze(0)
+
+
+@dataclass
+class StepHandle:
+    """A replayed step whose token is on its way to pinned host memory."""
+
+    slot: int
+    event: torch.cuda.Event
+
+    def token(self, decoder: "SlotDecoder") -> int:
+        self.event.synchronize()
+        return int(decoder.host_tokens[self.slot])
+
+
+class SlotDecoder:
+    """Static buffers and captured graphs of one scheduler slot."""
+
+    RING = 4  # pinned token slots: steps that may be in flight before the host reads
+
+    def __init__(self, engine: "Engine", pool: object | None = None) -> None:
+        self.engine = engine
+        self.model = engine.model
+        self.cache = engine.kv
+        dev = engine.device
+        self.token = torch.zeros(1, dtype=torch.long, device=dev)
+        self.pos = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.table = torch.zeros(self.cache.max_blocks_per_seq, dtype=torch.int32, device=dev)
+        self.sampler = SamplerState(engine.cfg.vocab_size, dev)
+        cfg = engine.cfg
+        self.attn_out = torch.empty(cfg.num_layers, cfg.num_heads, cfg.head_dim, device=dev, dtype=engine.dtype)
+        self.host_tokens = torch.zeros(self.RING, dtype=torch.long, pin_memory=True)
+        self._ring = 0
+        self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
+        self.mempool = pool
+        self.bound: PagedSequence | None = None
+        self.kv = GraphStepKV(self)
+
+    # -- binding a request -----------------------------------------------------------
+
+    def bind(self, seq: PagedSequence, sampler: SamplerState, token: torch.Tensor) -> None:
+        """Make ``seq`` the slot's sequence: its table syncs straight into the static
+        table from now on; sampler state and the first token are copied on the device.
+        One small host-to-device copy (``pos``) per request, none per step."""
+        n = len(seq.blocks)
+        self.table[:n].copy_(seq.table.device[:n])
+        seq.table.device = self.table
+        self.pos.fill_(seq.length)
+        self.token.copy_(token.view(1))
+        s = self.sampler
+        for name in ("temperature", "top_k", "top_p", "penalty", "seed", "step", "seen"):
+            getattr(s, name).copy_(getattr(sampler, name))
+        s.use_penalty = sampler.use_penalty
+        self.bound = seq
+
+    # -- one step --------------------------------------------------------------------
+
+    def _body(self, greedy: bool) -> None:
+        positions = self.pos.long()
+        hidden = self.model.forward(self.token, positions, self.kv)
+        self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
+        self.pos.add_(1)
+
+    def _graph(self, greedy: bool) -> torch.cuda.CUDAGraph:
+        key = (greedy, self.sampler.use_penalty)
+        graph = self.graphs.get(key)
+        if graph is not None:
+            return graph
+        # Warm up once on a side stream (lazy cuBLAS/kernel init must not happen during
+        # capture), at the bound position whose block is already reserved, then undo
+        # the state the warm-up advanced.
+        saved = [t.clone() for t in (self.token, self.pos, self.sampler.step, self.sampler.seen)]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._body(greedy)
+        torch.cuda.current_stream().wait_stream(side)
+        for t, s in zip((self.token, self.pos, self.sampler.step, self.sampler.seen), saved):
+            t.copy_(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.mempool):
+            self._body(greedy)
+        self.graphs[key] = graph
+        return graph
+
+    def launch(self, seq: PagedSequence, greedy: bool) -> StepHandle:
+        """Reserve (and sync) the block for this step outside the graph, replay, and
+        start copying the sampled token to pinned memory. Returns without waiting."""
+        if self.bound is not seq:
+            raise AssertionError("launch on a sequence that is not bound to this slot")
+        seq.reserve(1)  # may raise KVOutOfMemory; nothing has been launched then
+        graph = self._graph(greedy)
+        graph.replay()
+        seq.advance(1)
+        slot = self._ring
+        self._ring = (self._ring + 1) % self.RING
+        # Stream order makes this copy read the token before the next replay rewrites it.
+        self.host_tokens[slot : slot + 1].copy_(self.token, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return StepHandle(slot, event)
+
+    def unbind(self, seq: PagedSequence, steps_to_drop: int = 0) -> None:
+        """Detach ``seq``; ``steps_to_drop`` speculative steps launched past a stop are
+        rolled back (their K/V beyond ``length`` is simply never read)."""
+        if steps_to_drop:
+            seq.length -= steps_to_drop
+            seq.truncate_blocks()
+        self.bound = None
