@@ -8,7 +8,7 @@ device and dtype and the host view dropped right away. On Orin the page cache an
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -150,11 +150,15 @@ def fused_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int
 def load_weights(
     model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``.
+    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``."""
+    return fuse_weights(iter_tensors(model_dir, list(expected_shapes(cfg))), cfg, device, dtype)
 
-    Destinations are allocated once on the device and every checkpoint tensor is
-    copied straight into its slice: one copy per tensor, no host-side concatenation.
-    """
+
+def fuse_weights(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Place (name, tensor) pairs into fused destinations allocated once on the device:
+    one copy per tensor, no host-side concatenation. Every expected tensor must come."""
     shapes = expected_shapes(cfg)
     layout = fused_layout(shapes)
     dest_shapes: dict[str, list[int]] = {}
@@ -163,10 +167,17 @@ def load_weights(
         current = dest_shapes.setdefault(dest, [0, *shape[1:]])
         current[0] = max(current[0], row + shape[0])
     out = {d: torch.empty(s, device=device, dtype=dtype) for d, s in dest_shapes.items()}
-    for name, host in iter_tensors(model_dir, list(shapes)):
-        if tuple(host.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {tuple(host.shape)}, config.json implies {shapes[name]}")
+    seen: set[str] = set()
+    for name, src in tensors:
+        if name not in shapes:
+            continue
+        if tuple(src.shape) != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, config.json implies {shapes[name]}")
         dest, row = layout[name]
-        out[dest][row : row + host.shape[0]].copy_(host)
-        del host
+        out[dest][row : row + src.shape[0]].copy_(src)
+        seen.add(name)
+        del src
+    missing = sorted(set(shapes) - seen)
+    if missing:
+        raise CheckpointError(f"tensors missing: {', '.join(missing[:5])}")
     return out
