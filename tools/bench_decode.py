@@ -1,0 +1,245 @@
+"""End-to-end decode benchmark (the ``decode`` mode of tools/bench.py).
+
+One run measures everything it compares: device copy bandwidth, decode tok/s at
+batch 1 eager and with CUDA graphs, the fraction of the memory roofline, TTFT at
+several prompt lengths, host-to-device bytes per decode step, peak memory, and with
+``--compare-hf`` Hugging Face transformers (static cache) on the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from edge.config import ModelConfig, parse_dtype
+from edge.engine import Engine
+from edge.loader import fuse_weights
+from edge.model import Model
+from edge.random_model import default_model_path, iter_random_tensors, model_config
+from edge.sampling import SamplerState, SamplingParams
+from edge.tokenizer import Tokenizer
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--model", help="model directory")
+    src.add_argument("--preset", default="qwen3-0.6b", help="random preset built on the GPU (qwen3-0.6b|qwen3-1.7b|qwen3-8b|llama-3.2-1b)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--context", type=int, default=128, help="prompt length before the timed decode")
+    p.add_argument("--ttft-lengths", default="128,512,2048")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--compare-hf", action="store_true", help="also time transformers with a static cache")
+    p.add_argument("--repeats", type=int, default=3)
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
+    dtype = parse_dtype(args.dtype)
+    device = torch.device("cuda")
+    if args.model:
+        engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len)
+        return engine, engine.cfg.raw
+    raw = model_config(preset=args.preset)
+    cfg = ModelConfig.from_dict(raw)
+    weights = fuse_weights(iter_random_tensors(raw, 0, dtype, device), cfg, device, dtype)
+    model = Model(cfg, weights, args.max_seq_len)
+    tokenizer = Tokenizer.from_pretrained(default_model_path())
+    # Size the pool for the benchmark's longest sequence twice over, not the whole GPU.
+    blocks = 2 * (-(-args.max_seq_len // args.page_size)) + 8
+    engine = Engine(model, tokenizer, Path(f"preset:{args.preset}"), page_size=args.page_size, max_seq_len=args.max_seq_len, num_blocks=blocks)
+    return engine, raw
+
+
+def weight_bytes_per_token(engine: Engine) -> int:
+    """Bytes of weights one decode step reads: all of them but the embedding table,
+    of which it reads one row (with tied embeddings the table is read as lm_head)."""
+    cfg = engine.cfg
+    total = engine.model.weight_bytes()
+    if not cfg.tie_word_embeddings:
+        emb = engine.model.w["model.embed_tokens.weight"]
+        total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
+    return total
+
+
+def kv_bytes(engine: Engine, kv_len: int) -> int:
+    cfg = engine.cfg
+    return 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * torch.finfo(engine.dtype).bits // 8
+
+
+def time_decode(engine: Engine, prompt: list[int], n: int, graph: bool) -> float:
+    """Seconds for n decode steps after a prefill of ``prompt`` (prefill not timed)."""
+    engine.cuda_graph = graph
+    seq = engine.new_sequence(slot=0)
+    sampler = SamplerState(engine.cfg.vocab_size, engine.device)
+    sampler.load(SamplingParams(max_tokens=n), prompt)
+    try:
+        token = torch.argmax(engine.prefill(seq, prompt)).view(1)
+        decoder = engine.slot_decoder(seq)
+        if decoder is not None:
+            decoder.bind(seq, sampler, token)
+            decoder.launch(seq, True).token(decoder)  # capture outside the timed region
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        if decoder is not None:
+            handle = None
+            for _ in range(n):
+                handle = decoder.launch(seq, True)
+            handle.token(decoder)
+            decoder.unbind(seq)
+        else:
+            for _ in range(n):
+                token = engine.decode(seq, token, sampler, True)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+    finally:
+        seq.release()
+
+
+def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
+    """Host-to-device bytes per graph decode step, from the CUDA profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine.cuda_graph = True
+    seq = engine.new_sequence(slot=0)
+    sampler = SamplerState(engine.cfg.vocab_size, engine.device)
+    sampler.load(SamplingParams(max_tokens=n), prompt)
+    try:
+        token = torch.argmax(engine.prefill(seq, prompt)).view(1)
+        decoder = engine.slot_decoder(seq)
+        decoder.bind(seq, sampler, token)
+        decoder.launch(seq, True).token(decoder)
+        page = engine.page_size
+        crossings = sum(1 for i in range(n) if (seq.length + i) % page == 0)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                decoder.launch(seq, True)
+            torch.cuda.synchronize()
+        decoder.unbind(seq)
+        h2d = [e for e in prof.events() if "HtoD" in e.name or "Memcpy HtoD" in e.name]
+        nbytes = sum(int(getattr(e, "device_memory_usage", 0) or 0) for e in h2d)
+        return {
+            "steps": n,
+            "page_crossings": crossings,
+            "h2d_copies": len(h2d),
+            "table_bytes_synced_per_crossing": 4,
+            "h2d_copies_per_step_inside_page": (len(h2d) - crossings) / max(n - crossings, 1),
+            "h2d_profiler_bytes": nbytes,
+        }
+    finally:
+        seq.release()
+
+
+def time_ttft(engine: Engine, length: int, repeats: int) -> float:
+    """Milliseconds from submitting a prompt of ``length`` tokens to the first token on the host."""
+    vocab = min(engine.cfg.vocab_size, 800)
+    prompt = [(i * 7919) % (vocab - 3) + 3 for i in range(length)]
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seq = engine.new_sequence()
+        int(torch.argmax(engine.prefill(seq, prompt)))
+        times.append(time.perf_counter() - t0)
+        seq.release()
+    return statistics.median(times[1:]) * 1e3
+
+
+def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int) -> dict:
+    """transformers with a static cache on the same weights, same GPU, same run."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
+    cls = getattr(transformers, raw["architectures"][0])
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(engine.dtype)
+    try:
+        with torch.device("cuda"):
+            hf = cls(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    state = dict(iter_random_tensors(raw, 0, engine.dtype, torch.device("cuda")))
+    missing, unexpected = hf.load_state_dict(state, strict=False)
+    if cfg.tie_word_embeddings:
+        hf.tie_weights()
+    del state
+    ids = torch.tensor([prompt], device="cuda")
+
+    def run(max_new: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, cache_implementation="static", pad_token_id=0)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    run(8)  # warm-up
+    t1, tn = run(1), run(n + 1)
+    out = {"decode_tok_s": n / max(tn - t1, 1e-9), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
+    del hf
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    torch.cuda.reset_peak_memory_stats()
+    bw = copy_bandwidth()
+    engine, raw = build_engine(args)
+    vocab = min(engine.cfg.vocab_size, 800)
+    prompt = [(i * 31) % (vocab - 3) + 3 for i in range(args.context)]
+    n = args.decode_tokens
+    result: dict = {
+        "device": torch.cuda.get_device_name(),
+        "model": args.model or args.preset,
+        "dtype": args.dtype,
+        "kernels": engine.kv.ops.__name__.rsplit(".", 1)[-1],
+        "copy_bandwidth_GBps": bw / 1e9,
+        "weight_bytes": engine.model.weight_bytes(),
+    }
+    per_token = weight_bytes_per_token(engine) + kv_bytes(engine, args.context + n // 2)
+    roofline = bw / per_token
+    result["roofline_tok_s"] = roofline
+    for mode, graph in (("eager", False), ("graph", True)):
+        times = [time_decode(engine, prompt, n, graph) for _ in range(args.repeats)]
+        tok_s = n / statistics.median(times)
+        result[f"decode_tok_s_{mode}"] = tok_s
+        result[f"roofline_fraction_{mode}"] = tok_s / roofline
+    result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
+    engine.cuda_graph = True
+    result["h2d_per_step"] = h2d_bytes_per_step(engine, prompt, 64)
+    result["ttft_ms"] = {
+        str(length): time_ttft(engine, length, args.repeats)
+        for length in (int(x) for x in args.ttft_lengths.split(","))
+        if length < engine.max_seq_len
+    }
+    result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    if args.compare_hf:
+        hf = hf_decode(engine, raw, prompt, n)
+        result["hf_static_cache"] = hf
+        result["speedup_over_hf_graph"] = result["decode_tok_s_graph"] / hf["decode_tok_s"]
+    return result
