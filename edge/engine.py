@@ -20,6 +20,7 @@ from types import ModuleType
 
 import torch
 
+from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
 from edge.config import ModelConfig, parse_dtype
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder, StepHandle
@@ -76,7 +77,16 @@ class Engine:
         poison_kv: bool = False,
         kernels: str = "auto",
         cuda_graph: bool | None = None,
+        kv_blocks: int | None = None,
+        kv_memory: int | str | None = None,
+        memory_utilization: float = DEFAULT_UTILIZATION,
+        memory_info: MemoryInfo | None = None,
     ) -> None:
+        """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
+        OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
+        ``kv_blocks``/``kv_memory`` explicitly, or what is available x
+        ``memory_utilization`` after weights and activations; ``memory_info`` fakes the
+        probe."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
@@ -92,17 +102,35 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.page_size = page_size
         self.kv: PagedKVCache | None = None
+        self.budget: MemoryBudget | None = None
         if kv_cache == "paged":
-            per_seq = -(-self.max_seq_len // page_size)
+            ops = kernel_ops(self.device, kernels)
+            if num_blocks is None:
+                self.budget = plan_kv_budget(
+                    model,
+                    ops,
+                    page_size=page_size,
+                    max_seq_len=self.max_seq_len,
+                    prefill_chunk=prefill_chunk,
+                    kv_blocks=kv_blocks,
+                    kv_memory=kv_memory,
+                    utilization=memory_utilization,
+                    memory=memory_info,
+                    cuda_graph=cuda_graph is not False and self.device.type == "cuda",
+                )
+                log.info("%s", self.budget.describe())
+                num_blocks = self.budget.num_blocks
+            elif kv_blocks is not None or kv_memory is not None:
+                raise ValueError("give num_blocks or kv_blocks/kv_memory, not both")
             pool = BlockPool(
                 self.cfg,
-                num_blocks or 2 * per_seq,
+                num_blocks,
                 page_size,
                 self.device,
                 self.dtype,
                 poison=poison_kv,
             )
-            self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, kernel_ops(self.device, kernels))
+            self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, ops)
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else self.device.type == "cuda"
         if self.cuda_graph and (self.device.type != "cuda" or kv_cache != "paged"):
             raise ValueError("cuda_graph needs device='cuda' and kv_cache='paged'")
@@ -121,11 +149,15 @@ class Engine:
         page_size: int = 16,
         cuda_graph: bool | None = None,
         max_seq_len: int | None = None,
+        quantize: str | None = None,
+        quant_group_size: int | None = None,
         **options,
     ) -> "Engine":
         """Load a Hugging Face model directory (default: the embedded random model).
 
-        dtype defaults to float32 on the CPU and bfloat16 on a GPU.
+        dtype defaults to float32 on the CPU and bfloat16 on a GPU. A q8_0 checkpoint
+        (tools/quantize.py) loads with int8 projections; ``quantize="int8"`` quantizes a
+        float one while loading (group size ``quant_group_size``, default 128).
         """
         if path is None:
             from edge.random_model import default_model_path
@@ -138,7 +170,7 @@ class Engine:
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         cfg = ModelConfig.from_pretrained(path)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        model = Model.load(path, cfg, dev, dt, seq_len)
+        model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
@@ -343,4 +375,6 @@ class Engine:
                 "kv_blocks_free": pool.num_free,
                 "kernels": self.kv.ops.__name__.rsplit(".", 1)[-1],
             }
+        if self.budget is not None:
+            out["kv_budget"] = self.budget.as_dict()
         return out

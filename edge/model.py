@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from edge.config import ModelConfig, rope_inv_freq
 from edge.kv import SequenceKV
 from edge.loader import load_weights
+from edge.quant import Int8Weight, checkpoint_quantization, linear, load_quantized_weights, parse_quantize, weight_tensors
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -30,7 +31,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor], max_seq_len: int) -> None:
+    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | Int8Weight], max_seq_len: int) -> None:
         self.cfg = cfg
         self.w = weights
         embed = weights["model.embed_tokens.weight"]
@@ -44,7 +45,21 @@ class Model:
         self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
 
     @classmethod
-    def load(cls, model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, max_seq_len: int) -> "Model":
+    def load(
+        cls,
+        model_dir: str | Path,
+        cfg: ModelConfig,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_seq_len: int,
+        quantize: str | None = None,
+        quant_group_size: int | None = None,
+    ) -> "Model":
+        """Load a checkpoint; int8 projections when its metadata says q8_0 (route A) or
+        ``quantize="int8"`` asks to quantize a float one while loading (route B)."""
+        if parse_quantize(quantize) is not None or checkpoint_quantization(model_dir) is not None:
+            weights = load_quantized_weights(model_dir, cfg, device, dtype, quantize, quant_group_size)
+            return cls(cfg, weights, max_seq_len)
         return cls(cfg, load_weights(model_dir, cfg, device, dtype), max_seq_len)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
@@ -72,7 +87,7 @@ class Model:
         t = ids.shape[0]
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw["ln1"], cfg.rms_norm_eps)
-            qkv = F.linear(h, lw["qkv"], lw["qkv_b"])
+            qkv = linear(h, lw["qkv"], lw["qkv_b"])
             q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
             q = q.reshape(t, cfg.num_heads, cfg.head_dim)
             k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
@@ -83,21 +98,22 @@ class Model:
             q = q * cos + rotate_half(q) * sin
             k = k * cos + rotate_half(k) * sin
             attn = kv.attend(i, q, k, v)
-            x = x + F.linear(attn.reshape(t, cfg.q_size), lw["o"])
+            x = x + linear(attn.reshape(t, cfg.q_size), lw["o"])
             h = rms_norm(x, lw["ln2"], cfg.rms_norm_eps)
-            gate, up = F.linear(h, lw["gate_up"]).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, lw["down"])
+            gate, up = linear(h, lw["gate_up"]).chunk(2, dim=-1)
+            x = x + linear(F.silu(gate) * up, lw["down"])
         return rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[T, vocab]``."""
-        return F.linear(hidden, self.lm_head).float()
+        return linear(hidden, self.lm_head).float()
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        for t in self.w.values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+        for w in self.w.values():
+            for t in weight_tensors(w):
+                if t.data_ptr() not in seen:
+                    seen.add(t.data_ptr())
+                    total += t.numel() * t.element_size()
         return total

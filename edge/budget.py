@@ -1,0 +1,557 @@
+"""Memory budget: how many KV blocks the engine may allocate (seed 000 §3.6).
+
+At start the engine sizes its paged block pool from the memory really available,
+after the weights are loaded and the activations of the worst step measured:
+
+    kv_bytes = available * utilization - activations - graph buffers
+    blocks   = kv_bytes // block_bytes
+
+* ``available`` is probed after the weights are loaded (so they are already out of it):
+  - integrated GPU (Jetson Orin, ``get_device_properties().is_integrated``): CPU and GPU
+    share one DRAM, so the figure is what the OS reports available, ``MemAvailable``
+    of /proc/meminfo (or the cgroup's headroom if lower);
+  - discrete GPU: the free figure of ``torch.cuda.mem_get_info``;
+  - CPU: ``MemAvailable``, or the cgroup limit minus usage if lower
+    (cgroup v2 ``memory.max - memory.current``; v1 ``memory.limit_in_bytes - usage``).
+* ``activations``: on a GPU a warm-up runs one ``prefill_chunk``-token prefill at the
+  end of a full context and one decode step against a one-block scratch pool, and
+  takes the peak of ``torch.cuda.max_memory_allocated`` above the baseline (the
+  caching allocator is emptied before memory is probed, so nothing is counted twice).
+  On the CPU it is estimated from shapes (``estimate_activation_bytes``).
+* ``graph buffers``: with CUDA graphs, each of the two slots' captured decode step
+  keeps its intermediates in the graph pool: reserved as 2 x the measured decode peak
+  plus ``GRAPH_OVERHEAD``.
+* ``utilization`` (default 0.9) leaves the rest to the OS and other processes (on
+  Orin, the voice front-end shares the same memory).
+
+The CPU default is capped at ``CPU_DEFAULT_SEQUENCES`` (4) full-context sequences —
+two scheduler slots plus as much again for cached prefixes — so a tiny model in a
+test does not take 20 GB of RAM. GPUs are not capped: the pool takes the budget.
+
+Explicit sizes: ``kv_blocks=N`` or ``kv_memory=BYTES`` (``--kv-memory 2GiB``) replace
+the computation (a request above what is available is logged as a warning, not
+refused: the probes cannot see everything, the operator can). Every budget — computed
+or explicit — must hold one full-context sequence (``ceil(max_seq_len / page_size)``
+blocks), else ``BudgetError`` names the figures.
+
+The probes are injectable: pass a ``MemoryInfo`` (tests fake integrated and discrete
+figures) or point ``probe_memory`` at fake /proc/meminfo and cgroup files.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from edge.config import ModelConfig
+    from edge.model import Model
+
+log = logging.getLogger(__name__)
+
+DEFAULT_UTILIZATION = 0.9
+CPU_DEFAULT_SEQUENCES = 4
+GRAPH_SLOTS = 2
+GRAPH_OVERHEAD = 16 << 20  # graph objects, static inputs, sampler state per engine
+ACTIVATION_MARGIN = 1.25  # on the CPU shape estimate
+ACTIVATION_FLOOR = 16 << 20  # allocator slack, small buffers
+MEMINFO = "/proc/meminfo"
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+
+class BudgetError(ValueError):
+    """The memory budget cannot hold what the engine needs; the message names the figures."""
+
+
+# -- sizes ---------------------------------------------------------------------------
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "ki": 1 << 10,
+    "kib": 1 << 10,
+    "mi": 1 << 20,
+    "mib": 1 << 20,
+    "gi": 1 << 30,
+    "gib": 1 << 30,
+    "ti": 1 << 40,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: str | int | float) -> int:
+    """``"2GiB"``, ``"512MiB"``, ``"1.5G"`` (SI: 10^9), ``"4096"`` -> bytes.
+
+    Raises BudgetError (a ValueError) for anything else, negative or zero sizes included.
+    """
+    if isinstance(value, bool):
+        raise BudgetError(f"malformed memory size {value!r}")
+    if isinstance(value, (int, float)):
+        n = value
+    else:
+        m = _SIZE.match(str(value))
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise BudgetError(
+                f"malformed memory size {value!r}: use a number with an optional unit, "
+                "e.g. 2GiB, 512MiB, 1.5GB, 1048576"
+            )
+        n = float(m.group(1)) * _UNITS[unit]
+    if not math.isfinite(n) or n < 1:
+        raise BudgetError(f"memory size {value!r} must be at least one byte")
+    return int(n)
+
+
+def fmt_bytes(n: int | float) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+# -- probes --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    """Memory the KV pool would come from, as probed (bytes).
+
+    ``kind``: "integrated" (unified memory, Orin), "discrete" (GPU memory) or "cpu".
+    ``available``: free for this engine now, after its weights are loaded.
+    """
+
+    kind: str
+    total: int
+    available: int
+    source: str = "given"
+
+
+def read_meminfo(path: str | os.PathLike[str] = MEMINFO) -> dict[str, int]:
+    """``/proc/meminfo`` as {field: bytes}."""
+    out: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if not parts:
+            continue
+        try:
+            n = int(parts[0])
+        except ValueError:
+            continue
+        out[key.strip()] = n * 1024 if len(parts) > 1 and parts[1].lower() == "kb" else n
+    return out
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    if not text or text == "max":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return None
+
+
+def cgroup_headroom(root: str | os.PathLike[str] = CGROUP_ROOT) -> tuple[int, int] | None:
+    """(limit, limit - usage) of the process's memory cgroup, None when unlimited.
+
+    cgroup v2 (``memory.max``/``memory.current`` at ``root``) or v1
+    (``memory/memory.limit_in_bytes``/``memory.usage_in_bytes``; limits near 2^63
+    mean none).
+    """
+    base = Path(root)
+    for limit_file, usage_file in (
+        (base / "memory.max", base / "memory.current"),
+        (base / "memory" / "memory.limit_in_bytes", base / "memory" / "memory.usage_in_bytes"),
+    ):
+        limit = _read_int(limit_file)
+        if limit is None or limit >= 1 << 60:
+            continue
+        usage = _read_int(usage_file) or 0
+        return limit, max(0, limit - usage)
+    return None
+
+
+def host_memory(meminfo: str | os.PathLike[str] = MEMINFO, cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT) -> tuple[int, int, str]:
+    """(total, available, source) of host RAM: MemAvailable, or the cgroup's headroom if lower."""
+    info = read_meminfo(meminfo)
+    if "MemAvailable" not in info or "MemTotal" not in info:
+        raise BudgetError(f"{meminfo} lacks MemTotal/MemAvailable; pass kv_blocks= or kv_memory=")
+    total, avail, source = info["MemTotal"], info["MemAvailable"], f"{meminfo} MemAvailable"
+    cg = cgroup_headroom(cgroup_root) if cgroup_root is not None else None
+    if cg is not None:
+        limit, headroom = cg
+        total = min(total, limit)
+        if headroom < avail:
+            avail, source = headroom, f"cgroup {cgroup_root} limit - usage"
+    return total, avail, source
+
+
+def probe_memory(
+    device: "torch.device | str" = "cpu",
+    *,
+    meminfo: str | os.PathLike[str] = MEMINFO,
+    cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT,
+    integrated: bool | None = None,
+    mem_get_info: Callable[[], tuple[int, int]] | None = None,
+) -> MemoryInfo:
+    """What the KV pool may come from on ``device``. ``integrated`` and
+    ``mem_get_info`` override the CUDA queries (tests fake both kinds of GPU)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if integrated is None:
+            props = torch.cuda.get_device_properties(dev)
+            integrated = bool(getattr(props, "is_integrated", False))
+        if integrated:
+            total, avail, source = host_memory(meminfo, cgroup_root)
+            return MemoryInfo("integrated", total, avail, source)
+        if mem_get_info is None:
+            free, total = torch.cuda.mem_get_info(dev)
+        else:
+            free, total = mem_get_info()
+        return MemoryInfo("discrete", int(total), int(free), "torch.cuda.mem_get_info")
+    if dev.type != "cpu":
+        raise BudgetError(f"no memory probe for device {dev}; pass kv_blocks= or kv_memory=")
+    total, avail, source = host_memory(meminfo, cgroup_root)
+    return MemoryInfo("cpu", total, avail, source)
+
+
+# -- shapes --------------------------------------------------------------------------
+
+
+def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype") -> int:
+    """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
+    import torch
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def blocks_per_sequence(max_seq_len: int, page_size: int) -> int:
+    return -(-max_seq_len // page_size)
+
+
+def estimate_activation_bytes(
+    cfg: "ModelConfig",
+    prefill_chunk: int,
+    max_seq_len: int,
+    dtype: "torch.dtype",
+    dequant_elements: int = 0,
+) -> int:
+    """Peak activation bytes of the worst forward pass, estimated from shapes: a
+    ``prefill_chunk``-token chunk at the end of a ``max_seq_len`` context with the torch
+    reference attention (gathered K/V, float32 scores), or the MLP, whichever is larger,
+    plus the float temporary of the int8 reference linear (``dequant_elements`` of the
+    largest quantized weight chunk) and the logits; times ``ACTIVATION_MARGIN``."""
+    import torch
+
+    b = torch.empty((), dtype=dtype).element_size()
+    t, length = min(prefill_chunk, max_seq_len), max_seq_len
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    qkv = cfg.q_size + 2 * cfg.kv_size
+    residual = 2 * t * h * b  # x and the normed h
+    attention = (
+        4 * t * qkv * b  # qkv, roped q/k and their temporaries
+        + length * cfg.kv_size * 2 * (b + 4)  # gathered K/V and their float32 copies
+        + t * cfg.q_size * 4 * 2  # float32 q and output
+        + 3 * cfg.num_heads * t * length * 4  # scores, masked, softmax (float32)
+    )
+    mlp = t * (2 * inter + 2 * inter + h) * b  # gate_up, silu(gate), product, down
+    dequant = dequant_elements * (4 + b)
+    logits = 2 * cfg.vocab_size * 4
+    return int((residual + max(attention, mlp) + dequant + logits) * ACTIVATION_MARGIN) + ACTIVATION_FLOOR
+
+
+# -- the budget ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    kind: str  # integrated | discrete | cpu | explicit
+    source: str  # where "available" came from, or which explicit option sized the pool
+    total: int
+    available: int
+    utilization: float
+    weights: int
+    activations: int
+    graphs: int
+    kv_bytes: int
+    block_bytes: int
+    num_blocks: int
+    page_size: int
+    max_seq_len: int
+    capped: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.num_blocks * self.page_size
+
+    @property
+    def full_sequences(self) -> float:
+        return self.num_blocks / blocks_per_sequence(self.max_seq_len, self.page_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"tokens": self.tokens, "full_sequences": round(self.full_sequences, 2)}
+
+    def describe(self) -> str:
+        cap = " (capped)" if self.capped else ""
+        return (
+            f"KV budget [{self.kind}, {self.source}]: total {fmt_bytes(self.total)}, "
+            f"available {fmt_bytes(self.available)} x {self.utilization:g}, weights {fmt_bytes(self.weights)}, "
+            f"activations {fmt_bytes(self.activations)}, graphs {fmt_bytes(self.graphs)} -> "
+            f"KV {fmt_bytes(self.kv_bytes)}{cap} = {self.num_blocks} blocks x "
+            f"{self.page_size} tokens = {self.tokens} tokens "
+            f"({self.full_sequences:.1f} sequences of {self.max_seq_len})"
+        )
+
+
+def compute_budget(
+    *,
+    block_bytes: int,
+    page_size: int,
+    max_seq_len: int,
+    memory: MemoryInfo | None = None,
+    weights: int = 0,
+    activations: int = 0,
+    graphs: int = 0,
+    utilization: float = DEFAULT_UTILIZATION,
+    kv_blocks: int | None = None,
+    kv_memory: int | str | None = None,
+    max_blocks: int | None = None,
+) -> MemoryBudget:
+    """The block count for a pool of ``block_bytes`` blocks (pure arithmetic).
+
+    ``kv_blocks`` / ``kv_memory`` set it explicitly; otherwise
+    ``(memory.available * utilization - activations - graphs) // block_bytes``, capped at
+    ``max_blocks`` if given. Raises BudgetError when the result cannot hold one
+    ``max_seq_len`` sequence, naming every figure.
+    """
+    if not 0 < utilization <= 1:
+        raise BudgetError(f"memory utilization must be in (0, 1], got {utilization}")
+    if kv_blocks is not None and kv_memory is not None:
+        raise BudgetError("give kv_blocks or kv_memory, not both")
+    if block_bytes < 1 or page_size < 1 or max_seq_len < 1:
+        raise BudgetError(f"bad pool geometry: block {block_bytes} B, page {page_size}, max_seq_len {max_seq_len}")
+    per_seq = blocks_per_sequence(max_seq_len, page_size)
+    need = per_seq * block_bytes
+    total = memory.total if memory else 0
+    available = memory.available if memory else 0
+    headroom = int(available * utilization) - activations - graphs if memory else None
+    capped = False
+
+    if kv_blocks is not None:
+        if isinstance(kv_blocks, bool) or int(kv_blocks) != kv_blocks or kv_blocks < 1:
+            raise BudgetError(f"kv_blocks must be a positive integer, got {kv_blocks!r}")
+        num_blocks, kind, source = int(kv_blocks), "explicit", f"kv_blocks={kv_blocks}"
+        if num_blocks < per_seq:
+            raise BudgetError(
+                f"kv_blocks={num_blocks} ({num_blocks * page_size} tokens) cannot hold one full-context "
+                f"sequence: max_seq_len {max_seq_len} needs {per_seq} blocks of {page_size} tokens "
+                f"({fmt_bytes(need)}); raise kv_blocks or lower max_seq_len"
+            )
+    elif kv_memory is not None:
+        nbytes = parse_bytes(kv_memory)
+        num_blocks, kind, source = nbytes // block_bytes, "explicit", f"kv_memory={fmt_bytes(nbytes)}"
+        if num_blocks < per_seq:
+            raise BudgetError(
+                f"kv_memory {fmt_bytes(nbytes)} holds {num_blocks} blocks of {fmt_bytes(block_bytes)} "
+                f"({num_blocks * page_size} tokens); one full-context sequence of {max_seq_len} tokens "
+                f"needs {per_seq} blocks = {fmt_bytes(need)}; raise kv_memory or lower max_seq_len"
+            )
+    else:
+        if memory is None:
+            raise BudgetError("no memory figures to size the KV pool from; pass kv_blocks= or kv_memory=")
+        kind, source = memory.kind, memory.source
+        num_blocks = max(0, headroom) // block_bytes
+        if num_blocks < per_seq:
+            raise BudgetError(
+                f"not enough memory for one full-context sequence: {memory.kind} memory available "
+                f"{fmt_bytes(available)} (of {fmt_bytes(total)}, {memory.source}) x utilization {utilization:g} "
+                f"= {fmt_bytes(available * utilization)}, minus activations {fmt_bytes(activations)} and graph "
+                f"buffers {fmt_bytes(graphs)} leaves {fmt_bytes(max(0, headroom))} for the KV cache; "
+                f"max_seq_len {max_seq_len} needs {per_seq} blocks x {fmt_bytes(block_bytes)} = {fmt_bytes(need)} "
+                f"(weights already loaded: {fmt_bytes(weights)}). Lower max_seq_len, use a smaller dtype or "
+                f"int8 weights, free memory, or raise the utilization"
+            )
+        if max_blocks is not None and num_blocks > max_blocks:
+            num_blocks, capped = max(max_blocks, per_seq), True
+    if memory is not None and kind == "explicit" and num_blocks * block_bytes > max(0, headroom):
+        log.warning(
+            "%s asks for %s of KV cache but only %s of %s memory looks free after activations (%s)",
+            source,
+            fmt_bytes(num_blocks * block_bytes),
+            fmt_bytes(max(0, headroom)),
+            memory.kind,
+            memory.source,
+        )
+    return MemoryBudget(
+        kind=kind,
+        source=source,
+        total=total,
+        available=available,
+        utilization=utilization,
+        weights=weights,
+        activations=activations,
+        graphs=graphs,
+        kv_bytes=num_blocks * block_bytes,
+        block_bytes=block_bytes,
+        num_blocks=num_blocks,
+        page_size=page_size,
+        max_seq_len=max_seq_len,
+        capped=capped,
+    )
+
+
+# -- warm-up on a GPU ----------------------------------------------------------------
+
+
+class _ScratchKV:
+    """A ``SequenceKV`` over a one-block pool whose table maps every position to block
+    0: the warm-up reads and writes as much as a full context would, in no memory."""
+
+    def __init__(self, ops, k_pool, v_pool, table, length: int, scale: float) -> None:  # noqa: ANN001
+        self.ops, self.k, self.v, self.table, self.length, self.scale = ops, k_pool, v_pool, table, length, scale
+
+    def reserve(self, n: int) -> None:
+        pass
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def release(self) -> None:
+        pass
+
+    def attend(self, layer: int, q, k, v):  # noqa: ANN001, ANN201
+        kp, vp = self.k[layer], self.v[layer]
+        self.ops.write_kv(kp, vp, self.table, k, v, self.length)
+        if q.shape[0] == 1:
+            return self.ops.decode_attention(q[0], kp, vp, self.table, self.length + 1, self.scale).unsqueeze(0)
+        return self.ops.prefill_attention(q, kp, vp, self.table, self.length, self.scale)
+
+
+def measure_activations(
+    model: "Model", ops, page_size: int, max_seq_len: int, prefill_chunk: int  # noqa: ANN001
+) -> tuple[int, int]:
+    """(prefill peak, decode peak) bytes above the baseline, measured on a CUDA device
+    by a ``prefill_chunk``-token prefill at the end of a full context and one decode
+    step. The caching allocator is emptied afterwards."""
+    import torch
+
+    dev, cfg = model.device, model.cfg
+    if dev.type != "cuda":
+        raise BudgetError("measure_activations needs a CUDA device; the CPU budget estimates from shapes")
+    shape = (cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim)
+    k_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
+    v_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
+    table = torch.zeros(blocks_per_sequence(max_seq_len, page_size), dtype=torch.int32, device=dev)
+    t = min(prefill_chunk, max_seq_len - 1) if max_seq_len > 1 else 1
+    ids = torch.zeros(t, dtype=torch.long, device=dev)
+    kv = _ScratchKV(ops, k_pool, v_pool, table, max_seq_len - 1 - t if max_seq_len > 1 else 0, cfg.head_dim**-0.5)
+    try:
+        with torch.inference_mode():
+            torch.cuda.synchronize(dev)
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            pos = torch.arange(kv.length, kv.length + t, device=dev)
+            hidden = model.forward(ids, pos, kv)
+            model.logits(hidden[-1:])
+            kv.advance(t)
+            del hidden
+            torch.cuda.synchronize(dev)
+            prefill = torch.cuda.max_memory_allocated(dev) - base
+            torch.cuda.reset_peak_memory_stats(dev)
+            base = torch.cuda.memory_allocated(dev)
+            pos = torch.arange(kv.length, kv.length + 1, device=dev)
+            hidden = model.forward(ids[:1], pos, kv)
+            model.logits(hidden)
+            del hidden
+            torch.cuda.synchronize(dev)
+            decode = torch.cuda.max_memory_allocated(dev) - base
+    finally:
+        del k_pool, v_pool, table, kv
+        torch.cuda.empty_cache()
+    return int(prefill), int(decode)
+
+
+def plan_kv_budget(
+    model: "Model",
+    ops,  # noqa: ANN001 - the attention kernel module (edge.kernels.reference or CUDA)
+    *,
+    page_size: int,
+    max_seq_len: int,
+    prefill_chunk: int,
+    kv_blocks: int | None = None,
+    kv_memory: int | str | None = None,
+    utilization: float = DEFAULT_UTILIZATION,
+    memory: MemoryInfo | Callable[[], MemoryInfo] | None = None,
+    cuda_graph: bool = False,
+) -> MemoryBudget:
+    """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
+    (unless ``memory`` is given), compute the block count. See the module docstring."""
+    from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight
+
+    cfg, dev = model.cfg, model.device
+    block = kv_block_bytes(cfg, page_size, model.dtype)
+    weights = model.weight_bytes()
+    graphs = 0
+    if dev.type == "cuda":
+        prefill_peak, decode_peak = measure_activations(model, ops, page_size, max_seq_len, prefill_chunk)
+        activations = max(prefill_peak, decode_peak)
+        if cuda_graph:
+            graphs = GRAPH_SLOTS * decode_peak + GRAPH_OVERHEAD
+    else:
+        deq = max(
+            (min(w.weight.numel(), max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features) * w.in_features)
+             for w in model.w.values() if isinstance(w, Int8Weight)),
+            default=0,
+        )
+        activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)
+    if callable(memory):
+        memory = memory()
+    if memory is None:
+        try:
+            memory = probe_memory(dev)
+        except (OSError, BudgetError) as exc:
+            if kv_blocks is None and kv_memory is None:
+                raise BudgetError(f"cannot probe memory ({exc}); pass kv_blocks= or kv_memory=") from exc
+            memory = None
+    max_blocks = None
+    if dev.type == "cpu":
+        max_blocks = CPU_DEFAULT_SEQUENCES * blocks_per_sequence(max_seq_len, page_size)
+    return compute_budget(
+        block_bytes=block,
+        page_size=page_size,
+        max_seq_len=max_seq_len,
+        memory=memory,
+        weights=weights,
+        activations=activations,
+        graphs=graphs,
+        utilization=utilization,
+        kv_blocks=kv_blocks,
+        kv_memory=kv_memory,
+        max_blocks=max_blocks,
+    )
