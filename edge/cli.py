@@ -19,6 +19,21 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: min(model max, 4096))")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
+    p.add_argument("--quantize", choices=("int8",), help="quantize a float checkpoint to int8 (q8_0) while loading")
+    p.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
+    p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
+    p.add_argument(
+        "--memory-utilization", type=float, default=0.9, help="fraction of available memory to use (default 0.9)"
+    )
+
+
+def _byte_size(text: str) -> int:
+    from edge.budget import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -43,6 +58,10 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         page_size=args.page_size,
         max_seq_len=args.max_seq_len,
         cuda_graph=False if args.no_cuda_graph else None,
+        quantize=args.quantize,
+        kv_blocks=args.kv_blocks,
+        kv_memory=args.kv_memory,
+        memory_utilization=args.memory_utilization,
     )
 
 
