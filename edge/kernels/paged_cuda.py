@@ -1,0 +1,588 @@
+"""CUDA paged-attention kernels with the semantics of :mod:`edge.kernels.reference`.
+
+Drop-in replacements for the reference functions on CUDA tensors (the engine swaps
+them in when :func:`available` says so):
+
+- :func:`write_kv` -- one launch writes K/V ``[T, kv_heads, D]`` of positions
+  ``[start, start + T)`` to their pages; with ``pos`` (device int32 ``[1]``) the start
+  is read on the device (graph-safe decode write).
+- :func:`prefill_attention` -- causal attention of a chunk ``q [T, q_heads, D]`` at
+  positions ``[start, start + T)`` against the paged prefix and itself.
+- :func:`decode_attention` -- one query token ``q [q_heads, D]`` against ``[0, kv_len)``;
+  with ``pos`` the length ``*pos + 1`` is read on the device, the launch does not depend
+  on it, and ``out=`` lets a CUDA graph write to a static buffer.
+
+Layouts: per-layer pools ``[num_blocks, page_size, kv_heads, head_dim]`` (contiguous;
+a layer slice of ``[layers, num_blocks, page, kv_heads, D]`` is fine), ``page_size`` a
+power of two, block table int32 ``[max_blocks_per_seq]``, float16 / bfloat16 / float32,
+head_dim 64 or 128, any GQA ratio. Nothing at or beyond the sequence length is read.
+
+Call :func:`load` (or let the first call do it) before capturing a CUDA graph: it
+compiles (NVRTC, disk-cached) and loads the kernels, which must not happen during
+capture.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge.kernels import nvrtc
+from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
+
+__all__ = [
+    "DTYPES",
+    "HEAD_DIMS",
+    "MAX_SPLITS",
+    "KernelCompileError",
+    "KernelsUnavailable",
+    "available",
+    "decode_attention",
+    "decode_splits",
+    "load",
+    "prefill_attention",
+    "write_kv",
+]
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 128)
+MAX_SPLITS = 128  # kMaxSplits in paged_decode.cu
+_DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_GROUP_TILES = (1, 2, 4, 8)
+_DECODE_THREADS = 128
+_PREFILL_THREADS = 128
+_PREFILL_ROWS = 64
+_KV_THREADS = 256
+_MIN_SPLIT_ROWS = 64  # shortest range worth a split of its own (host-length launches)
+_LOG2E = 1.4426950408889634
+
+# Compile-time knobs of paged_decode.cu (see the comment there); tools/bench.py sweeps them.
+DECODE_TUNING: dict[str, int] = {
+    "EDGE_DECODE_QACC_REGS": 128,
+    "EDGE_DECODE_UNROLL_VECS": 4,
+    "EDGE_DECODE_PREFETCH": 0,
+    "EDGE_DECODE_MIN_BLOCKS": 2,
+}
+
+
+# ---------------------------------------------------------------------------------------
+# kernels
+# ---------------------------------------------------------------------------------------
+
+
+def _group_tile(group: int) -> int:
+    for gt in _GROUP_TILES:
+        if group <= gt:
+            return gt
+    return _GROUP_TILES[-1]
+
+
+def _variant(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
+    return {"EDGE_DTYPE": _DTYPE_CODE[dtype], "EDGE_HEAD_DIM": head_dim}
+
+
+def _decode_kernel(
+    dev: int, dtype: torch.dtype, head_dim: int, gt: int, tuning: dict | None = None
+) -> Any:
+    defines = {
+        **_variant(dtype, head_dim),
+        **(DECODE_TUNING if tuning is None else tuning),
+    }
+    return nvrtc.get_kernel(dev, "paged_decode.cu", f"paged_decode_g{gt}", defines)
+
+
+def _prefill_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> Any:
+    return nvrtc.get_kernel(
+        dev, "paged_prefill.cu", "paged_prefill", _variant(dtype, head_dim)
+    )
+
+
+def _kv_kernel(dev: int) -> Any:
+    return nvrtc.get_kernel(dev, "kv_write.cu", "kv_write")
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        nvrtc._torch_cuda()
+        return torch.cuda.current_device()
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise KernelsUnavailable(f"the CUDA kernels need a CUDA device, got {device}")
+    nvrtc._torch_cuda()
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def load(
+    device: Any = None,
+    dtypes: Iterable[torch.dtype] = (torch.float16, torch.bfloat16),
+    head_dims: Iterable[int] = HEAD_DIMS,
+) -> None:
+    """Compile (or fetch from the disk cache) and load every kernel for ``device`` and
+    the given dtypes / head dims. Raises KernelsUnavailable (what is missing) or
+    KernelCompileError. Call before capturing CUDA graphs."""
+    dev = _device_index(device)
+    nvrtc.check_available(dev)
+    _kv_kernel(dev)
+    for dtype in dtypes:
+        if dtype not in _DTYPE_CODE:
+            raise ValueError(f"unsupported dtype {dtype}; supported: {DTYPES}")
+        for hd in head_dims:
+            if hd not in HEAD_DIMS:
+                raise ValueError(f"unsupported head_dim {hd}; supported: {HEAD_DIMS}")
+            for gt in _GROUP_TILES:
+                _decode_kernel(dev, dtype, hd, gt)
+            if dtype != torch.float32:
+                _prefill_kernel(dev, dtype, hd)
+
+
+def available(device: Any = None) -> bool:
+    """True when the kernels can run on ``device`` (cuda-python, NVRTC, headers, GPU
+    present and the kernel sources compile)."""
+    try:
+        dev = _device_index(device)
+        nvrtc.check_available(dev)
+        _kv_kernel(dev)
+        return True
+    except (KernelsUnavailable, KernelCompileError):
+        return False
+
+
+# ---------------------------------------------------------------------------------------
+# validation helpers
+# ---------------------------------------------------------------------------------------
+
+
+def _check_pools(
+    k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor
+) -> tuple[int, int, int, int]:
+    if not isinstance(k_pool, torch.Tensor) or not isinstance(v_pool, torch.Tensor):
+        raise TypeError("k_pool and v_pool must be tensors")
+    if k_pool.dim() != 4:
+        raise ValueError(
+            f"k_pool must be [num_blocks, page_size, kv_heads, head_dim], got {tuple(k_pool.shape)}"
+        )
+    if v_pool.shape != k_pool.shape:
+        raise ValueError(
+            f"v_pool shape {tuple(v_pool.shape)} != k_pool shape {tuple(k_pool.shape)}"
+        )
+    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _DTYPE_CODE:
+        raise ValueError(
+            f"pools must share one dtype of {DTYPES}, got {k_pool.dtype} / {v_pool.dtype}"
+        )
+    if k_pool.device.type != "cuda" or v_pool.device != k_pool.device:
+        raise ValueError(
+            f"pools must be on one CUDA device, got {k_pool.device} / {v_pool.device}"
+        )
+    if not (k_pool.is_contiguous() and v_pool.is_contiguous()):
+        raise ValueError(
+            "pools must be contiguous (a layer slice of [layers, blocks, page, heads, D] is)"
+        )
+    nb, page, kvh, d = k_pool.shape
+    if d not in HEAD_DIMS:
+        raise ValueError(f"head_dim {d} not supported; supported: {HEAD_DIMS}")
+    if page <= 0 or page & (page - 1):
+        raise ValueError(f"page_size must be a power of two, got {page}")
+    if k_pool.data_ptr() % 16 or v_pool.data_ptr() % 16:
+        raise ValueError("pools must be 16-byte aligned")
+    if (
+        not isinstance(block_table, torch.Tensor)
+        or block_table.dtype != torch.int32
+        or block_table.dim() != 1
+    ):
+        raise ValueError("block_table must be a 1-D int32 tensor [max_blocks_per_seq]")
+    if block_table.device != k_pool.device:
+        raise ValueError(
+            f"block_table is on {block_table.device}, pools on {k_pool.device}"
+        )
+    if not block_table.is_contiguous():
+        raise ValueError("block_table must be contiguous")
+    return nb, page, kvh, d
+
+
+def _check_pos(pos: torch.Tensor | None, device: torch.device) -> int:
+    if pos is None:
+        return 0
+    if (
+        not isinstance(pos, torch.Tensor)
+        or pos.dtype != torch.int32
+        or pos.numel() != 1
+    ):
+        raise ValueError("pos must be an int32 tensor with one element")
+    if pos.device != device:
+        raise ValueError(f"pos is on {pos.device}, pools on {device}")
+    return pos.data_ptr()
+
+
+def _check_len(name: str, length: int, page: int, block_table: torch.Tensor) -> None:
+    need = (length + page - 1) // page
+    if need > block_table.numel():
+        raise ValueError(
+            f"{name}={length} needs {need} blocks of {page}, block_table holds {block_table.numel()}"
+        )
+
+
+# ---------------------------------------------------------------------------------------
+# KV write
+# ---------------------------------------------------------------------------------------
+
+
+def _kv_source(
+    x: torch.Tensor, pool: torch.Tensor, name: str, shape: tuple[int, ...]
+) -> torch.Tensor:
+    if x.dim() != 3 or tuple(x.shape[1:]) != shape:
+        raise ValueError(
+            f"{name} must be [T, {shape[0]}, {shape[1]}], got {tuple(x.shape)}"
+        )
+    if x.device != pool.device:
+        raise ValueError(f"{name} is on {x.device}, pools on {pool.device}")
+    if x.dtype != pool.dtype:
+        x = x.to(pool.dtype)  # as the reference does
+    es = x.element_size()
+    ok = (
+        x.stride(2) == 1
+        and x.data_ptr() % 16 == 0
+        and (x.stride(0) * es) % 16 == 0
+        and (x.stride(1) * es) % 16 == 0
+    )
+    return x if ok else _dense(x)
+
+
+def _dense(x: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned (a fresh copy when a view is misaligned)."""
+    if x.is_contiguous() and x.data_ptr() % 16 == 0:
+        return x
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+def write_kv(
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    start: int,
+    pos: torch.Tensor | None = None,
+) -> None:
+    """Write K/V ``[T, kv_heads, head_dim]`` of positions [start, start+T) into their
+    pages in one launch. With ``pos`` (int32 CUDA ``[1]``) the start position is read
+    on the device and ``start`` is ignored (graph-safe)."""
+    _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+    k = _kv_source(k, k_pool, "k", (kvh, d))
+    v = _kv_source(v, v_pool, "v", (kvh, d))
+    if k.shape[0] != v.shape[0]:
+        raise ValueError(f"k has {k.shape[0]} tokens, v has {v.shape[0]}")
+    t = k.shape[0]
+    pos_ptr = _check_pos(pos, k_pool.device)
+    if pos is None:
+        start = int(start)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        _check_len("start + T", start + t, page, block_table)
+    if t == 0:
+        return
+    dev = k_pool.device.index
+    kern = _kv_kernel(dev)
+    es = k.element_size()
+    row_vecs = d * es // 16
+    total = t * kvh * row_vecs
+    blocks = min((total + _KV_THREADS - 1) // _KV_THREADS, 65535)
+    nvrtc.launch(
+        dev,
+        kern,
+        blocks,
+        _KV_THREADS,
+        (
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            block_table.data_ptr(),
+            k.data_ptr(),
+            v.data_ptr(),
+            pos_ptr,
+            np.int32(0 if pos is not None else start),
+            np.int32(t),
+            np.int32(kvh),
+            np.int32(row_vecs),
+            np.int64(k.stride(0) * es),
+            np.int64(k.stride(1) * es),
+            np.int64(v.stride(0) * es),
+            np.int64(v.stride(1) * es),
+            np.int32(int(math.log2(page))),
+        ),
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# decode (and the float32 prefill path, which is the decode kernel over T tokens)
+# ---------------------------------------------------------------------------------------
+
+_ws_lock = threading.Lock()
+_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_retired: list[
+    tuple[torch.Tensor, torch.Tensor]
+] = []  # kept alive: graphs may hold them
+
+
+def _workspace(
+    device: torch.device, floats: int, counters: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split partials (float32) and self-resetting tickets (zeroed once) for the current
+    stream. Per stream, because kernels of one stream never overlap; allocated through
+    torch's caching allocator, so a first use inside graph capture is capture-safe."""
+    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    cur = _workspaces.get(key)
+    if cur is not None and cur[0].numel() >= floats and cur[1].numel() >= counters:
+        return cur
+    with _ws_lock:
+        cur = _workspaces.get(key)
+        if cur is not None and cur[0].numel() >= floats and cur[1].numel() >= counters:
+            return cur
+        nf = max(floats, 1 << 16, 2 * cur[0].numel() if cur is not None else 0)
+        nc = max(counters, 1024, 2 * cur[1].numel() if cur is not None else 0)
+        new = (
+            torch.empty(nf, dtype=torch.float32, device=device),
+            torch.zeros(nc, dtype=torch.int32, device=device),
+        )
+        if cur is not None:
+            _retired.append(cur)
+        _workspaces[key] = new
+        return new
+
+
+_occupancy: dict[tuple, int] = {}
+
+
+def decode_splits(
+    device: Any,
+    dtype: torch.dtype,
+    head_dim: int,
+    q_heads: int,
+    kv_heads: int,
+    kv_len: int | None,
+) -> int:
+    """Split count the decode launch uses: one full wave of CTAs (resident CTAs per SM x
+    SMs), at most ``MAX_SPLITS``, and for a host length (``kv_len`` not None) no split
+    shorter than 64 rows. ``kv_len=None`` gives the device-length (graph) count, which
+    depends on nothing that changes between steps."""
+    dev = _device_index(device)
+    group = q_heads // kv_heads
+    gt = _group_tile(group)
+    ctas = kv_heads * ((group + gt - 1) // gt)
+    key = (dev, dtype, head_dim, gt, tuple(sorted(DECODE_TUNING.items())))
+    occ = _occupancy.get(key)
+    if occ is None:
+        kern = _decode_kernel(dev, dtype, head_dim, gt)
+        occ = nvrtc.max_active_blocks(kern, _DECODE_THREADS, dev)
+        _occupancy[key] = occ
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    s = max(1, min(MAX_SPLITS, (occ * sms) // ctas))
+    if kv_len is not None:
+        s = max(1, min(s, -(-kv_len // _MIN_SPLIT_ROWS)))
+    return s
+
+
+def _launch_decode(
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    pos_ptr: int,
+    host_len: int,
+    tokens: int,
+    splits: int,
+    scale: float,
+) -> None:
+    _nb, page, kvh, d = k_pool.shape
+    q_heads = q.shape[-2]
+    group = q_heads // kvh
+    gt = _group_tile(group)
+    hchunks = (group + gt - 1) // gt
+    dev = k_pool.device.index
+    kern = _decode_kernel(dev, k_pool.dtype, d, gt)
+    ws_ptr = cnt_ptr = 0
+    if splits > 1:
+        ws, cnt = _workspace(
+            k_pool.device, tokens * splits * q_heads * (d + 2), tokens * kvh * hchunks
+        )
+        ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
+    nvrtc.launch(
+        dev,
+        kern,
+        (kvh * hchunks, splits, tokens),
+        _DECODE_THREADS,
+        (
+            out.data_ptr(),
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            block_table.data_ptr(),
+            pos_ptr,
+            np.int32(host_len),
+            np.int32(kvh),
+            np.int32(group),
+            np.int32(int(math.log2(page))),
+            np.float32(float(scale) * _LOG2E),
+            ws_ptr,
+            cnt_ptr,
+        ),
+    )
+
+
+def _check_q(
+    q: torch.Tensor, k_pool: torch.Tensor, kvh: int, d: int, what: str
+) -> None:
+    if not isinstance(q, torch.Tensor):
+        raise TypeError("q must be a tensor")
+    if q.dtype != k_pool.dtype:
+        raise ValueError(f"q dtype {q.dtype} != pool dtype {k_pool.dtype}")
+    if q.device != k_pool.device:
+        raise ValueError(f"q is on {q.device}, pools on {k_pool.device}")
+    if q.shape[-1] != d:
+        raise ValueError(f"q head_dim {q.shape[-1]} != pool head_dim {d} ({what})")
+    qh = q.shape[-2]
+    if qh % kvh:
+        raise ValueError(f"q_heads {qh} is not a multiple of kv_heads {kvh}")
+
+
+def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
+    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+        raise ValueError(
+            f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+        )
+    if not out.is_contiguous() or out.data_ptr() % 16:
+        raise ValueError("out must be contiguous and 16-byte aligned")
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+    pos: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+) -> torch.Tensor:
+    """One query token ``q [q_heads, D]`` (or ``[1, q_heads, D]``) against positions
+    [0, kv_len) -> same shape as q.
+
+    With ``pos`` (int32 CUDA ``[1]``) kv_len = ``*pos + 1`` is read on the device (the
+    host ``kv_len`` is ignored) and the launch configuration is fixed, so the call can be
+    captured in a CUDA graph and replayed as ``pos`` advances. ``out`` is an optional
+    preallocated output (static buffer for graphs). ``num_splits`` overrides the
+    flash-decoding split count (1..MAX_SPLITS; tests use it to compare launches)."""
+    _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+    if q.dim() not in (2, 3) or (q.dim() == 3 and q.shape[0] != 1):
+        raise ValueError(
+            f"q must be [q_heads, D] or [1, q_heads, D], got {tuple(q.shape)}"
+        )
+    _check_q(q, k_pool, kvh, d, "decode")
+    q = _dense(q)
+    pos_ptr = _check_pos(pos, k_pool.device)
+    if pos is None:
+        kv_len = int(kv_len)
+        if kv_len < 1:
+            raise ValueError(f"kv_len must be >= 1, got {kv_len}")
+        _check_len("kv_len", kv_len, page, block_table)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_out(out, q)
+    if num_splits is None:
+        splits = decode_splits(
+            k_pool.device,
+            k_pool.dtype,
+            d,
+            q.shape[-2],
+            kvh,
+            None if pos is not None else kv_len,
+        )
+    else:
+        splits = int(num_splits)
+        if not 1 <= splits <= MAX_SPLITS:
+            raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
+    _launch_decode(
+        out,
+        q,
+        k_pool,
+        v_pool,
+        block_table,
+        pos_ptr,
+        0 if pos is not None else kv_len,
+        1,
+        splits,
+        scale,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# prefill
+# ---------------------------------------------------------------------------------------
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    start: int,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of a chunk ``q [T, q_heads, D]`` at positions [start, start+T)
+    against the paged prefix and itself (its K/V must already be written) ->
+    ``[T, q_heads, D]`` in q's dtype."""
+    _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, q_heads, D], got {tuple(q.shape)}")
+    _check_q(q, k_pool, kvh, d, "prefill")
+    q = _dense(q)
+    start = int(start)
+    t, q_heads, _ = q.shape
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    _check_len("start + T", start + t, page, block_table)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_out(out, q)
+    if t == 0:
+        return out
+    if k_pool.dtype == torch.float32:
+        # No tensor-core path for float32: token i is a decode of length start + i + 1.
+        if t > 65535:
+            raise ValueError("float32 prefill chunks are limited to 65535 tokens")
+        _launch_decode(out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, scale)
+        return out
+    dev = k_pool.device.index
+    kern = _prefill_kernel(dev, k_pool.dtype, d)
+    group = q_heads // kvh
+    row_tiles = (t * group + _PREFILL_ROWS - 1) // _PREFILL_ROWS
+    nvrtc.launch(
+        dev,
+        kern,
+        (row_tiles, kvh),
+        _PREFILL_THREADS,
+        (
+            out.data_ptr(),
+            q.data_ptr(),
+            k_pool.data_ptr(),
+            v_pool.data_ptr(),
+            block_table.data_ptr(),
+            np.int32(t),
+            np.int32(start),
+            np.int32(kvh),
+            np.int32(group),
+            np.int32(int(math.log2(page))),
+            np.float32(float(scale) * _LOG2E),
+        ),
+    )
+    return out

@@ -1,0 +1,186 @@
+"""CPU-only checks of the CUDA kernel sources: every instantiation compiles with NVRTC
+for sm_87 (Jetson Orin) and sm_90 (H100/H200) without errors or warnings, the disk
+cache works, and a missing cuda-python gives a helpful KernelsUnavailable."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from edge.kernels import nvrtc
+from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
+
+ARCHS = ("sm_87", "sm_90")
+
+# (source, defines) for every kernel instantiation the wrappers can ask for.
+VARIANTS = [
+    *[
+        ("paged_decode.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        for dt in (1, 2, 3)
+        for d in (64, 128)
+    ],
+    *[
+        ("paged_prefill.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        for dt in (1, 2)
+        for d in (64, 128)
+    ],
+    ("kv_write.cu", {}),
+]
+# Tuning variants of the decode kernel that tools/bench.py may select.
+TUNINGS = [
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 4,
+        "EDGE_DECODE_PREFETCH": 1,
+        "EDGE_DECODE_MIN_BLOCKS": 2,
+    },
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 2,
+        "EDGE_DECODE_PREFETCH": 1,
+        "EDGE_DECODE_MIN_BLOCKS": 3,
+    },
+]
+
+
+def _nvrtc_or_skip() -> None:
+    try:
+        nvrtc.check_available()
+    except KernelsUnavailable as exc:
+        pytest.skip(f"NVRTC toolchain not installed: {exc}")
+
+
+def _vid(v) -> str:
+    src, defs = v
+    return src.replace(".cu", "") + "".join(
+        f"-{k.replace('EDGE_', '').lower()}{val}" for k, val in defs.items()
+    )
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+def test_kernel_compiles_cleanly(arch, variant, tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    source, defines = variant
+    cubin = nvrtc.compile_cubin(source, arch, defines, use_cache=False)
+    assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize(
+    "tuning", TUNINGS, ids=lambda t: "-".join(str(v) for v in t.values())
+)
+def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    cubin = nvrtc.compile_cubin(
+        "paged_decode.cu",
+        arch,
+        {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128, **tuning},
+        use_cache=False,
+    )
+    assert cubin[:4] == b"\x7fELF"
+
+
+def test_disk_cache_roundtrip(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    a = nvrtc.compile_cubin("kv_write.cu", "sm_87")
+    files = list((tmp_path / "kernels").glob("kv_write-sm_87-*.cubin"))
+    assert len(files) == 1 and files[0].read_bytes() == a
+    assert not list((tmp_path / "kernels").glob("*.tmp"))
+    assert nvrtc.compile_cubin("kv_write.cu", "sm_87") == a  # served from the cache
+    # The key covers arch and options.
+    k87 = nvrtc.cache_key(
+        "paged_decode.cu", "sm_87", {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128}
+    )
+    assert k87 != nvrtc.cache_key(
+        "paged_decode.cu", "sm_90", {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128}
+    )
+    assert k87 != nvrtc.cache_key(
+        "paged_decode.cu", "sm_87", {"EDGE_DTYPE": 1, "EDGE_HEAD_DIM": 128}
+    )
+
+
+def test_warnings_are_errors(tmp_path, monkeypatch):
+    _nvrtc_or_skip()
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path / "cache"))
+    (tmp_path / "warn.cu").write_text(
+        'extern "C" __global__ void k(float* x) { int unused; x[threadIdx.x] = 1.f; }\n'
+    )
+    (tmp_path / "bad.cu").write_text(
+        'extern "C" __global__ void k(float* x) { x[0] = undefined_name; }\n'
+    )
+    monkeypatch.setattr(nvrtc, "KERNEL_DIR", tmp_path)
+    with pytest.raises(KernelCompileError, match="warning"):
+        nvrtc.compile_cubin("warn.cu", "sm_87")
+    with pytest.raises(KernelCompileError, match="undefined_name"):
+        nvrtc.compile_cubin("bad.cu", "sm_87")
+    assert not (tmp_path / "cache" / "kernels").exists() or not list(
+        (tmp_path / "cache" / "kernels").iterdir()
+    )
+
+
+def test_bad_arch_rejected():
+    with pytest.raises(ValueError):
+        nvrtc.compile_cubin("kv_write.cu", "87")
+
+
+@pytest.fixture
+def fresh_discovery():
+    nvrtc._reset_for_tests()
+    yield
+    nvrtc._reset_for_tests()
+
+
+def test_missing_cuda_python_raises_kernels_unavailable(monkeypatch, fresh_discovery):
+    for name in (
+        "cuda",
+        "cuda.core",
+        "cuda.core.experimental",
+        "cuda.bindings",
+        "cuda.bindings.nvrtc",
+    ):
+        monkeypatch.setitem(
+            sys.modules, name, None
+        )  # makes `import name` raise ImportError
+    with pytest.raises(KernelsUnavailable) as info:
+        nvrtc.core()
+    msg = str(info.value)
+    assert "cuda-python" in msg and "cuda.core" in msg and "pip install" in msg
+    with pytest.raises(KernelsUnavailable):
+        nvrtc.compile_cubin("kv_write.cu", "sm_87")
+    with pytest.raises(KernelsUnavailable):
+        nvrtc.check_available()
+
+    from edge.kernels import paged_cuda
+
+    assert paged_cuda.available() is False
+    with pytest.raises(KernelsUnavailable):
+        paged_cuda.load()
+
+
+def test_missing_headers_named(monkeypatch, fresh_discovery, tmp_path):
+    try:
+        nvrtc.core()
+    except KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setattr(
+        nvrtc, "_header_dir_candidates", lambda: [("test", str(tmp_path / "nowhere"))]
+    )
+    with pytest.raises(KernelsUnavailable, match="cuda_fp16.h"):
+        nvrtc.cuda_include_dirs()
+
+
+def test_no_gpu_is_kernels_unavailable():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    from edge.kernels import paged_cuda
+
+    assert paged_cuda.available() is False
+    with pytest.raises(KernelsUnavailable, match="GPU"):
+        paged_cuda.load()

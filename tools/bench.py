@@ -1,0 +1,418 @@
+#!/usr/bin/env python3
+"""edge benchmarks. Prints one JSON document on stdout (a short table on stderr).
+
+Modes (one function each; add new ones as subcommands in ``build_parser``):
+
+  decode    end-to-end decode benchmark (tools/bench_decode.py)
+
+  kernels   device copy bandwidth, then paged decode attention at each kv_len for a
+            Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
+            achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
+            as a fraction of the copy bandwidth measured in the same run.
+
+    python tools/bench.py kernels [--dtype bfloat16] [--kv-lens 512,2048,8192]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import os
+import statistics
+import sys
+from collections.abc import Callable
+from typing import Any
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(_HERE, ".."), _HERE]
+
+_DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+}
+
+# Decode-kernel tunings tried by `kernels --sweep` (see paged_decode.cu).
+SWEEP = [
+    {
+        "EDGE_DECODE_QACC_REGS": 128,
+        "EDGE_DECODE_UNROLL_VECS": 4,
+        "EDGE_DECODE_PREFETCH": 0,
+        "EDGE_DECODE_MIN_BLOCKS": 2,
+    },
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 4,
+        "EDGE_DECODE_PREFETCH": 0,
+        "EDGE_DECODE_MIN_BLOCKS": 3,
+    },
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 4,
+        "EDGE_DECODE_PREFETCH": 1,
+        "EDGE_DECODE_MIN_BLOCKS": 2,
+    },
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 2,
+        "EDGE_DECODE_PREFETCH": 1,
+        "EDGE_DECODE_MIN_BLOCKS": 3,
+    },
+    {
+        "EDGE_DECODE_QACC_REGS": 64,
+        "EDGE_DECODE_UNROLL_VECS": 4,
+        "EDGE_DECODE_PREFETCH": 1,
+        "EDGE_DECODE_MIN_BLOCKS": 3,
+    },
+]
+
+
+def _median_ms(
+    fn: Callable[[], None], reps: int, warmup: int = 3
+) -> tuple[float, list[float]]:
+    """Median wall time of fn on the GPU (CUDA events around each call), ms."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a = torch.cuda.Event(enable_timing=True)
+        b = torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), times
+
+
+def copy_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
+    """Large device-to-device copy: (bytes read + bytes written) / median time."""
+    import torch
+
+    n = nbytes // 2
+    src = torch.randn(n, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    med, times = _median_ms(lambda: dst.copy_(src), reps)
+    moved = 2 * src.numel() * src.element_size()
+    return {
+        "bytes_moved": moved,
+        "median_ms": med,
+        "min_ms": min(times),
+        "GBps": moved / (med * 1e-3) / 1e9,
+    }
+
+
+def _decode_case(
+    pc,
+    dtype,
+    kv_len: int,
+    qh: int,
+    kvh: int,
+    d: int,
+    page: int,
+    l2_bytes: int,
+    reps: int,
+    tuning: dict | None,
+) -> dict[str, Any]:
+    """Time decode attention over enough distinct sequences (block tables into one
+    pool) that their K/V is several times the L2, captured in one CUDA graph."""
+    import torch
+
+    if tuning is not None:
+        pc.DECODE_TUNING.clear()
+        pc.DECODE_TUNING.update(tuning)
+    es = torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * kv_len * kvh * d * es
+    qo_bytes = 2 * qh * d * es
+    table_bytes = -(-kv_len // page) * 4
+    n_seq = max(4, min(512, math.ceil(6 * l2_bytes / kv_bytes)))
+    blocks_per_seq = -(-kv_len // page)
+    num_blocks = n_seq * blocks_per_seq
+    g = torch.Generator(device="cuda").manual_seed(kv_len)
+    k_pool = torch.randn(
+        num_blocks, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
+    ).to(dtype)
+    v_pool = torch.randn(
+        num_blocks, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
+    ).to(dtype)
+    tables = (
+        torch.randperm(num_blocks, device="cuda", generator=g)
+        .to(torch.int32)
+        .view(n_seq, blocks_per_seq)
+        .contiguous()
+    )
+    qs = torch.randn(n_seq, qh, d, device="cuda", generator=g, dtype=torch.float32).to(
+        dtype
+    )
+    outs = torch.empty_like(qs)
+    scale = 1.0 / math.sqrt(d)
+    splits = pc.decode_splits("cuda", dtype, d, qh, kvh, kv_len)
+
+    def run_all() -> None:
+        for i in range(n_seq):
+            pc.decode_attention(
+                qs[i], k_pool, v_pool, tables[i], kv_len, scale, out=outs[i]
+            )
+
+    run_all()  # compile / load / workspace
+    torch.cuda.synchronize()
+    eager_ms, _ = _median_ms(run_all, max(3, reps // 4))
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_all()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run_all()
+    graph_ms, _ = _median_ms(graph.replay, reps)
+    per_call_s = graph_ms * 1e-3 / n_seq
+    moved = kv_bytes + qo_bytes + table_bytes
+    from edge.kernels import reference
+
+    ref = reference.decode_attention(
+        qs[0].float(), k_pool, v_pool, tables[0], kv_len, scale
+    )
+    rel_err = ((outs[0].double() - ref.double()).norm() / ref.double().norm()).item()
+    gt = pc._group_tile(qh // kvh)
+    kern = pc._decode_kernel(torch.cuda.current_device(), dtype, d, gt)
+    from edge.kernels import nvrtc
+
+    res = {
+        "kv_len": kv_len,
+        "splits": splits,
+        "sequences_rotated": n_seq,
+        "bytes_per_call": moved,
+        "graph_us_per_call": per_call_s * 1e6,
+        "eager_us_per_call": eager_ms * 1e3 / n_seq,
+        "GBps": moved / per_call_s / 1e9,
+        "rel_err_vs_reference": rel_err,
+        "kernel": {
+            **nvrtc.kernel_resources(kern),
+            "ctas_per_sm": nvrtc.max_active_blocks(
+                kern, 128, torch.cuda.current_device()
+            ),
+        },
+        "tuning": dict(pc.DECODE_TUNING),
+    }
+    return res
+
+
+def _prefill_case(
+    pc, dtype, start: int, t: int, qh: int, kvh: int, d: int, page: int, reps: int
+) -> dict[str, Any]:
+    import torch
+
+    total = start + t
+    nb = -(-total // page)
+    g = torch.Generator(device="cuda").manual_seed(total)
+    k_pool = torch.randn(
+        nb, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
+    ).to(dtype)
+    v_pool = torch.randn_like(k_pool)
+    table = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
+    q = torch.randn(t, qh, d, device="cuda", generator=g, dtype=torch.float32).to(dtype)
+    out = torch.empty_like(q)
+    fn = lambda: pc.prefill_attention(
+        q, k_pool, v_pool, table, start, 1 / math.sqrt(d), out=out
+    )
+    med, _ = _median_ms(fn, reps)
+    keys = sum(start + i + 1 for i in range(t))
+    flops = 4 * keys * d * qh
+    return {
+        "start": start,
+        "T": t,
+        "median_us": med * 1e3,
+        "TFLOPs": flops / (med * 1e-3) / 1e12,
+    }
+
+
+def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from edge.kernels import nvrtc, paged_cuda
+
+    if not torch.cuda.is_available():
+        raise SystemExit("bench kernels: no CUDA GPU visible to torch")
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    kv_lens = [int(x) for x in args.kv_lens.split(",") if x]
+    props = torch.cuda.get_device_properties(0)
+    l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
+    default_tuning = dict(paged_cuda.DECODE_TUNING)
+    result: dict[str, Any] = {
+        "mode": "kernels",
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(0),
+        "sm": nvrtc.device_arch(0),
+        "sms": props.multi_processor_count,
+        "l2_bytes": l2,
+        "torch": torch.__version__,
+        "nvrtc": nvrtc.nvrtc_version(),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "shape": {
+            "q_heads": args.q_heads,
+            "kv_heads": args.kv_heads,
+            "head_dim": args.head_dim,
+            "page": args.page,
+            "dtype": str(dtype),
+        },
+    }
+    paged_cuda.load(0, dtypes=(dtype,), head_dims=(args.head_dim,))
+    copy = copy_bandwidth(args.copy_mib * 2**20, args.reps)
+    result["copy"] = copy
+    bw = copy["GBps"]
+
+    def decode_all(tuning: dict | None) -> list[dict[str, Any]]:
+        rows = []
+        for kv_len in kv_lens:
+            r = _decode_case(
+                paged_cuda,
+                dtype,
+                kv_len,
+                args.q_heads,
+                args.kv_heads,
+                args.head_dim,
+                args.page,
+                l2,
+                args.reps,
+                tuning,
+            )
+            r["fraction_of_copy"] = r["GBps"] / bw
+            rows.append(r)
+            torch.cuda.empty_cache()
+        return rows
+
+    if args.sweep:
+        sweep = []
+        for tuning in SWEEP:
+            try:
+                sweep.append({"tuning": tuning, "decode": decode_all(tuning)})
+            except Exception as exc:  # report, keep going
+                sweep.append(
+                    {"tuning": tuning, "error": f"{type(exc).__name__}: {exc}"}
+                )
+        result["sweep"] = sweep
+        paged_cuda.DECODE_TUNING.clear()
+        paged_cuda.DECODE_TUNING.update(default_tuning)
+    result["decode"] = decode_all(None)
+    if args.prefill:
+        result["prefill"] = [
+            _prefill_case(
+                paged_cuda,
+                dtype,
+                s,
+                t,
+                args.q_heads,
+                args.kv_heads,
+                args.head_dim,
+                args.page,
+                args.reps,
+            )
+            for s, t in ((0, 512), (0, 2048), (4096, 512))
+        ]
+    _print_kernels_table(result)
+    torch.cuda.empty_cache()
+    return result
+
+
+def _print_kernels_table(r: dict[str, Any]) -> None:
+    out = sys.stderr
+    print(
+        f"# {r['device']} ({r['sm']}, {r['sms']} SMs), torch {r['torch']}, NVRTC {r['nvrtc']}, {r['date']}",
+        file=out,
+    )
+    print(
+        f"# copy bandwidth: {r['copy']['GBps']:.0f} GB/s (read+write, median)", file=out
+    )
+    for sw in r.get("sweep", []):
+        t = sw["tuning"]
+        tag = f"qacc={t['EDGE_DECODE_QACC_REGS']} uv={t['EDGE_DECODE_UNROLL_VECS']} pf={t['EDGE_DECODE_PREFETCH']} mb={t['EDGE_DECODE_MIN_BLOCKS']}"
+        if "error" in sw:
+            print(f"# sweep {tag}: {sw['error']}", file=out)
+            continue
+        cells = " ".join(
+            f"{x['kv_len']}:{x['fraction_of_copy']:.2f}" for x in sw["decode"]
+        )
+        k = sw["decode"][-1]["kernel"]
+        print(
+            f"# sweep {tag} regs={k.get('num_regs')} ctas/sm={k.get('ctas_per_sm')} -> {cells}",
+            file=out,
+        )
+    print(
+        f"{'kv_len':>7} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'of copy':>8}",
+        file=out,
+    )
+    for x in r["decode"]:
+        print(
+            f"{x['kv_len']:>7} {x['splits']:>6} {x['graph_us_per_call']:>9.2f} {x['eager_us_per_call']:>9.2f} "
+            f"{x['GBps']:>7.0f} {x['fraction_of_copy']:>8.1%}",
+            file=out,
+        )
+    for p in r.get("prefill", []):
+        print(
+            f"# prefill start={p['start']} T={p['T']}: {p['median_us']:.1f} us, {p['TFLOPs']:.1f} TFLOP/s",
+            file=out,
+        )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="bench.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = ap.add_subparsers(dest="mode", required=True)
+
+    k = sub.add_parser(
+        "kernels", help="copy bandwidth and paged decode attention bandwidth"
+    )
+    k.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    k.add_argument("--kv-lens", default="512,2048,8192")
+    k.add_argument("--q-heads", type=int, default=32)
+    k.add_argument("--kv-heads", type=int, default=8)
+    k.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    k.add_argument("--page", type=int, default=16)
+    k.add_argument("--reps", type=int, default=50, help="timed repetitions (median)")
+    k.add_argument(
+        "--copy-mib",
+        type=int,
+        default=2048,
+        help="size of the copy for the bandwidth ceiling",
+    )
+    k.add_argument(
+        "--sweep", action="store_true", help="also time the decode tunings in SWEEP"
+    )
+    k.add_argument("--prefill", action="store_true", help="also time prefill attention")
+    k.set_defaults(func=mode_kernels)
+
+    # End-to-end decode benchmark, implemented in tools/bench_decode.py.
+    try:
+        import bench_decode
+    except ImportError as exc:
+        d = sub.add_parser("decode", help=f"end-to-end decode benchmark (unavailable: {exc})")
+        d.set_defaults(func=lambda _a, e=exc: (_ for _ in ()).throw(SystemExit(f"bench decode: {e}")))
+    else:
+        d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
+        bench_decode.add_arguments(d)
+        d.set_defaults(func=bench_decode.run)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = args.func(args)
+    json.dump(result, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
