@@ -131,6 +131,11 @@ class Engine:
                 poison=poison_kv,
             )
             self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, ops)
+            if ops is not reference:
+                splits = ops.decode_splits(
+                    self.device, self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, None
+                )
+                self.kv.decode_options = {"num_splits": splits}
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else self.device.type == "cuda"
         if self.cuda_graph and (self.device.type != "cuda" or kv_cache != "paged"):
             raise ValueError("cuda_graph needs device='cuda' and kv_cache='paged'")
