@@ -1,0 +1,142 @@
+"""Scheduler benchmark (the ``scheduler`` mode of tools/bench.py).
+
+Measures, through the public Scheduler API with the consumer's own timestamps:
+- decode tok/s of the active slot alone, and while the other slot prefills a long
+  prompt in the background (the ping-pong cost);
+- the switch gap: from the active request's last event to the READY request's first
+  token, against one decode step;
+- TTFT of a second conversation turn with and without prefix reuse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import threading
+import time
+
+import torch
+
+from edge.engine import Engine
+from edge.sampling import SamplingParams
+from edge.scheduler import Scheduler
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="model directory (default: a random preset built on the GPU)")
+    p.add_argument("--preset", default="qwen3-0.6b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--background-prompt", type=int, default=2048, help="tokens the background slot prefills")
+    p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt length for the prefix-reuse test")
+
+
+def _ids(n: int, seed: int, vocab: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
+def _timed(handle) -> list[tuple[float, int]]:  # noqa: ANN001 - RequestHandle
+    """(consumer time, tokens in chunk) for every event of a request, final included."""
+    out = []
+    for chunk in handle:
+        out.append((time.perf_counter(), len(chunk.token_ids)))
+    return out
+
+
+def _rate(events: list[tuple[float, int]], t0: float = float("-inf"), t1: float = float("inf")) -> float | None:
+    times = [t for t, n in events if n and t0 <= t <= t1]
+    if len(times) < 3:
+        return None
+    return (len(times) - 1) / (times[-1] - times[0])
+
+
+def _watch_state(sched: Scheduler, request_id: str, until: threading.Event) -> dict[str, float]:
+    """Poll slot states to learn when a background request went READY."""
+    seen: dict[str, float] = {}
+    while not until.is_set():
+        for slot in sched.stats()["slots"]:
+            if slot.get("request_id") == request_id and slot["state"] not in seen:
+                seen[slot["state"]] = time.perf_counter()
+        time.sleep(0.0005)
+    return seen
+
+
+def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
+    if engine is None:
+        from bench_decode import build_engine  # same preset builder as the decode mode (tools/ is on sys.path)
+
+        engine, _ = build_engine(args)
+    vocab = min(engine.cfg.vocab_size, 800)
+    greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
+    result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels")}
+
+    sched = Scheduler(engine, queue_size=4, prefill_chunk=args.prefill_chunk, prefix_cache=False)
+    sched.start()
+    try:
+        _timed(sched.submit(_ids(32, 0, vocab), SamplingParams(max_tokens=16, ignore_eos=True)))  # warm-up, graph capture
+        alone = _timed(sched.submit(_ids(64, 1, vocab), greedy))
+        result["decode_tok_s_alone"] = _rate(alone)
+
+        a = sched.submit(_ids(64, 2, vocab), greedy)
+        a_events: list[tuple[float, int]] = []
+        started = threading.Event()
+
+        def consume_a() -> None:
+            for chunk in a:
+                a_events.append((time.perf_counter(), len(chunk.token_ids)))
+                if len(a_events) == 16:
+                    started.set()
+
+        ta = threading.Thread(target=consume_a)
+        ta.start()
+        started.wait(60)
+        t_submit_b = time.perf_counter()
+        b = sched.submit(_ids(args.background_prompt, 3, vocab), SamplingParams(max_tokens=8, ignore_eos=True))
+        stop_watch = threading.Event()
+        states: dict[str, float] = {}
+        tw = threading.Thread(target=lambda: states.update(_watch_state(sched, b.id, stop_watch)))
+        tw.start()
+        b_events = _timed(b)
+        ta.join()
+        stop_watch.set()
+        tw.join()
+        t_ready = states.get("ready", states.get("decoding", t_submit_b))
+        during = _rate(a_events, t_submit_b, t_ready)
+        result["background_prefill_tokens"] = args.background_prompt
+        result["background_prefill_s"] = t_ready - t_submit_b
+        result["decode_tok_s_during_background_prefill"] = during
+        if during and result["decode_tok_s_alone"]:
+            result["slowdown_during_background_prefill"] = 1 - during / result["decode_tok_s_alone"]
+        step = 1 / result["decode_tok_s_alone"]
+        a_final = a_events[-1][0]
+        b_first = next(t for t, n in b_events if n)
+        result["switch_gap_ms"] = (b_first - a_final) * 1e3
+        result["decode_step_ms"] = step * 1e3
+        result["switch_gap_in_decode_steps"] = (b_first - a_final) / step
+    finally:
+        sched.stop()
+
+    result["second_turn_ttft_ms"] = {}
+    for reuse in (False, True):
+        sched = Scheduler(engine, queue_size=4, prefill_chunk=args.prefill_chunk, prefix_cache=reuse)
+        sched.start()
+        try:
+            ttfts = []
+            for rep in range(3):
+                turn1 = _ids(args.turn_prompt, 10 + rep, vocab)
+                r1 = sched.submit(turn1, SamplingParams(max_tokens=32, ignore_eos=True)).result(120)
+                turn2 = turn1 + r1.token_ids + _ids(64, 20 + rep, vocab)
+                r2 = sched.submit(turn2, SamplingParams(max_tokens=4, ignore_eos=True)).result(120)
+                ttfts.append((r2.usage.ttft_ms, r2.usage.cached_tokens))
+            result["second_turn_ttft_ms"]["with_prefix_reuse" if reuse else "without_prefix_reuse"] = {
+                "ttft_ms": statistics.median(t for t, _ in ttfts),
+                "cached_tokens": ttfts[-1][1],
+                "prompt_tokens": len(turn2),
+            }
+        finally:
+            sched.stop()
+    return result
