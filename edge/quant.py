@@ -131,7 +131,9 @@ def quantize_into(
         amax = wf.abs().amax(dim=-1)
         if not bool(torch.isfinite(amax).all()):
             raise QuantError(f"{name}: rows {r0}..{r1} hold NaN or infinite values")
-        scale = (amax / QMAX).to(scale_out.dtype)
+        # A device tensor divisor: CUDA turns division by a Python scalar into a multiply
+        # by its reciprocal, which rounds differently from the CPU (route A vs B bits).
+        scale = (amax / torch.full_like(amax, QMAX)).to(scale_out.dtype)
         s = scale.float()
         s = torch.where(s > 0, s, torch.ones_like(s))  # all-zero group: q = 0, scale 0
         q = torch.round(wf / s.unsqueeze(-1)).clamp_(-QMAX, QMAX).to(torch.int8)
