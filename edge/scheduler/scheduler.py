@@ -75,9 +75,10 @@ class _Slot:
     def __init__(self, index: int, engine: Engine) -> None:
         self.index = index
         self.sampler = SamplerState(engine.cfg.vocab_size, engine.device)
-        # One sequence object per slot, reused by every request: its device block table
-        # is allocated once, so no tensor changes hands between CUDA streams.
-        self.seq: PagedSequence = engine.new_sequence()  # type: ignore[assignment]
+        # A fresh sequence per request (``Engine.new_sequence(slot=i)``: the slot index
+        # selects the slot's CUDA-graph decoder, which binds each new sequence); an idle
+        # slot holds an empty one so that accounting code never meets None.
+        self.seq: PagedSequence = engine.new_sequence(slot=index)  # type: ignore[assignment]
         self.state = SlotState.IDLE
         self.req: _Request | None = None
         self.gen: Generation | None = None
@@ -128,6 +129,9 @@ class Scheduler:
         self.prefill_chunk = prefill_chunk or engine.prefill_chunk
         self.governor = governor
         self.energy = energy
+        if self.pool.reclaimer is not None:
+            log.warning("the engine's block pool already has a reclaimer (another scheduler not stopped?); replacing it")
+            self.pool.reclaimer = None
         self.prefix_cache: PrefixCache | None = PrefixCache(self.pool) if prefix_cache else None
         self._slots = [_Slot(0, engine), _Slot(1, engine)]
         self._cuda = engine.device.type == "cuda"
@@ -220,8 +224,7 @@ class Scheduler:
             self._cancel_pending = True
             running = self._thread is not None and self._thread.is_alive()
         if not running and not self._shut_down:
-            # No loop yet: only queued requests exist; end them here.
-            self._process_cancels()
+            self._cancel_queued()  # no loop yet: only queued requests exist; end them here
         self._urgent.set()
         self._wake.set()
         return True
@@ -309,7 +312,8 @@ class Scheduler:
         delay = self.governor.decode_delay_s() if self.governor is not None else 0.0
         if delay > 0:
             self._urgent.clear()
-            self._urgent.wait(delay)
+            if not self._cancel_pending:
+                self._urgent.wait(delay)  # cut short by cancel or stop
         self._process_cancels()
         self._background()
         return True
@@ -385,7 +389,7 @@ class Scheduler:
                 return False
             req = self._queue[0]
         if req.cancelled:
-            self._process_cancels()
+            self._cancel_queued()
             return True
         prompt, ps = req.prompt_ids, self.page_size
         blocks_needed = -(-len(prompt) // ps)
@@ -414,8 +418,9 @@ class Scheduler:
         try:
             if cache is not None and shared:
                 shared = cache.match(prompt[: len(prompt) - 1])
-            slot.seq.share_prefix(shared)
-            with self._on(slot, high=not background):  # loads the sampler on the prefill's stream
+            with self._on(slot, high=not background):  # device work on the prefill's stream
+                slot.seq = self.engine.new_sequence(slot=slot.index)  # type: ignore[assignment]
+                slot.seq.share_prefix(shared)
                 gen = self.engine.new_generation(prompt, req.params, slot.sampler)
             gen.t_start = req.t_submit  # time to first token counts from submission
         except Exception as exc:
@@ -445,6 +450,8 @@ class Scheduler:
             final_len = min(len(req.prompt_ids) + req.params.max_tokens - 1, self.engine.max_seq_len)
             reserve = max(0, -(-final_len // self.page_size) - len(active.seq.blocks))
         available = self.pool.num_free
+        if available - need >= reserve:
+            return True  # the common case; counting evictable blocks scans the pool
         if self.prefix_cache is not None:
             available += self.prefix_cache.num_evictable()
         return available - need >= reserve
@@ -459,7 +466,7 @@ class Scheduler:
         stream = self._high if high else self._low
         if slot.stream is not None and slot.stream is not stream:
             stream.wait_stream(slot.stream)
-            if slot.next_input is not None:
+            if slot.next_input is not None and slot.next_input.is_cuda:
                 slot.next_input.record_stream(stream)
         slot.stream = stream
         with torch.cuda.stream(stream):
@@ -614,7 +621,17 @@ class Scheduler:
             log.exception("prefix cache insert failed")
         finally:
             seq.release()
+            decoder = self._decoder(seq)
+            if decoder is not None and decoder.bound is seq:
+                decoder.unbind(seq)
             slot.reset()
+
+    def _decoder(self, seq: PagedSequence):
+        """The CUDA-graph decoder of the sequence's slot, if the engine made one (looked
+        up, not created: creating allocates device buffers, which belongs on the decode
+        stream, inside ``Engine.decode``)."""
+        decoders = getattr(self.engine, "_decoders", None)
+        return decoders.get(getattr(seq, "slot", None)) if decoders else None
 
     def _finish_unstarted(self, req: _Request, reason: str, message: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids), seed=req.params.seed)
@@ -639,16 +656,20 @@ class Scheduler:
             self._finished[final.finish_reason or "length"] += 1
         req.handle._push(final)
 
-    def _process_cancels(self) -> None:
+    def _cancel_queued(self) -> None:
         with self._lock:
-            if not self._cancel_pending:
-                return
-            self._cancel_pending = False
             queued = [r for r in self._queue if r.cancelled]
             for r in queued:
                 self._queue.remove(r)
         for r in queued:
             self._finish_unstarted(r, "cancelled")
+
+    def _process_cancels(self) -> None:
+        with self._lock:
+            if not self._cancel_pending:
+                return
+            self._cancel_pending = False
+        self._cancel_queued()
         was_active = self._active()
         for slot in self._slots:
             if slot.req is not None and slot.req.cancelled:
