@@ -142,37 +142,68 @@ def cmd_info(args: argparse.Namespace) -> int:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = load_engine(args)
-    history: list[dict] = []
-    params = sampling_params(args)
-    print("edge chat — /reset clears the history, /system TEXT sets the system prompt, Ctrl-D quits")
-    system: str | None = None
-    while True:
-        try:
-            line = input("> ").strip()
-        except EOFError:
-            print()
-            return 0
-        if not line:
-            continue
-        if line == "/reset":
-            history.clear()
-            continue
-        if line.startswith("/system "):
-            system = line.removeprefix("/system ").strip()
-            history.clear()
-            continue
-        history.append({"role": "user", "content": line})
-        messages = ([{"role": "system", "content": system}] if system else []) + history
-        reply: list[str] = []
-        try:
-            for chunk in engine.stream(engine.tokenizer.encode_chat(messages), params):
-                print(chunk.text, end="", flush=True)
-                reply.append(chunk.text)
-        except KeyboardInterrupt:
-            print(" [interrupted]")
-        print()
-        history.append({"role": "assistant", "content": "".join(reply)})
+    """Interactive front-end for the service (see edge.chat_client)."""
+    import os
+
+    from edge.chat_client import ChatClient, InProcessService, ServiceError, run_chat
+
+    params = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "top_k": args.top_k,
+        "repetition_penalty": args.repetition_penalty,
+        "ignore_eos": args.ignore_eos,
+    }
+    if args.seed is not None:
+        params["seed"] = args.seed
+    if args.stop:
+        params["stop"] = args.stop
+    api_key = os.environ.get("EDGE_API_KEY")
+    if args.api_key_file:
+        from edge.settings import read_api_key
+
+        api_key = read_api_key(args.api_key_file)
+    local = None
+    if args.in_process:
+        from edge.settings import Settings
+
+        logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+        local = InProcessService(
+            Settings(
+                model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+                max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
+                log_level="debug" if args.verbose else "warning",
+            )
+        )
+        client = ChatClient(uds=local.uds, api_key=api_key)
+    else:
+        client = ChatClient(url=args.url or os.environ.get("EDGE_URL"), uds=args.uds, api_key=api_key)
+    try:
+        client.wait_ready(args.wait, on_wait=lambda msg: print(msg, file=sys.stderr, flush=True))
+        return run_chat(client, params)
+    except ServiceError as exc:
+        print(f"edge: error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
+        client.close()
+        if local is not None:
+            local.stop()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from edge.settings import export_file_vars, resolve
+
+    cli = {k: getattr(args, k, None) for k in (
+        "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype",
+        "page_size", "max_seq_len", "kv_blocks", "prefill_chunk", "config", "log_level")}
+    settings, file_vars = resolve(cli)
+    export_file_vars(file_vars)
+    if not args.verbose:
+        logging.getLogger().setLevel(settings.log_level.upper())
+    from edge.server import serve
+
+    return serve(settings)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -201,10 +232,34 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
 
-    c = sub.add_parser("chat", help="interactive chat")
+    c = sub.add_parser("chat", help="interactive chat with the service (or --in-process)")
+    c.add_argument("--url", help="service URL (default: $EDGE_URL or http://127.0.0.1:8000)")
+    c.add_argument("--uds", help="service Unix socket (instead of --url)")
+    c.add_argument("--api-key-file", help="file holding the bearer key (default: $EDGE_API_KEY)")
+    c.add_argument("--in-process", action="store_true", help="start the service inside this process")
+    c.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the service to be ready")
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=256)
+
+    s = sub.add_parser("serve", help="run the HTTP service (OpenAI-compatible API, /health, /metrics)",
+                       description="Settings: command line > environment (EDGE_*) > --config file > defaults.")
+    s.add_argument("--model", help="model directory [EDGE_MODEL] (default: the embedded random model)")
+    s.add_argument("--model-name", help="model id served in the API [EDGE_MODEL_NAME] (default: directory name)")
+    s.add_argument("--host", help="TCP address [EDGE_HOST] (default 127.0.0.1)")
+    s.add_argument("--port", type=int, help="TCP port [EDGE_PORT] (default 8000)")
+    s.add_argument("--uds", help="listen on this Unix socket instead of TCP [EDGE_UDS]")
+    s.add_argument("--api-key-file", help="require 'Authorization: Bearer <key in file>' [EDGE_API_KEY_FILE]")
+    s.add_argument("--queue-size", type=int, help="waiting requests before 429 [EDGE_QUEUE_SIZE] (default 8)")
+    s.add_argument("--device", help="cpu or cuda [EDGE_DEVICE]")
+    s.add_argument("--dtype", help="float32, bfloat16 or float16 [EDGE_DTYPE]")
+    s.add_argument("--page-size", type=int, help="tokens per KV block [EDGE_PAGE_SIZE] (default 16)")
+    s.add_argument("--max-seq-len", type=int, help="context length [EDGE_MAX_SEQ_LEN]")
+    s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
+    s.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
+    s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
+    s.add_argument("--config", help="KEY=VALUE environment file, as systemd's EnvironmentFile [EDGE_CONFIG]")
+    s.set_defaults(func=cmd_serve)
 
     i = sub.add_parser("info", help="device, dtype support and model summary as JSON")
     _engine_args(i)

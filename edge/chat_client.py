@@ -1,0 +1,215 @@
+"""``edge chat``: an interactive front-end for the service.
+
+Talks to ``edge serve`` over HTTP (``--url``) or a Unix socket (``--uds``) with the
+OpenAI chat-completions wire format and SSE streaming, like any other client:
+
+* the whole history is resent each turn, so the server's prefix cache reuses the KV
+  of the earlier turns instead of prefilling them again;
+* Ctrl-C interrupts the current answer (the stream is closed and the request
+  cancelled with ``POST /v1/cancel/{id}``) and returns to the prompt; Ctrl-D quits;
+* ``/reset`` clears the history, ``/system TEXT`` sets the system prompt,
+  ``/set NAME VALUE`` changes a sampling parameter (``/set max_tokens 64``).
+
+``--in-process`` starts the service inside this process (on a private Unix socket)
+for a self-contained session.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+
+DEFAULT_URL = "http://127.0.0.1:8000"
+BANNER = (
+    "edge chat — /reset clears the history, /system TEXT sets the system prompt, "
+    "/set NAME VALUE changes a sampling parameter, Ctrl-C stops an answer, Ctrl-D quits"
+)
+SETTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "ignore_eos")
+
+
+class ServiceError(RuntimeError):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+
+
+class ChatClient:
+    def __init__(self, url: str | None = None, uds: str | None = None, api_key: str | None = None) -> None:
+        transport = httpx.HTTPTransport(uds=uds) if uds else None
+        self.where = f"unix:{uds}" if uds else (url or DEFAULT_URL)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(
+            base_url=url or ("http://edge" if uds else DEFAULT_URL),
+            transport=transport,
+            headers=headers,
+            timeout=httpx.Timeout(10.0, read=600.0),
+        )
+        self.last_finish: str | None = None
+        self.last_usage: dict | None = None
+
+    def close(self) -> None:
+        self.http.close()
+
+    def health(self) -> tuple[int, dict]:
+        r = self.http.get("/health")
+        try:
+            return r.status_code, r.json()
+        except ValueError:
+            return r.status_code, {}
+
+    def wait_ready(self, timeout: float, on_wait: Callable[[str], None] | None = None) -> None:
+        deadline = time.monotonic() + timeout
+        told = False
+        while True:
+            try:
+                code, body = self.health()
+                if code == 200:
+                    return
+                why = f"service {body.get('status', code)}"
+                if body.get("status") == "failed":
+                    raise ServiceError(code, f"the service failed to load its model: {body.get('error')}")
+            except httpx.TransportError as exc:
+                why = f"cannot connect ({exc})"
+            if time.monotonic() >= deadline:
+                raise ServiceError(0, f"the service at {self.where} is not ready: {why}")
+            if not told and on_wait is not None:
+                on_wait(f"waiting for the service at {self.where} ({why}) ...")
+                told = True
+            time.sleep(0.2)
+
+    def stream_chat(self, messages: list[dict], params: dict[str, Any], request_id: str) -> Iterator[str]:
+        """Text deltas of the answer; ``last_finish``/``last_usage`` are set at the end.
+        Closing the iterator early closes the stream (the server cancels)."""
+        self.last_finish, self.last_usage = None, None
+        body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **params}
+        with self.http.stream("POST", "/v1/chat/completions", json=body,
+                              headers={"X-Request-Id": request_id}) as r:
+            if r.status_code != 200:
+                r.read()
+                try:
+                    message = r.json()["error"]["message"]
+                except (ValueError, KeyError, TypeError):
+                    message = r.text
+                raise ServiceError(r.status_code, message)
+            for line in r.iter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                event = json.loads(data)
+                if "error" in event:
+                    raise ServiceError(500, event["error"].get("message", "error"))
+                if event.get("usage"):
+                    self.last_usage = event["usage"]
+                for choice in event.get("choices", []):
+                    text = choice.get("delta", {}).get("content")
+                    if text:
+                        yield text
+                    if choice.get("finish_reason"):
+                        self.last_finish = choice["finish_reason"]
+
+    def cancel(self, request_id: str) -> bool:
+        try:
+            return self.http.post(f"/v1/cancel/{request_id}", timeout=2.0).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+
+def run_chat(
+    client: ChatClient,
+    params: dict[str, Any],
+    out: TextIO = sys.stdout,
+    read_line: Callable[[str], str] = input,
+) -> int:
+    print(BANNER, file=out, flush=True)
+    history: list[dict] = []
+    system: str | None = None
+    while True:
+        try:
+            line = read_line("> ").strip()
+        except EOFError:
+            print(file=out)
+            return 0
+        except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh line, not an exit
+            print(file=out)
+            continue
+        if not line:
+            continue
+        if line == "/reset":
+            history.clear()
+            print("[history cleared]", file=out, flush=True)
+            continue
+        if line.startswith("/system"):
+            system = line.removeprefix("/system").strip() or None
+            history.clear()
+            print("[system prompt set]" if system else "[system prompt cleared]", file=out, flush=True)
+            continue
+        if line.startswith("/set"):
+            print(_set_param(params, line.removeprefix("/set").split()), file=out, flush=True)
+            continue
+        history.append({"role": "user", "content": line})
+        messages = ([{"role": "system", "content": system}] if system else []) + history
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        reply: list[str] = []
+        stream = client.stream_chat(messages, params, rid)
+        try:
+            for text in stream:
+                out.write(text)
+                out.flush()
+                reply.append(text)
+            print(file=out, flush=True)
+        except KeyboardInterrupt:
+            stream.close()  # closes the HTTP stream: the server cancels the request
+            client.cancel(rid)  # and say so at once (barge-in), whatever the transport
+            print(" [interrupted]", file=out, flush=True)
+        except (ServiceError, httpx.HTTPError) as exc:
+            stream.close()
+            print(f"\n[error: {exc}]", file=out, flush=True)
+            history.pop()
+            continue
+        finally:
+            stream.close()
+        history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def _set_param(params: dict[str, Any], args: list[str]) -> str:
+    if len(args) != 2 or args[0] not in SETTABLE:
+        return f"[usage: /set NAME VALUE with NAME one of {', '.join(SETTABLE)}]"
+    name, raw = args
+    try:
+        value = json.loads(raw.lower() if raw.lower() in ("true", "false") else raw)
+    except ValueError:
+        return f"[not a number: {raw!r}]"
+    params[name] = value  # the server validates it on the next turn
+    return f"[{name} = {value}]"
+
+
+class InProcessService:
+    """The service on a private Unix socket in a background thread."""
+
+    def __init__(self, settings: Any) -> None:
+        from edge.server import build_server
+
+        self._dir = tempfile.TemporaryDirectory(prefix="edge-chat-")
+        settings.uds = str(Path(self._dir.name) / "edge.sock")
+        self.uds = settings.uds
+        self.server, self.service, sockets = build_server(settings)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, name="edge-server",
+                                        daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=15.0)
+        self._dir.cleanup()

@@ -1,0 +1,234 @@
+"""Service settings: command line > environment > config file > defaults.
+
+The config file is in systemd's ``EnvironmentFile=`` format (``KEY=VALUE`` lines,
+``#``/``;`` comments, optional quotes), so one file, ``/etc/edge/edge.env``, serves
+both the unit and ``edge serve --config``. Variables the service does not read
+itself (the monitor's ``EDGE_THERMAL_*``, ``EDGE_CACHE_DIR``, ...) are exported from
+the file into the process environment unless the environment already sets them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def parse_bool(text: str) -> bool:
+    t = text.strip().lower()
+    if t in ("1", "true", "yes", "on"):
+        return True
+    if t in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected a boolean (true/false, 1/0, yes/no, on/off), got {text!r}")
+
+
+def parse_optional_bool(text: str) -> bool | None:
+    return None if text.strip().lower() in ("", "auto") else parse_bool(text)
+
+
+def _positive_int(text: str) -> int:
+    v = int(text)
+    if v < 1:
+        raise ValueError(f"must be a positive integer, got {v}")
+    return v
+
+
+def _port(text: str) -> int:
+    v = int(text)
+    if not 0 <= v <= 65535:
+        raise ValueError(f"port must be in 0..65535, got {v}")
+    return v
+
+
+def _non_negative_float(text: str) -> float:
+    v = float(text)
+    if not v >= 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+@dataclass
+class Settings:
+    """Everything ``edge serve`` needs. Field -> environment variable in ``ENV``."""
+
+    model: str | None = None  # None: the embedded random model
+    model_name: str | None = None  # id in /v1/models and responses (default: directory name)
+    host: str = "127.0.0.1"
+    port: int = 8000
+    uds: str | None = None  # listen on this Unix socket instead of TCP
+    api_key_file: str | None = None  # bearer key required on /v1/* when set
+    queue_size: int = 8
+    device: str | None = None
+    dtype: str | None = None
+    page_size: int = 16
+    max_seq_len: int | None = None
+    kv_blocks: int | None = None  # KV block pool size (default: two full contexts)
+    prefill_chunk: int | None = None
+    prefix_cache: bool = True
+    cuda_graph: bool | None = None  # None: on a GPU
+    default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
+    shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
+    log_level: str = "info"
+    config: str | None = None  # the file these settings were read from (informative)
+
+
+# variable -> (field, parser)
+ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
+    "EDGE_MODEL": ("model", str),
+    "EDGE_MODEL_NAME": ("model_name", str),
+    "EDGE_HOST": ("host", str),
+    "EDGE_PORT": ("port", _port),
+    "EDGE_UDS": ("uds", str),
+    "EDGE_API_KEY_FILE": ("api_key_file", str),
+    "EDGE_QUEUE_SIZE": ("queue_size", _positive_int),
+    "EDGE_DEVICE": ("device", str),
+    "EDGE_DTYPE": ("dtype", str),
+    "EDGE_PAGE_SIZE": ("page_size", _positive_int),
+    "EDGE_MAX_SEQ_LEN": ("max_seq_len", _positive_int),
+    "EDGE_KV_BLOCKS": ("kv_blocks", _positive_int),
+    "EDGE_PREFILL_CHUNK": ("prefill_chunk", _positive_int),
+    "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
+    "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
+    "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", _positive_int),
+    "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", _non_negative_float),
+    "EDGE_LOG_LEVEL": ("log_level", str),
+}
+FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}
+
+# Read elsewhere in the process (not by Settings): not typos when found in the file.
+OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE"})
+
+
+def parse_env_file(text: str, source: str = "<config>") -> dict[str, str]:
+    """Parse systemd ``EnvironmentFile=`` syntax: ``KEY=VALUE`` per line; blank lines
+    and lines starting with ``#`` or ``;`` are skipped; a value may be wrapped in
+    single or double quotes (backslash escapes inside double quotes); a trailing
+    backslash continues the line. A leading ``export`` is tolerated (shell files)."""
+    out: dict[str, str] = {}
+    lines = text.splitlines()
+    i = 0
+    while i < len(lines):
+        lineno = i + 1
+        line = lines[i]
+        i += 1
+        while line.endswith("\\") and i < len(lines):
+            line = line[:-1] + lines[i]
+            i += 1
+        stripped = line.strip()
+        if not stripped or stripped[0] in "#;":
+            continue
+        if stripped.startswith("export "):
+            stripped = stripped[len("export ") :].lstrip()
+        key, sep, value = stripped.partition("=")
+        key = key.strip()
+        if not sep or not key or not (key[0].isalpha() or key[0] == "_") or not all(
+            c.isalnum() or c == "_" for c in key
+        ):
+            raise ValueError(f"{source}:{lineno}: expected KEY=VALUE, got {line!r}")
+        value = value.strip()
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+            quote, value = value[0], value[1:-1]
+            if quote == '"':
+                value = _unescape(value)
+        out[key] = value
+    return out
+
+
+def _unescape(value: str) -> str:
+    out, it = [], iter(value)
+    for c in it:
+        if c == "\\":
+            nxt = next(it, "")
+            out.append({"n": "\n", "t": "\t"}.get(nxt, nxt))
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+def load_env_file(path: str | os.PathLike[str]) -> dict[str, str]:
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"config file {p} does not exist") from None
+    values = parse_env_file(text, str(p))
+    known = set(ENV) | OTHER_KNOWN_VARS | _monitor_vars()
+    for key in values:
+        if key.startswith("EDGE_") and key not in known:
+            log.warning("%s: unknown variable %s (typo?)", p, key)
+    return values
+
+
+def _monitor_vars() -> set[str]:
+    try:
+        from edge.monitor import MonitorConfig
+
+        return set(MonitorConfig.ENV)
+    except Exception:  # pragma: no cover - the monitor is part of the package
+        return set()
+
+
+def resolve(
+    cli: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+    config_file: str | os.PathLike[str] | None = None,
+) -> tuple[Settings, dict[str, str]]:
+    """Settings from ``cli`` (field -> value; None means "not given") over
+    ``environ`` (default ``os.environ``) over the file (``config_file``, else
+    ``cli["config"]``, else ``$EDGE_CONFIG``) over the defaults.
+
+    Returns the settings and the file's variables (for :func:`export_file_vars`).
+    Raises ValueError naming the variable for a bad value.
+    """
+    cli = dict(cli or {})
+    environ = os.environ if environ is None else environ
+    path = config_file or cli.get("config") or environ.get("EDGE_CONFIG") or None
+    file_vars = load_env_file(path) if path else {}
+    s = Settings()
+    names = {f.name for f in fields(Settings)}
+    for layer_name, layer in (("config file", file_vars), ("environment", environ)):
+        for var, (name, parse) in ENV.items():
+            raw = layer.get(var)
+            if raw is None or raw == "":
+                continue
+            try:
+                setattr(s, name, parse(raw))
+            except ValueError as exc:
+                where = f"{path}" if layer_name == "config file" else "environment"
+                raise ValueError(f"bad {var}={raw!r} ({where}): {exc}") from None
+    for name, value in cli.items():
+        if value is None or name not in names:
+            continue
+        if isinstance(value, str) and name in FIELD_PARSERS and FIELD_PARSERS[name] is not str:
+            value = FIELD_PARSERS[name](value)
+        setattr(s, name, value)
+    s.config = str(path) if path else None
+    s.log_level = s.log_level.lower()
+    return s, file_vars
+
+
+def export_file_vars(file_vars: Mapping[str, str], environ: Any = None) -> None:
+    """Make the file's variables visible to the rest of the process (the monitor's
+    ``MonitorConfig.from_env``, ``EDGE_CACHE_DIR``) without overriding the environment."""
+    environ = os.environ if environ is None else environ
+    for key, value in file_vars.items():
+        environ.setdefault(key, value)
+
+
+def read_api_key(path: str | os.PathLike[str]) -> str:
+    """The bearer key: the file's first non-empty line, stripped."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"API key file {p} does not exist") from None
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    raise ValueError(f"API key file {p} is empty")

@@ -1,0 +1,108 @@
+"""``edge chat`` in a terminal (pexpect) against a running service on a Unix socket."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pexpect
+import pytest
+from test_server_support import ROOT, ServerProc, server_env, slots_idle
+
+CANCELLED = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason="cancelled"}'
+LENGTH = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason="length"}'
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory):
+    srv = ServerProc(tmp_path_factory.mktemp("chat"), uds=True, api_key="chat-key")
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def _spawn(service: ServerProc, *args: str) -> pexpect.spawn:
+    env = server_env()
+    return pexpect.spawn(
+        sys.executable,
+        ["-m", "edge.cli", "chat", "--uds", service.uds, "--api-key-file", str(service.tmp / "api.key"), *args],
+        cwd=str(ROOT), env=env, encoding="utf-8", timeout=60, dimensions=(40, 200),
+    )
+
+
+def test_chat_streams_and_ctrl_c_interrupts_only_the_answer(service: ServerProc) -> None:
+    child = _spawn(service, "--max-tokens", "4000", "--ignore-eos", "--temperature", "0")
+    try:
+        child.expect_exact("edge chat")
+        child.expect_exact("> ")
+        before = service.metrics()
+        child.sendline("Tell me a very long story")
+        # The answer is streaming: tokens are being generated for it.
+        service.wait_for(lambda m: m["edge_generated_tokens_total"] >= before["edge_generated_tokens_total"] + 20
+                         and m["edge_requests_in_flight"] == 1, what="a streaming answer")
+        child.sendintr()  # Ctrl-C mid-answer
+        child.expect_exact("[interrupted]")
+        child.expect_exact("> ")  # still running, ready for the next question
+        m = service.wait_for(lambda m: m.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1 and slots_idle(m),
+                             what="the interrupted answer cancelled on the server")
+        assert m["edge_generated_tokens_total"] - before["edge_generated_tokens_total"] < 4000
+        child.sendline("/set max_tokens 12")
+        child.expect_exact("[max_tokens = 12]")
+        child.expect_exact("> ")
+        child.sendline("And a short one?")
+        child.expect_exact("> ", timeout=60)  # answered in full, then the prompt again
+        m = service.wait_for(lambda m: m.get(LENGTH, 0) == before.get(LENGTH, 0) + 1, what="the second answer")
+        assert m.get(CANCELLED, 0) == before.get(CANCELLED, 0) + 1
+        child.sendline("/reset")
+        child.expect_exact("[history cleared]")
+        child.sendeof()  # Ctrl-D quits
+        child.expect(pexpect.EOF, timeout=20)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+
+
+def test_chat_streams_a_reply_and_resends_history(service: ServerProc) -> None:
+    child = _spawn(service, "--max-tokens", "6", "--ignore-eos")
+    try:
+        child.expect_exact("> ")
+        child.sendline("/system You are a kiosk robot that explains the paged cache in great detail.")
+        child.expect_exact("[system prompt set]")
+        child.expect_exact("> ")
+        before = service.metrics()
+        for question in ("Hello robot, how does the paged cache work?", "Go on please"):
+            child.sendline(question)
+            child.expect_exact("> ")
+        m = service.wait_for(lambda m: m.get(LENGTH, 0) == before.get(LENGTH, 0) + 2, what="two answers")
+        # the second turn resent the first whole: its prefix came from the cache
+        assert m["edge_cached_prompt_tokens_total"] > before["edge_cached_prompt_tokens_total"]
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=20)
+    finally:
+        child.close(force=True)
+
+
+def test_chat_reports_an_unreachable_service(tmp_path: Path) -> None:
+    child = pexpect.spawn(sys.executable, ["-m", "edge.cli", "chat", "--uds", str(tmp_path / "none.sock"),
+                                           "--wait", "0.5"], cwd=str(ROOT), env=server_env(), encoding="utf-8",
+                          timeout=30)
+    child.expect("not ready")
+    child.expect(pexpect.EOF)
+    child.close()
+    assert child.exitstatus == 1
+
+
+def test_chat_in_process(tmp_path: Path) -> None:
+    child = pexpect.spawn(sys.executable, ["-m", "edge.cli", "chat", "--in-process", "--max-tokens", "5",
+                                           "--ignore-eos"], cwd=str(ROOT), env=server_env(), encoding="utf-8",
+                          timeout=90)
+    try:
+        child.expect_exact("> ")
+        child.sendline("Hello")
+        child.expect_exact("> ")
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=30)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
