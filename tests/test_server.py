@@ -187,6 +187,16 @@ def test_closing_the_stream_cancels_the_request(server: ServerProc) -> None:
     assert m["edge_generated_tokens_total"] - before["edge_generated_tokens_total"] < LONG
 
 
+def test_non_streaming_client_that_gives_up_cancels(server: ServerProc) -> None:
+    before = server.metrics()
+    key = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason="cancelled"}'
+    with server.client(timeout=0.5) as c, pytest.raises(httpx.ReadTimeout):
+        c.post(CHAT, json=chat_body(max_tokens=LONG, ignore_eos=True))
+    m = server.wait_for(lambda m: m.get(key, 0) > before.get(key, 0) and slots_idle(m),
+                        what="cancel of a non-streaming request by disconnect")
+    assert m["edge_generated_tokens_total"] - before["edge_generated_tokens_total"] < LONG
+
+
 def test_cancel_endpoint_ends_the_open_stream(server: ServerProc) -> None:
     rid = "barge-in-1"
     with server.client() as c, c.stream("POST", CHAT, headers={"X-Request-Id": rid},
