@@ -134,8 +134,10 @@ def _sample_stochastic(logits: torch.Tensor, state: SamplerState) -> torch.Tenso
     # The most likely token always survives top-p, whatever p is.
     vals = vals.masked_fill((before > state.top_p) & (rank > 0), float("-inf"))
     gumbel = -torch.log(-torch.log(uniform_noise(state.seed, state.step, ids)))
-    choice = torch.argmax(vals + gumbel)
-    return ids[choice].view(1)
+    choice = torch.argmax(vals + gumbel).view(1)
+    # gather, not ids[choice]: indexing with a tensor scalar syncs with the host,
+    # which is illegal inside graph capture.
+    return ids.gather(0, choice)
 
 
 class StopChecker:
