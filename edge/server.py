@@ -96,8 +96,9 @@ class Service:
         self.active: dict[str, Any] = {}  # request id -> RequestHandle
         self.notifier = Notifier(self.environ)
         interval = self.notifier.watchdog_interval_s
-        # A heartbeat older than this means the engine loop is stuck: stop the pings.
-        self.heartbeat_stale_s = max(5.0, 2 * interval) if interval else 5.0
+        # A heartbeat older than this means the engine loop is stuck: stop the pings
+        # (WatchdogSec=30: stale after 15 s, restarted by systemd within 45 s of the hang).
+        self.heartbeat_stale_s = max(5.0, interval) if interval else 5.0
         self.watchdog = Watchdog(self.notifier, self.healthy, self.status_line)
         self._lock = threading.RLock()  # RLock: begin_shutdown may run in a signal handler
         self._loader: threading.Thread | None = None
