@@ -236,6 +236,13 @@ class Engine:
         handle = decoder.launch(seq, greedy)
         return torch.tensor([handle.token(decoder)])
 
+    def end_sequence(self, seq: SequenceKV) -> None:
+        """Release a sequence and detach it from its slot's graph decoder, if bound."""
+        seq.release()
+        decoder = self._decoders.get(getattr(seq, "slot", None))
+        if decoder is not None and decoder.bound is seq:
+            decoder.unbind(seq)
+
     def slot_decoder(self, seq: SequenceKV) -> SlotDecoder | None:
         """The CUDA-graph decoder of the sequence's slot, or None for eager decode."""
         slot = getattr(seq, "slot", None)

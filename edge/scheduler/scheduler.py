@@ -620,18 +620,8 @@ class Scheduler:
         except Exception:
             log.exception("prefix cache insert failed")
         finally:
-            seq.release()
-            decoder = self._decoder(seq)
-            if decoder is not None and decoder.bound is seq:
-                decoder.unbind(seq)
+            self.engine.end_sequence(seq)
             slot.reset()
-
-    def _decoder(self, seq: PagedSequence):
-        """The CUDA-graph decoder of the sequence's slot, if the engine made one (looked
-        up, not created: creating allocates device buffers, which belongs on the decode
-        stream, inside ``Engine.decode``)."""
-        decoders = getattr(self.engine, "_decoders", None)
-        return decoders.get(getattr(seq, "slot", None)) if decoders else None
 
     def _finish_unstarted(self, req: _Request, reason: str, message: str | None = None) -> None:
         usage = Usage(prompt_tokens=len(req.prompt_ids), seed=req.params.seed)
