@@ -128,7 +128,7 @@ class Service:
 
             options: dict[str, Any] = {}
             if s.kv_blocks:
-                options["num_blocks"] = s.kv_blocks
+                options["kv_blocks"] = s.kv_blocks
             engine = Engine.from_pretrained(
                 s.model,
                 device=s.device,
