@@ -154,6 +154,35 @@ def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
         seq.release()
 
 
+def energy_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
+    """Joules per decoded token from the monitor's NVML source (power integrated by
+    the same EnergyMeter the service uses), during graph decode."""
+    from edge.monitor import Monitor, MonitorConfig
+
+    monitor = Monitor(MonitorConfig(period_s=0.02, source="nvml", metrics=False))
+    if monitor.source.name != "nvml":
+        return {"source": monitor.source.name, "joules_per_token": None}
+    monitor.start()
+    try:
+        time.sleep(0.1)
+        monitor.energy.begin("bench")
+        seconds = time_decode(engine, prompt, n, graph=True)
+        time.sleep(0.05)  # one more sample past the end of the window
+        joules = monitor.energy.end("bench")
+        latest = monitor.sampler.latest
+    finally:
+        monitor.stop()
+    return {
+        "source": "nvml",
+        "tokens": n,
+        "seconds": seconds,
+        "joules": joules,
+        "joules_per_token": joules / n if joules is not None else None,
+        "temperature_c": latest.temperatures_c if latest else None,
+        "power_w": latest.power_w if latest else None,
+    }
+
+
 def time_ttft(engine: Engine, length: int, repeats: int) -> float:
     """Milliseconds from submitting a prompt of ``length`` tokens to the first token on the host."""
     vocab = min(engine.cfg.vocab_size, 800)
@@ -238,6 +267,7 @@ def run(args: argparse.Namespace) -> dict:
         if length < engine.max_seq_len
     }
     result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
+    result["energy"] = energy_per_token(engine, prompt, 4 * n)
     if args.compare_hf:
         hf = hf_decode(engine, raw, prompt, n)
         result["hf_static_cache"] = hf
