@@ -21,26 +21,33 @@ VARIANTS = [
         for d in (64, 128)
     ],
     *[
+        ("paged_decode_tc.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        for dt in (1, 2)
+        for d in (64, 128)
+    ],
+    *[
         ("paged_prefill.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
         for dt in (1, 2)
         for d in (64, 128)
     ],
     ("kv_write.cu", {}),
+    ("int8_gemv.cu", {}),
+    (
+        "int8_gemv.cu",
+        {"EDGE_INT8_WARPS": 8, "EDGE_INT8_UNROLL_R1": 8, "EDGE_INT8_MIN_BLOCKS": 2},
+    ),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 4,
-        "EDGE_DECODE_PREFETCH": 1,
-        "EDGE_DECODE_MIN_BLOCKS": 2,
-    },
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 2,
-        "EDGE_DECODE_PREFETCH": 1,
-        "EDGE_DECODE_MIN_BLOCKS": 3,
-    },
+    ("paged_decode.cu", {"EDGE_DECODE_STAGES": 2, "EDGE_DECODE_STAGE_BYTES": 8192}),
+    ("paged_decode.cu", {"EDGE_DECODE_STAGES": 4, "EDGE_DECODE_STAGE_BYTES": 4096}),
+    ("paged_decode.cu", {"EDGE_DECODE_QACC_REGS": 128, "EDGE_DECODE_MIN_BLOCKS": 2}),
+    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4}),
+    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1}),
+    (
+        "paged_decode_tc.cu",
+        {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 1, "EDGE_TC_MIN_BLOCKS": 3},
+    ),
 ]
 
 
@@ -70,18 +77,24 @@ def test_kernel_compiles_cleanly(arch, variant, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
-    "tuning", TUNINGS, ids=lambda t: "-".join(str(v) for v in t.values())
+    "tuning",
+    TUNINGS,
+    ids=lambda t: (
+        t[0].replace(".cu", "") + "-" + "-".join(str(v) for v in t[1].values())
+    ),
 )
 def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
     _nvrtc_or_skip()
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    cubin = nvrtc.compile_cubin(
-        "paged_decode.cu",
-        arch,
-        {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128, **tuning},
-        use_cache=False,
-    )
-    assert cubin[:4] == b"\x7fELF"
+    source, knobs = tuning
+    for dtype in (2,) if "_tc" in source else (2, 3):
+        cubin = nvrtc.compile_cubin(
+            source,
+            arch,
+            {"EDGE_DTYPE": dtype, "EDGE_HEAD_DIM": 128, **knobs},
+            use_cache=False,
+        )
+        assert cubin[:4] == b"\x7fELF"
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):

@@ -43,6 +43,14 @@ def pc():
     return paged_cuda
 
 
+@pytest.fixture(params=("tc", "simt"))
+def impl(request, pc):
+    """Run a decode test against both float16/bfloat16 decode kernels."""
+    prev = pc.set_decode_tuning(impl=request.param)
+    yield request.param
+    pc.set_decode_tuning(**prev)
+
+
 def _gen() -> torch.Generator:
     _seed[0] += 1
     return torch.Generator(device="cuda").manual_seed(_seed[0])
@@ -113,7 +121,7 @@ def ref_prefill(q, k_pool, v_pool, table, start, scale):
 @pytest.mark.parametrize("d", HEAD_DIMS)
 @pytest.mark.parametrize("page", PAGES)
 @pytest.mark.parametrize("heads", GQA, ids=lambda h: f"q{h[0]}kv{h[1]}")
-def test_decode_matches_reference(pc, dtype, d, page, heads):
+def test_decode_matches_reference(pc, impl, dtype, d, page, heads):
     qh, kvh = heads
     lens = _lengths(page)
     k_pool, v_pool, table = make_cache(max(lens), page, kvh, d, dtype)
@@ -129,10 +137,10 @@ def test_decode_matches_reference(pc, dtype, d, page, heads):
 
 @pytest.mark.parametrize(
     "heads",
-    ((28, 4), (14, 2), (16, 1), (12, 4), (6, 2)),
+    ((28, 4), (14, 2), (16, 1), (12, 4), (6, 2), (40, 2), (32, 1)),
     ids=lambda h: f"q{h[0]}kv{h[1]}",
 )
-def test_decode_odd_gqa_ratios(pc, heads):
+def test_decode_odd_gqa_ratios(pc, impl, heads):
     qh, kvh = heads
     dtype, d, page = torch.bfloat16, 128, 16
     k_pool, v_pool, table = make_cache(3000, page, kvh, d, dtype)
@@ -158,8 +166,41 @@ def test_decode_float32(pc, d, heads):
         assert err < TOL[torch.float32], f"kv_len={kv_len}: {err:.2e}"
 
 
+TC_TUNINGS = (
+    {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4},
+    {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1},
+    {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2, "max_splits": 128},
+    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2, "max_splits": 16},
+)
+
+
+@pytest.mark.parametrize(
+    "tuning", TC_TUNINGS, ids=lambda t: "-".join(f"{v}" for v in t.values())
+)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_decode_tc_tunings(pc, tuning, d):
+    prev = pc.set_decode_tuning(impl="tc", **tuning)
+    try:
+        for dtype, heads, page in (
+            (torch.bfloat16, (32, 8), 16),
+            (torch.float16, (16, 2), 8),
+        ):
+            k_pool, v_pool, table = make_cache(8191, page, heads[1], d, dtype)
+            for kv_len in (1, 31, 33, 1000, 8191):
+                q = randn(heads[0], d, dtype=dtype)
+                out = torch.full_like(q, float("nan"))
+                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.1, out=out)
+                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.1))
+                assert err < TOL[dtype], f"{dtype} kv_len={kv_len}: {err:.2e}"
+                pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
+                a = pc.decode_attention(q, k_pool, v_pool, table, 0, 0.1, pos=pos)
+                assert rel_err(a, out) < TOL[dtype]
+    finally:
+        pc.set_decode_tuning(**prev)
+
+
 @pytest.mark.parametrize("splits", (1, 2, 3, 7, 64, 128))
-def test_decode_any_split_count(pc, splits):
+def test_decode_any_split_count(pc, impl, splits):
     dtype, d, page, qh, kvh = torch.float16, 128, 16, 32, 8
     k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
     for kv_len in (1, 15, 1000, 8191):  # many splits are empty at short lengths
@@ -172,7 +213,7 @@ def test_decode_any_split_count(pc, splits):
         assert err < TOL[dtype], f"kv_len={kv_len} splits={splits}: {err:.2e}"
 
 
-def test_decode_q_with_token_dim(pc):
+def test_decode_q_with_token_dim(pc, impl):
     k_pool, v_pool, table = make_cache(100, 16, 8, 128, torch.bfloat16)
     q = randn(1, 32, 128, dtype=torch.bfloat16)
     out = pc.decode_attention(q, k_pool, v_pool, table, 100, 0.1)
@@ -181,7 +222,7 @@ def test_decode_q_with_token_dim(pc):
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
-def test_decode_device_pos_equals_host_len(pc, dtype):
+def test_decode_device_pos_equals_host_len(pc, impl, dtype):
     d, page, qh, kvh = 128, 16, 32, 8
     k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
     graph_splits = pc.decode_splits("cuda", dtype, d, qh, kvh, None)
@@ -204,7 +245,7 @@ def test_decode_device_pos_equals_host_len(pc, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=str)
-def test_decode_cuda_graph_replay(pc, dtype):
+def test_decode_cuda_graph_replay(pc, impl, dtype):
     """write_kv + decode_attention + pos += 1 captured once, replayed across page
     boundaries with fresh inputs: identical to eager launches, close to the reference."""
     d, page, qh, kvh = 128, 16, 32, 8

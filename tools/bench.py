@@ -36,38 +36,14 @@ _DTYPES = {
     "half": "float16",
 }
 
-# Decode-kernel tunings tried by `kernels --sweep` (see paged_decode.cu).
+# Decode-kernel tunings tried by `kernels --sweep` (knobs of paged_decode.cu).
 SWEEP = [
-    {
-        "EDGE_DECODE_QACC_REGS": 128,
-        "EDGE_DECODE_UNROLL_VECS": 4,
-        "EDGE_DECODE_PREFETCH": 0,
-        "EDGE_DECODE_MIN_BLOCKS": 2,
-    },
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 4,
-        "EDGE_DECODE_PREFETCH": 0,
-        "EDGE_DECODE_MIN_BLOCKS": 3,
-    },
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 4,
-        "EDGE_DECODE_PREFETCH": 1,
-        "EDGE_DECODE_MIN_BLOCKS": 2,
-    },
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 2,
-        "EDGE_DECODE_PREFETCH": 1,
-        "EDGE_DECODE_MIN_BLOCKS": 3,
-    },
-    {
-        "EDGE_DECODE_QACC_REGS": 64,
-        "EDGE_DECODE_UNROLL_VECS": 4,
-        "EDGE_DECODE_PREFETCH": 1,
-        "EDGE_DECODE_MIN_BLOCKS": 3,
-    },
+    {"impl": "simt"},
+    {"impl": "tc"},  # defaults: 4 warps, 1 stage at head_dim 128, <= 32 splits
+    {"impl": "tc", "max_splits": 16},
+    {"impl": "tc", "max_splits": 64},
+    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2},
+    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2, "max_splits": 128},
 ]
 
 
@@ -109,6 +85,30 @@ def copy_bandwidth(nbytes: int, reps: int) -> dict[str, Any]:
     }
 
 
+def _kernel_us(fn: Callable[[], None], prefix: str) -> list[float]:
+    """Durations (us) of the GPU kernels named prefix* that fn launches (CUPTI via the
+    torch profiler): kernel time without launch gaps."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    out = []
+    for e in prof.events():
+        if e.name.startswith(prefix):
+            tr = getattr(e, "time_range", None)
+            dur = (
+                (tr.end - tr.start)
+                if tr is not None
+                else getattr(e, "device_time", 0.0)
+            )
+            if dur > 0:
+                out.append(float(dur))
+    return out
+
+
 def _decode_case(
     pc,
     dtype,
@@ -119,15 +119,16 @@ def _decode_case(
     page: int,
     l2_bytes: int,
     reps: int,
-    tuning: dict | None,
 ) -> dict[str, Any]:
     """Time decode attention over enough distinct sequences (block tables into one
-    pool) that their K/V is several times the L2, captured in one CUDA graph."""
+    pool) that their K/V is several times the L2: kernel durations (profiler), per-call
+    time of the calls captured in one CUDA graph, and eager per-call time."""
+    import time
+
     import torch
 
-    if tuning is not None:
-        pc.DECODE_TUNING.clear()
-        pc.DECODE_TUNING.update(tuning)
+    from edge.kernels import nvrtc, reference
+
     es = torch.empty((), dtype=dtype).element_size()
     kv_bytes = 2 * kv_len * kvh * d * es
     qo_bytes = 2 * qh * d * es
@@ -136,24 +137,17 @@ def _decode_case(
     blocks_per_seq = -(-kv_len // page)
     num_blocks = n_seq * blocks_per_seq
     g = torch.Generator(device="cuda").manual_seed(kv_len)
-    k_pool = torch.randn(
-        num_blocks, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
-    ).to(dtype)
-    v_pool = torch.randn(
-        num_blocks, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
-    ).to(dtype)
+    k_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
     tables = (
         torch.randperm(num_blocks, device="cuda", generator=g)
         .to(torch.int32)
         .view(n_seq, blocks_per_seq)
-        .contiguous()
     )
-    qs = torch.randn(n_seq, qh, d, device="cuda", generator=g, dtype=torch.float32).to(
-        dtype
-    )
+    qs = torch.randn(n_seq, qh, d, device="cuda", generator=g).to(dtype)
     outs = torch.empty_like(qs)
     scale = 1.0 / math.sqrt(d)
-    splits = pc.decode_splits("cuda", dtype, d, qh, kvh, kv_len)
+    splits = pc.decode_splits("cuda", dtype, d, qh, kvh, kv_len, page)
 
     def run_all() -> None:
         for i in range(n_seq):
@@ -164,6 +158,13 @@ def _decode_case(
     run_all()  # compile / load / workspace
     torch.cuda.synchronize()
     eager_ms, _ = _median_ms(run_all, max(3, reps // 4))
+    t0 = time.perf_counter()
+    run_all()
+    host_s = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    kern_us = []
+    for _ in range(3):
+        kern_us += _kernel_us(run_all, "paged_decode")
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -176,34 +177,37 @@ def _decode_case(
     graph_ms, _ = _median_ms(graph.replay, reps)
     per_call_s = graph_ms * 1e-3 / n_seq
     moved = kv_bytes + qo_bytes + table_bytes
-    from edge.kernels import reference
 
+    outs.fill_(float("nan"))
+    graph.replay()
     ref = reference.decode_attention(
-        qs[0].float(), k_pool, v_pool, tables[0], kv_len, scale
+        qs[-1].float(), k_pool, v_pool, tables[-1], kv_len, scale
     )
-    rel_err = ((outs[0].double() - ref.double()).norm() / ref.double().norm()).item()
-    gt = pc._group_tile(qh // kvh)
-    kern = pc._decode_kernel(torch.cuda.current_device(), dtype, d, gt)
-    from edge.kernels import nvrtc
-
-    res = {
+    rel_err = ((outs[-1].double() - ref.double()).norm() / ref.double().norm()).item()
+    plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
+    kern = plan.kernel
+    kernel_us = statistics.median(kern_us) if kern_us else float("nan")
+    return {
         "kv_len": kv_len,
         "splits": splits,
         "sequences_rotated": n_seq,
         "bytes_per_call": moved,
+        "kernel_us": kernel_us,
+        "kernel_samples": len(kern_us),
+        "GBps": moved / (kernel_us * 1e-6) / 1e9,
         "graph_us_per_call": per_call_s * 1e6,
+        "graph_GBps": moved / per_call_s / 1e9,
         "eager_us_per_call": eager_ms * 1e3 / n_seq,
-        "GBps": moved / per_call_s / 1e9,
+        "host_us_per_call": host_s * 1e6 / n_seq,
         "rel_err_vs_reference": rel_err,
         "kernel": {
             **nvrtc.kernel_resources(kern),
             "ctas_per_sm": nvrtc.max_active_blocks(
-                kern, 128, torch.cuda.current_device()
+                kern, plan.threads, torch.cuda.current_device()
             ),
         },
         "tuning": dict(pc.DECODE_TUNING),
     }
-    return res
 
 
 def _prefill_case(
@@ -270,7 +274,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     result["copy"] = copy
     bw = copy["GBps"]
 
-    def decode_all(tuning: dict | None) -> list[dict[str, Any]]:
+    def decode_all() -> list[dict[str, Any]]:
         rows = []
         for kv_len in kv_lens:
             r = _decode_case(
@@ -283,9 +287,9 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 args.page,
                 l2,
                 args.reps,
-                tuning,
             )
             r["fraction_of_copy"] = r["GBps"] / bw
+            r["graph_fraction_of_copy"] = r["graph_GBps"] / bw
             rows.append(r)
             torch.cuda.empty_cache()
         return rows
@@ -293,16 +297,16 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep:
         sweep = []
         for tuning in SWEEP:
+            paged_cuda.set_decode_tuning(**tuning)
             try:
-                sweep.append({"tuning": tuning, "decode": decode_all(tuning)})
+                sweep.append({"tuning": tuning, "decode": decode_all()})
             except Exception as exc:  # report, keep going
                 sweep.append(
                     {"tuning": tuning, "error": f"{type(exc).__name__}: {exc}"}
                 )
         result["sweep"] = sweep
-        paged_cuda.DECODE_TUNING.clear()
-        paged_cuda.DECODE_TUNING.update(default_tuning)
-    result["decode"] = decode_all(None)
+        paged_cuda.set_decode_tuning(**default_tuning)
+    result["decode"] = decode_all()
     if args.prefill:
         result["prefill"] = [
             _prefill_case(
@@ -333,13 +337,16 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
         f"# copy bandwidth: {r['copy']['GBps']:.0f} GB/s (read+write, median)", file=out
     )
     for sw in r.get("sweep", []):
-        t = sw["tuning"]
-        tag = f"qacc={t['EDGE_DECODE_QACC_REGS']} uv={t['EDGE_DECODE_UNROLL_VECS']} pf={t['EDGE_DECODE_PREFETCH']} mb={t['EDGE_DECODE_MIN_BLOCKS']}"
+        tag = " ".join(
+            f"{k.replace('EDGE_DECODE_', '').replace('EDGE_', '').lower()}={v}"
+            for k, v in sw["tuning"].items()
+        )
         if "error" in sw:
-            print(f"# sweep {tag}: {sw['error']}", file=out)
+            print(f"# sweep {tag}: {sw['error'][:300]}", file=out)
             continue
         cells = " ".join(
-            f"{x['kv_len']}:{x['fraction_of_copy']:.2f}" for x in sw["decode"]
+            f"{x['kv_len']}:{x['fraction_of_copy']:.2f}/{x['graph_fraction_of_copy']:.2f}"
+            for x in sw["decode"]
         )
         k = sw["decode"][-1]["kernel"]
         print(
@@ -347,13 +354,15 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
             file=out,
         )
     print(
-        f"{'kv_len':>7} {'splits':>6} {'graph us':>9} {'eager us':>9} {'GB/s':>7} {'of copy':>8}",
+        f"{'kv_len':>7} {'splits':>6} {'kern us':>8} {'GB/s':>6} {'of copy':>8} {'graph us':>9} {'of copy':>8}"
+        f" {'eager us':>9} {'host us':>8} {'rel err':>8}",
         file=out,
     )
     for x in r["decode"]:
         print(
-            f"{x['kv_len']:>7} {x['splits']:>6} {x['graph_us_per_call']:>9.2f} {x['eager_us_per_call']:>9.2f} "
-            f"{x['GBps']:>7.0f} {x['fraction_of_copy']:>8.1%}",
+            f"{x['kv_len']:>7} {x['splits']:>6} {x['kernel_us']:>8.2f} {x['GBps']:>6.0f} {x['fraction_of_copy']:>8.1%}"
+            f" {x['graph_us_per_call']:>9.2f} {x['graph_fraction_of_copy']:>8.1%} {x['eager_us_per_call']:>9.2f}"
+            f" {x['host_us_per_call']:>8.2f} {x['rel_err_vs_reference']:>8.1e}",
             file=out,
         )
     for p in r.get("prefill", []):
@@ -397,10 +406,18 @@ def build_parser() -> argparse.ArgumentParser:
     try:
         import bench_decode
     except ImportError as exc:
-        d = sub.add_parser("decode", help=f"end-to-end decode benchmark (unavailable: {exc})")
-        d.set_defaults(func=lambda _a, e=exc: (_ for _ in ()).throw(SystemExit(f"bench decode: {e}")))
+        d = sub.add_parser(
+            "decode", help=f"end-to-end decode benchmark (unavailable: {exc})"
+        )
+        d.set_defaults(
+            func=lambda _a, e=exc: (_ for _ in ()).throw(
+                SystemExit(f"bench decode: {e}")
+            )
+        )
     else:
-        d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
+        d = sub.add_parser(
+            "decode", help="end-to-end decode benchmark (tools/bench_decode.py)"
+        )
         bench_decode.add_arguments(d)
         d.set_defaults(func=bench_decode.run)
     return ap

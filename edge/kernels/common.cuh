@@ -121,6 +121,93 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
+// ---- small helpers ------------------------------------------------------------------
+
+__device__ __forceinline__ void store4(__half* p, float4 v) {
+  uint2 u = make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
+  *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
+  uint2 u = make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w));
+  *reinterpret_cast<uint2*>(p) = u;
+}
+__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
+
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// ---- async copies (sm_80+) -------------------------------------------------------------
+
+__device__ __forceinline__ unsigned int smem_u32(const void* p) {
+  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
+}
+
+// 16-byte async global->shared copy; src_bytes == 0 writes zeros and reads nothing.
+// No "memory" clobber on purpose: it would stop the compiler from hoisting the
+// independent global loads (block-table lookups) of later copies above earlier ones,
+// serializing one round trip per copy. Ordering against shared-memory reads comes from
+// cp_async_wait (which has the clobber) and __syncthreads.
+__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's most recent copy groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { cp_async_wait<0>(); }
+
+// ---- tensor cores (mma.sync m16n8k16, f32 accumulate; sm_80+) -----------------------------
+
+template <typename T>
+__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0,
+                                         unsigned int b1);
+
+template <>
+__device__ __forceinline__ void mma16816<__half>(float* c, const unsigned int* a, unsigned int b0,
+                                                 unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+template <>
+__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const unsigned int* a,
+                                                        unsigned int b0, unsigned int b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int& r0, unsigned int& r1,
+                                                  unsigned int& r2, unsigned int& r3,
+                                                  unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4(unsigned int& r0, unsigned int& r1, unsigned int& r2,
+                                            unsigned int& r3, unsigned int addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+               : "r"(addr));
+}
+
 // Row index of position p in a paged pool of one KV head:
 //   slot = table[p >> log2_page] * page + (p & (page - 1)).
 __device__ __forceinline__ long long paged_slot(const int* __restrict__ table, int p, int log2_page) {

@@ -444,12 +444,25 @@ class TorchStream:
         return (0, self.handle)
 
 
-def current_stream(device_index: int) -> Any:
-    """cuda.core stream object for torch's *current* stream on the device (taken at call
-    time, so launches inside ``torch.cuda.graph`` land on the capture stream)."""
+def _raw_stream(device_index: int) -> int:
     import torch
 
-    handle = torch.cuda.current_stream(device_index).cuda_stream
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return int(raw(device_index))
+    return int(torch.cuda.current_stream(device_index).cuda_stream)
+
+
+def current_stream_handle(device_index: int) -> int:
+    """cudaStream_t (as int) of torch's current stream on the device."""
+    return _raw_stream(device_index)
+
+
+def current_stream(device_index: int) -> Any:
+    """cuda.core stream object for torch's *current* stream on the device (taken at call
+    time, so launches inside ``torch.cuda.graph`` land on the capture stream); one
+    wrapper per torch stream, made on first sight."""
+    handle = _raw_stream(device_index)
     key = (device_index, handle)
     s = _streams.get(key)
     if s is None:
@@ -482,12 +495,14 @@ def launch(
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
     cfg = _config(grid, block, int(shmem))
+    cc = core()
     if torch.cuda.current_device() != device_index:
         with torch.cuda.device(device_index):
-            core().launch(current_stream(device_index), cfg, kernel, *args)
+            cc.launch(current_stream(device_index), cfg, kernel, *args)
     else:
-        activate(device_index)
-        core().launch(current_stream(device_index), cfg, kernel, *args)
+        if getattr(_tls, "device", None) != device_index:
+            activate(device_index)
+        cc.launch(current_stream(device_index), cfg, kernel, *args)
 
 
 def max_active_blocks(

@@ -44,6 +44,7 @@ __all__ = [
     "available",
     "decode_attention",
     "decode_splits",
+    "set_decode_tuning",
     "load",
     "prefill_attention",
     "write_kv",
@@ -58,16 +59,39 @@ _DECODE_THREADS = 128
 _PREFILL_THREADS = 128
 _PREFILL_ROWS = 64
 _KV_THREADS = 256
-_MIN_SPLIT_ROWS = 64  # shortest range worth a split of its own (host-length launches)
 _LOG2E = 1.4426950408889634
 
-# Compile-time knobs of paged_decode.cu (see the comment there); tools/bench.py sweeps them.
-DECODE_TUNING: dict[str, int] = {
-    "EDGE_DECODE_QACC_REGS": 128,
-    "EDGE_DECODE_UNROLL_VECS": 4,
-    "EDGE_DECODE_PREFETCH": 0,
-    "EDGE_DECODE_MIN_BLOCKS": 2,
+# Decode implementation for float16/bfloat16: "tc" (tensor cores, paged_decode_tc.cu)
+# or "simt" (CUDA cores, paged_decode.cu; float32 always uses it). Compile-time knobs of
+# both kernels (EDGE_TC_* / EDGE_DECODE_*, see the sources) and the split policy; change
+# them with set_decode_tuning() (tools/bench.py sweeps them).
+DECODE_TUNING: dict[str, Any] = {
+    "impl": "tc",
+    "min_split_rows": 64,  # host-length launches: no split shorter than this
+    # Cap on the one-wave split count: the last CTA's merge costs ~75 ns per split per
+    # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
+    "max_splits": 32,
 }
+_DEFAULT_TUNING = dict(DECODE_TUNING)
+
+
+def set_decode_tuning(**knobs: Any) -> dict[str, Any]:
+    """Set decode knobs: ``impl`` ("tc" | "simt"), ``min_split_rows``, ``max_splits``,
+    and kernel defines (``EDGE_TC_WARPS=2``, ``EDGE_DECODE_STAGES=4``, ...). Knobs not
+    given return to their defaults. Returns the previous setting; kernels compile on
+    next use."""
+    prev = dict(DECODE_TUNING)
+    DECODE_TUNING.clear()
+    DECODE_TUNING.update(_DEFAULT_TUNING)
+    DECODE_TUNING.update(knobs)
+    if DECODE_TUNING["impl"] not in ("tc", "simt"):
+        raise ValueError(f"impl must be 'tc' or 'simt', got {DECODE_TUNING['impl']!r}")
+    _plans.clear()
+    return prev
+
+
+def _defines(prefix: str) -> dict[str, int]:
+    return {k: int(v) for k, v in DECODE_TUNING.items() if k.startswith(prefix)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -86,14 +110,20 @@ def _variant(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
     return {"EDGE_DTYPE": _DTYPE_CODE[dtype], "EDGE_HEAD_DIM": head_dim}
 
 
-def _decode_kernel(
-    dev: int, dtype: torch.dtype, head_dim: int, gt: int, tuning: dict | None = None
-) -> Any:
-    defines = {
-        **_variant(dtype, head_dim),
-        **(DECODE_TUNING if tuning is None else tuning),
-    }
+def _decode_kernel(dev: int, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
+    defines = {**_variant(dtype, head_dim), **_defines("EDGE_DECODE_")}
     return nvrtc.get_kernel(dev, "paged_decode.cu", f"paged_decode_g{gt}", defines)
+
+
+def _tc_warps(head_dim: int) -> int:
+    return int(
+        DECODE_TUNING.get("EDGE_TC_WARPS", 4)
+    )  # EDGE_TC_WARPS default in the source
+
+
+def _decode_tc_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> Any:
+    defines = {**_variant(dtype, head_dim), **_defines("EDGE_TC_")}
+    return nvrtc.get_kernel(dev, "paged_decode_tc.cu", "paged_decode_tc", defines)
 
 
 def _prefill_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> Any:
@@ -137,6 +167,7 @@ def load(
             for gt in _GROUP_TILES:
                 _decode_kernel(dev, dtype, hd, gt)
             if dtype != torch.float32:
+                _decode_tc_kernel(dev, dtype, hd)
                 _prefill_kernel(dev, dtype, hd)
 
 
@@ -187,6 +218,10 @@ def _check_pools(
         raise ValueError(f"head_dim {d} not supported; supported: {HEAD_DIMS}")
     if page <= 0 or page & (page - 1):
         raise ValueError(f"page_size must be a power of two, got {page}")
+    if nb * page >= 2**31:
+        raise ValueError(
+            f"pool of {nb} x {page} rows is too large (kernels index rows with int32)"
+        )
     if k_pool.data_ptr() % 16 or v_pool.data_ptr() % 16:
         raise ValueError("pools must be 16-byte aligned")
     if (
@@ -333,7 +368,7 @@ def _workspace(
     """Split partials (float32) and self-resetting tickets (zeroed once) for the current
     stream. Per stream, because kernels of one stream never overlap; allocated through
     torch's caching allocator, so a first use inside graph capture is capture-safe."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
+    key = (device.index, nvrtc.current_stream_handle(device.index))
     cur = _workspaces.get(key)
     if cur is not None and cur[0].numel() >= floats and cur[1].numel() >= counters:
         return cur
@@ -353,7 +388,77 @@ def _workspace(
         return new
 
 
-_occupancy: dict[tuple, int] = {}
+class _DecodePlan:
+    """Per (device, dtype, head_dim, q_heads, kv_heads, page, tokens > 1) launch
+    constants of the decode kernel."""
+
+    __slots__ = (
+        "counters",
+        "ctas",
+        "dev",
+        "group",
+        "kernel",
+        "kvh",
+        "log2_page",
+        "max_splits",
+        "min_rows",
+        "threads",
+    )
+
+    def __init__(
+        self,
+        dev: int,
+        dtype: torch.dtype,
+        d: int,
+        q_heads: int,
+        kvh: int,
+        page: int,
+        multi: bool,
+    ) -> None:
+        self.dev = dev
+        self.kvh = kvh
+        self.group = q_heads // kvh
+        self.log2_page = page.bit_length() - 1
+        if dtype != torch.float32 and not multi and DECODE_TUNING["impl"] == "tc":
+            tile = 16  # query heads per m16 tile
+            self.kernel = _decode_tc_kernel(dev, dtype, d)
+            self.threads = 32 * _tc_warps(d)
+        else:
+            tile = _group_tile(self.group)
+            self.kernel = _decode_kernel(dev, dtype, d, tile)
+            self.threads = _DECODE_THREADS
+        self.ctas = kvh * ((self.group + tile - 1) // tile)
+        self.counters = self.ctas
+        occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev)
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        # One full wave of CTAs: every split resident at once, each streaming its range.
+        cap = min(MAX_SPLITS, int(DECODE_TUNING["max_splits"]))
+        self.max_splits = max(1, min(cap, (occ * sms) // self.ctas))
+        self.min_rows = int(DECODE_TUNING["min_split_rows"])
+
+    def splits(self, kv_len: int | None) -> int:
+        if kv_len is None:
+            return self.max_splits
+        return max(1, min(self.max_splits, -(-kv_len // self.min_rows)))
+
+
+_plans: dict[tuple, _DecodePlan] = {}
+
+
+def _plan(
+    dev: int,
+    dtype: torch.dtype,
+    d: int,
+    q_heads: int,
+    kvh: int,
+    page: int,
+    multi: bool = False,
+) -> _DecodePlan:
+    key = (dev, dtype, d, q_heads, kvh, page, multi)
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plans[key] = _DecodePlan(dev, dtype, d, q_heads, kvh, page, multi)
+    return plan
 
 
 def decode_splits(
@@ -363,29 +468,19 @@ def decode_splits(
     q_heads: int,
     kv_heads: int,
     kv_len: int | None,
+    page_size: int = 16,
 ) -> int:
     """Split count the decode launch uses: one full wave of CTAs (resident CTAs per SM x
-    SMs), at most ``MAX_SPLITS``, and for a host length (``kv_len`` not None) no split
-    shorter than 64 rows. ``kv_len=None`` gives the device-length (graph) count, which
-    depends on nothing that changes between steps."""
-    dev = _device_index(device)
-    group = q_heads // kv_heads
-    gt = _group_tile(group)
-    ctas = kv_heads * ((group + gt - 1) // gt)
-    key = (dev, dtype, head_dim, gt, tuple(sorted(DECODE_TUNING.items())))
-    occ = _occupancy.get(key)
-    if occ is None:
-        kern = _decode_kernel(dev, dtype, head_dim, gt)
-        occ = nvrtc.max_active_blocks(kern, _DECODE_THREADS, dev)
-        _occupancy[key] = occ
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    s = max(1, min(MAX_SPLITS, (occ * sms) // ctas))
-    if kv_len is not None:
-        s = max(1, min(s, -(-kv_len // _MIN_SPLIT_ROWS)))
-    return s
+    SMs / CTAs per split), at most ``MAX_SPLITS``, and for a host length (``kv_len`` not
+    None) no split shorter than 64 rows. ``kv_len=None`` gives the device-length (graph)
+    count, which depends on nothing that changes between steps."""
+    return _plan(
+        _device_index(device), dtype, head_dim, q_heads, kv_heads, page_size
+    ).splits(kv_len)
 
 
 def _launch_decode(
+    plan: _DecodePlan,
     out: torch.Tensor,
     q: torch.Tensor,
     k_pool: torch.Tensor,
@@ -397,24 +492,20 @@ def _launch_decode(
     splits: int,
     scale: float,
 ) -> None:
-    _nb, page, kvh, d = k_pool.shape
-    q_heads = q.shape[-2]
-    group = q_heads // kvh
-    gt = _group_tile(group)
-    hchunks = (group + gt - 1) // gt
-    dev = k_pool.device.index
-    kern = _decode_kernel(dev, k_pool.dtype, d, gt)
     ws_ptr = cnt_ptr = 0
     if splits > 1:
+        d = k_pool.shape[3]
         ws, cnt = _workspace(
-            k_pool.device, tokens * splits * q_heads * (d + 2), tokens * kvh * hchunks
+            k_pool.device,
+            tokens * splits * plan.group * plan.kvh * (d + 2),
+            tokens * plan.counters,
         )
         ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
     nvrtc.launch(
-        dev,
-        kern,
-        (kvh * hchunks, splits, tokens),
-        _DECODE_THREADS,
+        plan.dev,
+        plan.kernel,
+        (plan.ctas, splits, tokens),
+        plan.threads,
         (
             out.data_ptr(),
             q.data_ptr(),
@@ -423,10 +514,10 @@ def _launch_decode(
             block_table.data_ptr(),
             pos_ptr,
             np.int32(host_len),
-            np.int32(kvh),
-            np.int32(group),
-            np.int32(int(math.log2(page))),
-            np.float32(float(scale) * _LOG2E),
+            np.int32(plan.kvh),
+            np.int32(plan.group),
+            np.int32(plan.log2_page),
+            np.float32(scale * _LOG2E),
             ws_ptr,
             cnt_ptr,
         ),
@@ -495,20 +586,15 @@ def decode_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
         _check_out(out, q)
+    plan = _plan(k_pool.device.index, k_pool.dtype, d, q.shape[-2], kvh, page)
     if num_splits is None:
-        splits = decode_splits(
-            k_pool.device,
-            k_pool.dtype,
-            d,
-            q.shape[-2],
-            kvh,
-            None if pos is not None else kv_len,
-        )
+        splits = plan.splits(None if pos is not None else kv_len)
     else:
         splits = int(num_splits)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
     _launch_decode(
+        plan,
         out,
         q,
         k_pool,
@@ -518,7 +604,7 @@ def decode_attention(
         0 if pos is not None else kv_len,
         1,
         splits,
-        scale,
+        float(scale),
     )
     return out
 
@@ -560,7 +646,12 @@ def prefill_attention(
         # No tensor-core path for float32: token i is a decode of length start + i + 1.
         if t > 65535:
             raise ValueError("float32 prefill chunks are limited to 65535 tokens")
-        _launch_decode(out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, scale)
+        plan = _plan(
+            k_pool.device.index, k_pool.dtype, d, q_heads, kvh, page, multi=True
+        )
+        _launch_decode(
+            plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale)
+        )
         return out
     dev = k_pool.device.index
     kern = _prefill_kernel(dev, k_pool.dtype, d)

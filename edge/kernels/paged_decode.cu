@@ -8,13 +8,15 @@
 // the length at replay), z = tokens (1 for decode; >1 only with num_splits == 1, where
 // token t sees kv_len + t keys: the float32 prefill path).
 //
-// Each CTA streams its rows with 16-byte loads, TPR threads per row, UNROLL rows per
-// row group in flight, online softmax in float32 (exp2 domain), merges its row groups
-// (shuffles, then shared memory), and then either writes the output (one split) or
-// its partial (m, l, unnormalized o) to a float32 workspace; the last CTA of a
-// (KV head, chunk) to finish (atomic ticket) merges all splits and writes the output,
-// then resets its ticket to 0 for the next launch. No second kernel, fixed shared
-// memory, nothing at or beyond kv_len is ever read.
+// Each CTA streams its rows through a STAGES-deep cp.async pipeline of 16-byte copies
+// into shared memory (stages of ~8 KB of K and V rows gathered from the pages; rows at
+// or past kv_len are never read), so several stages are in flight while one is
+// computed. TPR threads per row, online softmax in float32 (exp2 domain), row groups
+// merged with shuffles, warps through shared memory; then the CTA either writes the
+// output (one split) or its partial (m, l, unnormalized o) to a float32 workspace, and
+// the last CTA of a (token, KV head, chunk) to finish (atomic ticket) merges all splits
+// and writes the output, then resets its ticket to 0 for the next launch. No second
+// kernel; shared memory is fixed (independent of kv_len).
 #include "common.cuh"
 
 namespace edge {
@@ -23,51 +25,57 @@ constexpr int kDecodeThreads = 128;
 constexpr int kMaxSplits = 128;
 
 // Tuning knobs (defines; nvrtc.py folds them into the cache key):
-//   EDGE_DECODE_MIN_BLOCKS  resident CTAs per SM asked of the register allocator
-//   EDGE_DECODE_QACC_REGS   registers per thread for q + the output accumulator; sets the
-//                           threads per K/V row: fewer registers -> more lanes per row
-//                           -> more shuffles per row
-//   EDGE_DECODE_UNROLL_VECS 16-byte K vectors per thread per iteration (V as many)
-//   EDGE_DECODE_PREFETCH    1: load the next iteration's rows while computing this one
-#ifndef EDGE_DECODE_MIN_BLOCKS
-#define EDGE_DECODE_MIN_BLOCKS 2
-#endif
+//   EDGE_DECODE_QACC_REGS  registers per thread for q + the output accumulator; sets the
+//                          threads per K/V row: fewer registers -> more lanes per row
+//                          -> more shuffles per row
+//   EDGE_DECODE_STAGES     pipeline depth (stages of ~EDGE_DECODE_STAGE_BYTES of K+V)
+//   EDGE_DECODE_STAGE_BYTES bytes of K + V per stage
+//   EDGE_DECODE_MIN_BLOCKS resident CTAs per SM asked of the register allocator (group
+//                          tiles of 8 heads ask for 2: their q + acc alone need 128)
 #ifndef EDGE_DECODE_QACC_REGS
-#define EDGE_DECODE_QACC_REGS 128
+#define EDGE_DECODE_QACC_REGS 64
 #endif
-#ifndef EDGE_DECODE_UNROLL_VECS
-#define EDGE_DECODE_UNROLL_VECS 4
+#ifndef EDGE_DECODE_STAGES
+#define EDGE_DECODE_STAGES 4
 #endif
-#ifndef EDGE_DECODE_PREFETCH
-#define EDGE_DECODE_PREFETCH 0
+#ifndef EDGE_DECODE_STAGE_BYTES
+#define EDGE_DECODE_STAGE_BYTES 8192
+#endif
+#ifndef EDGE_DECODE_MIN_BLOCKS
+#define EDGE_DECODE_MIN_BLOCKS 4
 #endif
 
 template <typename T, int D, int GT>
 struct DecodeCfg {
-  static constexpr int VEC = Vec<T>::N;       // elements per 16-byte vector
-  static constexpr int NVEC = D / VEC;        // vectors per row
+  static constexpr int VEC = Vec<T>::N;  // elements per 16-byte vector
+  static constexpr int NVEC = D / VEC;   // vectors per row
   static constexpr int TPR0 = GT * D * 2 / EDGE_DECODE_QACC_REGS;
-  static constexpr int TPR_MIN = NVEC / 4 > 2 ? NVEC / 4 : 2;  // <= 4 vectors per thread
+  static constexpr int TPR_MIN = NVEC / 2;  // <= 2 vectors per thread per row
   static constexpr int TPR = TPR0 < TPR_MIN ? TPR_MIN : (TPR0 > NVEC ? NVEC : TPR0);
-  static constexpr int NV = NVEC / TPR;       // vectors per thread per row
-  static constexpr int EPT = NV * VEC;        // elements per thread per row
-  static constexpr int UNROLL = NV >= EDGE_DECODE_UNROLL_VECS ? 1 : EDGE_DECODE_UNROLL_VECS / NV;
-  static constexpr int NRG = kDecodeThreads / TPR;    // row groups per CTA
-  static constexpr int ROWS_ITER = NRG * UNROLL;
+  static constexpr int NV = NVEC / TPR;                // vectors per thread per row
+  static constexpr int EPT = NV * VEC;                 // elements per thread per row
+  static constexpr int NRG = kDecodeThreads / TPR;     // row groups per CTA
+  static constexpr int ROW_BYTES = D * (int)sizeof(T);
+  static constexpr int ROWS0 = EDGE_DECODE_STAGE_BYTES / (2 * ROW_BYTES);
+  static constexpr int ROWS_STAGE = ROWS0 < NRG ? NRG : ROWS0;  // rows per stage
+  static constexpr int UNROLL = ROWS_STAGE / NRG;      // rows per row group per stage
+  static constexpr int STAGES = EDGE_DECODE_STAGES;
+  static constexpr int STAGE_ELEMS = ROWS_STAGE * D;   // of K (V as many)
+  static constexpr int CHUNKS = ROWS_STAGE * NVEC;     // 16-byte copies of K per stage
   static constexpr int WARPS = kDecodeThreads / 32;
+  // Shared memory: the pipeline, later reused for the merges.
+  static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
+  static constexpr int ACC_BYTES = WARPS * GT * D * 4;
+  static constexpr int SPLIT_BYTES = 2 * kMaxSplits * GT * 4;
+  static constexpr int SMEM_BYTES =
+      PIPE_BYTES > ACC_BYTES + SPLIT_BYTES ? PIPE_BYTES : ACC_BYTES + SPLIT_BYTES;
   static_assert(NVEC % TPR == 0, "bad TPR");
   static_assert(32 % TPR == 0, "row group must not straddle warps");
+  static_assert(ROWS_STAGE % NRG == 0, "stage rows must split over row groups");
+  static_assert(CHUNKS % kDecodeThreads == 0, "stage copies must split over threads");
+  static_assert(STAGES >= 2, "need at least two stages");
+  static_assert(SMEM_BYTES <= 48 * 1024, "static shared memory over 48 KB");
 };
-
-__device__ __forceinline__ void store4(__half* p, float4 v) {
-  uint2 u = make_uint2(pack2<__half>(v.x, v.y), pack2<__half>(v.z, v.w));
-  *reinterpret_cast<uint2*>(p) = u;
-}
-__device__ __forceinline__ void store4(__nv_bfloat16* p, float4 v) {
-  uint2 u = make_uint2(pack2<__nv_bfloat16>(v.x, v.y), pack2<__nv_bfloat16>(v.z, v.w));
-  *reinterpret_cast<uint2*>(p) = u;
-}
-__device__ __forceinline__ void store4(float* p, float4 v) { *reinterpret_cast<float4*>(p) = v; }
 
 template <typename T, int D, int GT>
 __device__ __forceinline__ void paged_decode(
@@ -83,22 +91,23 @@ __device__ __forceinline__ void paged_decode(
     unsigned int* __restrict__ counters) {
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
-  constexpr int NRG = C::NRG, WARPS = C::WARPS;
+  constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, NVEC = C::NVEC;
+  constexpr int ROWS_STAGE = C::ROWS_STAGE;
 
+  __shared__ __align__(16) unsigned char smem[C::SMEM_BYTES];
   __shared__ float sm_m[WARPS][GT];
   __shared__ float sm_l[WARPS][GT];
-  __shared__ __align__(16) float sm_acc[WARPS][GT][D];
-  __shared__ float sm_sm[kMaxSplits][GT];  // per-split m, then merge weights
-  __shared__ float sm_sl[kMaxSplits][GT];  // per-split l
-  __shared__ float sm_M[GT];
-  __shared__ float sm_invL[GT];
   __shared__ int sm_last;
+  T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  float(*sm_acc)[GT][D] = reinterpret_cast<float(*)[GT][D]>(smem);
+  float(*sm_sm)[GT] = reinterpret_cast<float(*)[GT]>(smem + C::ACC_BYTES);
+  float(*sm_sl)[GT] = reinterpret_cast<float(*)[GT]>(smem + C::ACC_BYTES + kMaxSplits * GT * 4);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const int warp = tid >> 5;
-  const int lr = lane % TPR;   // lane within the row group
-  const int rg = tid / TPR;    // row group within the CTA
+  const int lr = lane % TPR;  // lane within the row group
+  const int rg = tid / TPR;   // row group within the CTA
   const int hchunks = (group + GT - 1) / GT;
   const int kvh = blockIdx.x / hchunks;
   const int chunk = blockIdx.x - kvh * hchunks;
@@ -114,11 +123,47 @@ __device__ __forceinline__ void paged_decode(
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the
   // launch does not depend on it.
   int per = (kv_len + nsplit - 1) / nsplit;
-  per = (per + C::ROWS_ITER - 1) / C::ROWS_ITER * C::ROWS_ITER;
-  const int r0 = split * per;
+  per = (per + ROWS_STAGE - 1) / ROWS_STAGE * ROWS_STAGE;
+  const int r0 = min(split * per, kv_len);
   const int r1 = min(kv_len, r0 + per);
+  const int nstage = (r1 - r0 + ROWS_STAGE - 1) / ROWS_STAGE;
 
-  // Query slice of this thread, pre-scaled into the exp2 domain.
+  const long long row_stride = (long long)kv_heads * D;  // elements between slots
+  const long long head_off = (long long)kvh * D;
+
+  // Gather stage `s` (rows r0 + s * ROWS_STAGE ...) into pipeline buffer s % STAGES.
+  auto load_stage = [&](int s) {
+    if (s < nstage) {
+      T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
+      T* dv = dk + C::STAGE_ELEMS;
+      const int sbase = r0 + s * ROWS_STAGE;
+#pragma unroll
+      for (int it = 0; it < C::CHUNKS / kDecodeThreads; ++it) {
+        const int c = tid + it * kDecodeThreads;
+        const int r = c / NVEC;
+        const int cc = c - r * NVEC;
+        const int row = sbase + r;
+        const T* ks = k_pool;
+        const T* vs = v_pool;
+        int bytes = 0;
+        if (row < r1) {
+          const long long off = paged_slot(table, row, log2_page) * row_stride + head_off + cc * VEC;
+          ks = k_pool + off;
+          vs = v_pool + off;
+          bytes = 16;
+        }
+        cp_async16(smem_u32(dk + r * D + cc * VEC), ks, bytes);
+        cp_async16(smem_u32(dv + r * D + cc * VEC), vs, bytes);
+      }
+    }
+    cp_async_commit();  // (possibly empty) group: keeps the group count uniform
+  };
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) load_stage(s);
+
+  // Query slice of this thread, pre-scaled into the exp2 domain (loads overlap the
+  // pipeline's first copies).
   float qf[GT][EPT];
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
@@ -146,60 +191,33 @@ __device__ __forceinline__ void paged_decode(
     for (int i = 0; i < EPT; ++i) acc[g][i] = 0.f;
   }
 
-  const long long row_stride = (long long)kv_heads * D;  // elements between slots
-  const T* kbase = k_pool + (long long)kvh * D + lr * VEC;
-  const T* vbase = v_pool + (long long)kvh * D + lr * VEC;
+  for (int s = 0; s < nstage; ++s) {
+    cp_async_wait<STAGES - 2>();  // this thread's copies of stage s landed
+    __syncthreads();              // everyone's did, and everyone is done with stage s - 1
+    load_stage(s + STAGES - 1);   // into the buffer of stage s - 1
 
-  // Rows base + u * NRG + rg (u < UNROLL) of one iteration; rows at or past r1 are
-  // not read (zeros).
-  auto load_rows = [&](int base, uint4 (&kr)[UNROLL][NV], uint4 (&vr)[UNROLL][NV]) {
+    const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
+    const T* sv = sk + C::STAGE_ELEMS;
+    const int sbase = r0 + s * ROWS_STAGE;
+
+    // Scores (every lane takes part in the shuffles; rows past r1 are masked below by
+    // a branch, never by multiplication).
+    float sc[UNROLL][GT];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int row = base + u * NRG + rg;
-      if (row < r1) {
-        const long long off = paged_slot(table, row, log2_page) * row_stride;
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          kr[u][j] = load_stream(kbase + off + j * TPR * VEC);
-          vr[u][j] = load_stream(vbase + off + j * TPR * VEC);
-        }
-      } else {
-#pragma unroll
-        for (int j = 0; j < NV; ++j) {
-          kr[u][j] = make_uint4(0u, 0u, 0u, 0u);
-          vr[u][j] = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-    }
-  };
-
-#if EDGE_DECODE_PREFETCH
-  uint4 kr[UNROLL][NV], vr[UNROLL][NV];
-  load_rows(r0, kr, vr);
-#endif
-  for (int base = r0; base < r1; base += C::ROWS_ITER) {
-#if EDGE_DECODE_PREFETCH
-    uint4 kn[UNROLL][NV], vn[UNROLL][NV];
-    load_rows(base + C::ROWS_ITER, kn, vn);  // in flight while this iteration computes
-#else
-    uint4 kr[UNROLL][NV], vr[UNROLL][NV];
-    load_rows(base, kr, vr);
-#endif
-
-    // Scores (every lane takes part in the shuffles; rows not loaded score 0 and are
-    // masked below by a branch, never by multiplication).
-    float s[UNROLL][GT];
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
+      const int r = u * NRG + rg;
       float kf[EPT];
 #pragma unroll
-      for (int j = 0; j < NV; ++j) Vec<T>::to_float(kr[u][j], &kf[j * VEC]);
+      for (int j = 0; j < NV; ++j) {
+        const uint4 kv = *reinterpret_cast<const uint4*>(sk + r * D + (lr + j * TPR) * VEC);
+        Vec<T>::to_float(kv, &kf[j * VEC]);
+      }
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         float a = 0.f;
 #pragma unroll
         for (int i = 0; i < EPT; ++i) a = fmaf(qf[g][i], kf[i], a);
-        s[u][g] = a;
+        sc[u][g] = a;
       }
     }
 #pragma unroll
@@ -207,34 +225,38 @@ __device__ __forceinline__ void paged_decode(
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
-        for (int g = 0; g < GT; ++g) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+        for (int g = 0; g < GT; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
       }
     }
 
-    if (base + rg < r1) {  // row u = 0 is valid, so this group has work this round
+    if (sbase + rg < r1) {  // row u = 0 is valid, so this group has work in this stage
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
         float mx = m[g];
 #pragma unroll
         for (int u = 0; u < UNROLL; ++u)
-          if (base + u * NRG + rg < r1) mx = fmaxf(mx, s[u][g]);
+          if (sbase + u * NRG + rg < r1) mx = fmaxf(mx, sc[u][g]);
         const float corr = exp2f(m[g] - mx);  // m = -inf at first: 0, mx is finite
         m[g] = mx;
         l[g] *= corr;
 #pragma unroll
         for (int i = 0; i < EPT; ++i) acc[g][i] *= corr;
 #pragma unroll
-        for (int u = 0; u < UNROLL; ++u) s[u][g] = exp2f(s[u][g] - mx);
+        for (int u = 0; u < UNROLL; ++u) sc[u][g] = exp2f(sc[u][g] - mx);
       }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        if (base + u * NRG + rg < r1) {
+        const int r = u * NRG + rg;
+        if (sbase + r < r1) {
           float vf[EPT];
 #pragma unroll
-          for (int j = 0; j < NV; ++j) Vec<T>::to_float(vr[u][j], &vf[j * VEC]);
+          for (int j = 0; j < NV; ++j) {
+            const uint4 vv = *reinterpret_cast<const uint4*>(sv + r * D + (lr + j * TPR) * VEC);
+            Vec<T>::to_float(vv, &vf[j * VEC]);
+          }
 #pragma unroll
           for (int g = 0; g < GT; ++g) {
-            const float p = s[u][g];
+            const float p = sc[u][g];
             l[g] += p;
 #pragma unroll
             for (int i = 0; i < EPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
@@ -242,17 +264,9 @@ __device__ __forceinline__ void paged_decode(
         }
       }
     }
-#if EDGE_DECODE_PREFETCH
-#pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-      for (int j = 0; j < NV; ++j) {
-        kr[u][j] = kn[u][j];
-        vr[u][j] = vn[u][j];
-      }
-    }
-#endif
   }
+  cp_async_wait_all();
+  __syncthreads();  // the pipeline buffers become sm_acc / sm_sm / sm_sl
 
   // Merge the row groups of each warp (lane bits above the row-group lanes).
 #pragma unroll
@@ -293,7 +307,8 @@ __device__ __forceinline__ void paged_decode(
   }
   __syncthreads();
 
-  // Merge the warps: output (one split) or this split's partial.
+  // Merge the warps: output (one split) or this split's partial (always written, also
+  // for an empty split: m = -inf, l = 0, o = 0).
   const bool single = (nsplit == 1);
   float* ws_o = ws;
   float* ws_ml = ws + (long long)gridDim.z * nsplit * q_heads * D;
@@ -325,8 +340,8 @@ __device__ __forceinline__ void paged_decode(
              make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
     } else {
       const long long pidx = ((long long)tok * nsplit + split) * q_heads + head;
-      *reinterpret_cast<float4*>(ws_o + pidx * D + d) = o;
-      if (d == 0) *reinterpret_cast<float2*>(ws_ml + pidx * 2) = make_float2(M, L);
+      __stcg(reinterpret_cast<float4*>(ws_o + pidx * D + d), o);
+      if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml + pidx * 2), make_float2(M, L));
     }
   }
   if (single) return;
@@ -344,48 +359,44 @@ __device__ __forceinline__ void paged_decode(
   __threadfence();
   if (tid == 0) counters[cidx] = 0u;  // ready for the next launch (graph replay too)
 
-  for (int sidx = tid; sidx < nsplit; sidx += kDecodeThreads) {
-    for (int g = 0; g < gcount; ++g) {
-      const long long pidx = ((long long)tok * nsplit + sidx) * q_heads + head0 + g;
-      const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml + pidx * 2));
-      sm_sm[sidx][g] = ml.x;
-      sm_sl[sidx][g] = ml.y;
-    }
+  for (int i = tid; i < nsplit * gcount; i += kDecodeThreads) {
+    const int sidx = i / gcount;
+    const int g = i - sidx * gcount;
+    const long long pidx = ((long long)tok * nsplit + sidx) * q_heads + head0 + g;
+    const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml + pidx * 2));
+    sm_sm[sidx][g] = ml.x;
+    sm_sl[sidx][g] = ml.y;
   }
   __syncthreads();
-  if (tid < gcount) {
+  // Per head (one warp each): M, L, then each split's weight exp2(m - M) / L.
+  for (int g = warp; g < gcount; g += WARPS) {
     float M = neg_inf();
-    for (int sidx = 0; sidx < nsplit; ++sidx) M = fmaxf(M, sm_sm[sidx][tid]);
+    for (int sidx = lane; sidx < nsplit; sidx += 32) M = fmaxf(M, sm_sm[sidx][g]);
+    M = warp_max(M);
     float L = 0.f;
-    for (int sidx = 0; sidx < nsplit; ++sidx)
-      if (sm_sl[sidx][tid] > 0.f) L += sm_sl[sidx][tid] * exp2f(sm_sm[sidx][tid] - M);
-    sm_M[tid] = M;
-    sm_invL[tid] = 1.f / L;
-  }
-  __syncthreads();
-  for (int sidx = tid; sidx < nsplit; sidx += kDecodeThreads) {
-    for (int g = 0; g < gcount; ++g) {
-      sm_sm[sidx][g] =
-          (sm_sl[sidx][g] > 0.f) ? exp2f(sm_sm[sidx][g] - sm_M[g]) * sm_invL[g] : 0.f;
-    }
+    for (int sidx = lane; sidx < nsplit; sidx += 32)
+      if (sm_sl[sidx][g] > 0.f) L += sm_sl[sidx][g] * exp2f(sm_sm[sidx][g] - M);
+    const float inv = 1.f / warp_sum(L);
+    for (int sidx = lane; sidx < nsplit; sidx += 32)
+      sm_sm[sidx][g] = (sm_sl[sidx][g] > 0.f) ? exp2f(sm_sm[sidx][g] - M) * inv : 0.f;
   }
   __syncthreads();
   for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
     const int head = head0 + g;
+    const float* src = ws_o + (((long long)tok * nsplit) * q_heads + head) * D + d;
+    const long long sstride = (long long)q_heads * D;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
+    // Every split wrote finite partials (zeros when empty), so weight 0 is exact.
+#pragma unroll 8
     for (int sidx = 0; sidx < nsplit; ++sidx) {
       const float w = sm_sm[sidx][g];
-      if (w != 0.f) {  // empty split (or underflow): skip, never 0 * x
-        const long long pidx = ((long long)tok * nsplit + sidx) * q_heads + head;
-        const float4 a = __ldcg(reinterpret_cast<const float4*>(ws_o + pidx * D + d));
-        o.x = fmaf(w, a.x, o.x);
-        o.y = fmaf(w, a.y, o.y);
-        o.z = fmaf(w, a.z, o.z);
-        o.w = fmaf(w, a.w, o.w);
-      }
+      const float4 a = __ldcg(reinterpret_cast<const float4*>(src + sidx * sstride));
+      o.x = fmaf(w, a.x, o.x);
+      o.y = fmaf(w, a.y, o.y);
+      o.z = fmaf(w, a.z, o.z);
+      o.w = fmaf(w, a.w, o.w);
     }
     store4(out + ((long long)tok * q_heads + head) * D + d, o);
   }
@@ -397,15 +408,17 @@ __device__ __forceinline__ void paged_decode(
 #error "compile with EDGE_DTYPE and EDGE_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
 #endif
 
-#define EDGE_DECODE_INST(G)                                                                     \
-  extern "C" __global__ void __launch_bounds__(edge::kDecodeThreads, EDGE_DECODE_MIN_BLOCKS) paged_decode_g##G(         \
-      edge_t* __restrict__ out, const edge_t* __restrict__ q, const edge_t* __restrict__ k_pool, \
-      const edge_t* __restrict__ v_pool, const int* __restrict__ table,                         \
-      const int* __restrict__ pos, int host_len, int kv_heads, int group, int log2_page,         \
-      float scale_log2, float* __restrict__ ws, unsigned int* __restrict__ counters) {          \
-    edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,  \
-                                                 kv_heads, group, log2_page, scale_log2, ws,    \
-                                                 counters);                                     \
+#define EDGE_DECODE_INST(G)                                                                      \
+  extern "C" __global__ void __launch_bounds__(edge::kDecodeThreads,                             \
+                                               (G) >= 8 ? 2 : EDGE_DECODE_MIN_BLOCKS)            \
+      paged_decode_g##G(edge_t* __restrict__ out, const edge_t* __restrict__ q,                  \
+                        const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
+                        const int* __restrict__ table, const int* __restrict__ pos,              \
+                        int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
+                        float* __restrict__ ws, unsigned int* __restrict__ counters) {            \
+    edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
+                                                 kv_heads, group, log2_page, scale_log2, ws,     \
+                                                 counters);                                      \
   }
 
 EDGE_DECODE_INST(1)

@@ -19,53 +19,6 @@ constexpr int kPfThreads = 128;
 constexpr int kBM = 64;  // query rows per CTA
 constexpr int kBN = 64;  // keys per tile
 
-template <typename T>
-__device__ __forceinline__ void mma16816(float* c, const unsigned int* a, unsigned int b0,
-                                         unsigned int b1);
-
-template <>
-__device__ __forceinline__ void mma16816<__half>(float* c, const unsigned int* a, unsigned int b0,
-                                                 unsigned int b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-template <>
-__device__ __forceinline__ void mma16816<__nv_bfloat16>(float* c, const unsigned int* a,
-                                                        unsigned int b0, unsigned int b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ unsigned int smem_u32(const void* p) {
-  return static_cast<unsigned int>(__cvta_generic_to_shared(p));
-}
-
-// 16-byte async global->shared copy; src_bytes == 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async16(unsigned int dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
-               "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() {
-  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned int& r0, unsigned int& r1,
-                                                  unsigned int& r2, unsigned int& r3,
-                                                  unsigned int addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-               : "r"(addr));
-}
-
 template <typename T, int D>
 __device__ __forceinline__ void paged_prefill(
     T* __restrict__ out,            // [T, q_heads, D]

@@ -1,0 +1,403 @@
+// Paged decode attention on tensor cores (float16 / bfloat16; mma.sync m16n8k16 and
+// ldmatrix, sm_80+: the same code runs on sm_87 and sm_90).
+//
+// One query token. The (up to 16) query heads that share a KV head form the 16 rows of
+// one m16 tile (GQA: each K/V row is read from global memory once for the whole group;
+// rows past the group are zero and never written), so Q K^T and P V are two small
+// matrix products per 16 keys instead of ~100 dependent CUDA-core instructions per
+// key: the kernel is left with nothing to do but stream K and V.
+//
+// Grid: x = kv_heads * ceil(group / 16), y = num_splits (each split's key range is
+// derived in-kernel from kv_len, read from the device `pos` when given, so one launch
+// configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
+// stage of 16 * W keys is gathered from the pages with cp.async into padded shared
+// memory (STAGES deep), warp w takes keys [16 w, 16 w + 16) of each stage with its own
+// online softmax (float32, exp2 domain); the warps merge through shared memory, then
+// the CTA writes the output (one split) or its partial, and the last CTA of the KV
+// head (atomic ticket, reset after use) merges the splits, as in paged_decode.cu.
+// Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
+#include "common.cuh"
+
+// Defaults: the fastest configuration measured on an H200 (docs/kernels.md): 4 warps
+// (stage = 64 keys), single-buffered at head_dim 128 (35 KB), double at 64 (37 KB).
+#ifndef EDGE_TC_WARPS
+#define EDGE_TC_WARPS 4
+#endif
+#ifndef EDGE_TC_STAGES
+#define EDGE_TC_STAGES (EDGE_HEAD_DIM >= 128 ? 1 : 2)
+#endif
+#ifndef EDGE_TC_MIN_BLOCKS
+#define EDGE_TC_MIN_BLOCKS (EDGE_TC_WARPS >= 4 ? 2 : 4)
+#endif
+
+namespace edge {
+
+constexpr int kTcRows = 16;  // query heads per CTA: one m16 tile
+
+template <typename T, int D, int W, int STAGES>
+struct TcCfg {
+  static constexpr int THREADS = 32 * W;
+  static constexpr int KEYS = 16 * W;  // keys per stage
+  static constexpr int LDS = D + 8;    // padded row: conflict-free ldmatrix
+  static constexpr int STAGE_ELEMS = KEYS * LDS;
+  static constexpr int KSTEPS = D / 16;
+  static constexpr int NT_D = D / 8;
+  static constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+  static constexpr int PER_THREAD = KEYS * CHUNKS / THREADS;  // K copies per thread per stage
+  static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
+  static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
+  static constexpr int ACC_BYTES = W * kTcRows * D * 4;
+  static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+  static_assert(THREADS % CHUNKS == 0 && KEYS % ROWS_PER_PASS == 0, "stage copies must split over threads");
+  static_assert(STAGES >= 1, "need a stage");
+  static_assert(SMEM_BYTES <= 48 * 1024, "static shared memory over 48 KB");
+};
+
+template <typename T, int D, int W, int STAGES>
+__device__ __forceinline__ void paged_decode_tc(
+    T* __restrict__ out,             // [q_heads, D]
+    const T* __restrict__ q,         // [q_heads, D]
+    const T* __restrict__ k_pool,    // [num_blocks, page, kv_heads, D]
+    const T* __restrict__ v_pool,    // [num_blocks, page, kv_heads, D]
+    const int* __restrict__ table,   // [max_blocks]
+    const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
+    int host_len,                    // kv_len when pos is null
+    int kv_heads, int group, int log2_page, float scale_log2,
+    float* __restrict__ ws,          // split partials (num_splits > 1)
+    unsigned int* __restrict__ counters) {
+  using C = TcCfg<T, D, W, STAGES>;
+  constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
+  constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
+
+  __shared__ __align__(16) unsigned char smem[C::SMEM_BYTES];
+  __shared__ float sm_m[W][kTcRows];
+  __shared__ float sm_l[W][kTcRows];
+  __shared__ int sm_last;
+  T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int gid = lane >> 2;
+  const int tig = lane & 3;
+  const int hchunks = (group + kTcRows - 1) / kTcRows;
+  const int kvh = blockIdx.x / hchunks;
+  const int chunk = blockIdx.x - kvh * hchunks;
+  const int gcount = min(kTcRows, group - chunk * kTcRows);
+  const int q_heads = kv_heads * group;
+  const int head0 = kvh * group + chunk * kTcRows;
+  const int split = blockIdx.y;
+  const int nsplit = gridDim.y;
+
+  const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
+  int per = (kv_len + nsplit - 1) / nsplit;
+  per = (per + KEYS - 1) / KEYS * KEYS;
+  const int r0 = min(split * per, kv_len);
+  const int r1 = min(kv_len, r0 + per);
+  const int nstage = (r1 - r0 + KEYS - 1) / KEYS;
+
+  const long long row_stride = (long long)kv_heads * D;
+  const long long head_off = (long long)kvh * D;
+
+  // Copies of a stage: this thread moves 16-byte chunk `my_cc` of rows my_r + i * RPP.
+  // The block-table lookups (a dependent global load before each copy can issue) run one
+  // stage ahead into registers, so they are never on a stage's critical path.
+  constexpr int PT = C::PER_THREAD, RPP = C::ROWS_PER_PASS;
+  const int my_r = tid / CHUNKS;
+  const int my_cc = tid - my_r * CHUNKS;
+  auto fetch_slots = [&](int s, int (&slot)[PT]) {
+    const int sbase = r0 + s * KEYS + my_r;
+#pragma unroll
+    for (int i = 0; i < PT; ++i) {
+      const int row = sbase + i * RPP;
+      slot[i] = (s < nstage && row < r1) ? (int)paged_slot(table, row, log2_page) : -1;
+    }
+  };
+  auto issue_stage = [&](int s, const int (&slot)[PT]) {
+    if (s < nstage) {
+      T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * 8;
+      T* dv = dk + C::STAGE_ELEMS;
+#pragma unroll
+      for (int i = 0; i < PT; ++i) {
+        const bool ok = slot[i] >= 0;  // rows at or past r1: zero-filled, not read
+        const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * 8 : 0;
+        cp_async16(smem_u32(dk + i * RPP * LDS), k_pool + off, ok ? 16 : 0);
+        cp_async16(smem_u32(dv + i * RPP * LDS), v_pool + off, ok ? 16 : 0);
+      }
+    }
+    cp_async_commit();  // (possibly empty) group: keeps the group count uniform
+  };
+
+  int slots[PT];
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    fetch_slots(s, slots);
+    issue_stage(s, slots);
+  }
+  fetch_slots(STAGES - 1, slots);
+
+  // Q fragments (A operand): rows gid and gid + 8 of the head tile.
+  const bool qv0 = gid < gcount;
+  const bool qv1 = gid + 8 < gcount;
+  const T* q0 = q + (long long)(head0 + gid) * D;
+  const T* q1 = q + (long long)(head0 + gid + 8) * D;
+  unsigned int qa[KSTEPS][4];
+#pragma unroll
+  for (int ks = 0; ks < KSTEPS; ++ks) {
+    const int c0 = ks * 16 + tig * 2;
+    qa[ks][0] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0) : 0u;
+    qa[ks][1] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0) : 0u;
+    qa[ks][2] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0 + 8) : 0u;
+    qa[ks][3] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0 + 8) : 0u;
+  }
+
+  float o[NT_D][4];
+#pragma unroll
+  for (int n = 0; n < NT_D; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+  float mrow[2] = {neg_inf(), neg_inf()};
+  float lrow[2] = {0.f, 0.f};
+
+  for (int s = 0; s < nstage; ++s) {
+    if (STAGES > 1) {
+      cp_async_wait<(STAGES > 1 ? STAGES - 2 : 0)>();  // this thread's copies of stage s
+      __syncthreads();  // everyone's landed; everyone is done with stage s - 1
+      issue_stage(s + STAGES - 1, slots);  // into the buffer of stage s - 1
+      fetch_slots(s + STAGES, slots);      // lands while stage s is computed
+    } else {
+      __syncthreads();  // everyone is done with the previous stage
+      issue_stage(s, slots);
+      fetch_slots(s + 1, slots);
+      cp_async_wait_all();
+      __syncthreads();
+    }
+
+    const int k0 = r0 + s * KEYS + warp * 16;
+    if (k0 < r1) {  // warp-uniform: this warp's 16 keys hold at least one valid key
+      const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + warp * 16 * LDS;
+      const T* sv = sk + C::STAGE_ELEMS;
+
+      float sc[2][4];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) sc[j][0] = sc[j][1] = sc[j][2] = sc[j][3] = 0.f;
+      const T* kaddr = sk + ((lane >> 4) * 8 + (lane & 7)) * LDS + ((lane >> 3) & 1) * 8;
+#pragma unroll
+      for (int ks = 0; ks < KSTEPS; ++ks) {
+        unsigned int b00, b01, b10, b11;
+        ldmatrix_x4(b00, b01, b10, b11, smem_u32(kaddr + ks * 16));
+        mma16816<T>(sc[0], qa[ks], b00, b01);
+        mma16816<T>(sc[1], qa[ks], b10, b11);
+      }
+
+      float corr[2], muse[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const int key = k0 + j * 8 + tig * 2 + (c & 1);
+          sc[j][c] = key < r1 ? sc[j][c] * scale_log2 : neg_inf();
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float mnew = fmaxf(mrow[i], mx);
+        muse[i] = (mnew == neg_inf()) ? 0.f : mnew;
+        corr[i] = exp2f(mrow[i] - muse[i]);
+        mrow[i] = mnew;
+        lrow[i] *= corr[i];
+      }
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          const float p = exp2f(sc[j][c] - muse[c >> 1]);
+          sc[j][c] = p;
+          lrow[c >> 1] += p;
+        }
+      }
+      if (corr[0] != 1.f || corr[1] != 1.f) {  // rescale only when a row max moved
+#pragma unroll
+        for (int n = 0; n < NT_D; ++n) {
+          o[n][0] *= corr[0];
+          o[n][1] *= corr[0];
+          o[n][2] *= corr[1];
+          o[n][3] *= corr[1];
+        }
+      }
+      unsigned int pa[4];
+      pa[0] = pack2<T>(sc[0][0], sc[0][1]);
+      pa[1] = pack2<T>(sc[0][2], sc[0][3]);
+      pa[2] = pack2<T>(sc[1][0], sc[1][1]);
+      pa[3] = pack2<T>(sc[1][2], sc[1][3]);
+      const T* vaddr = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
+#pragma unroll
+      for (int np = 0; np < D / 16; ++np) {
+        unsigned int v0, v1, v2, v3;
+        ldmatrix_x4_trans(v0, v1, v2, v3, smem_u32(vaddr + np * 16));
+        mma16816<T>(o[2 * np], pa, v0, v1);
+        mma16816<T>(o[2 * np + 1], pa, v2, v3);
+      }
+    }
+  }
+  cp_async_wait_all();
+  __syncthreads();  // the pipeline buffers become sm_o
+
+  // Per-warp state to shared memory (rows < gcount only).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float lsum = lrow[i];
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 1);
+    lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
+    const int row = gid + 8 * i;
+    if (row < gcount) {
+#pragma unroll
+      for (int n = 0; n < NT_D; ++n)
+        *reinterpret_cast<float2*>(&sm_o[warp][row][n * 8 + tig * 2]) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
+      if (tig == 0) {
+        sm_m[warp][row] = mrow[i];
+        sm_l[warp][row] = lsum;
+      }
+    }
+  }
+  __syncthreads();
+
+  // Merge the warps: output (one split) or this split's partial (always written, also
+  // for an empty split: m = -inf, l = 0, o = 0).
+  const bool single = (nsplit == 1);
+  float* ws_o = ws;
+  float* ws_ml = ws + (long long)nsplit * q_heads * D;
+  for (int i = tid; i < gcount * (D / 4); i += THREADS) {
+    const int g = i / (D / 4);
+    const int d = (i - g * (D / 4)) * 4;
+    float M = neg_inf();
+#pragma unroll
+    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][g]);
+    float L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < W; ++w) {
+      const float mw = sm_m[w][g];
+      if (mw != neg_inf()) {
+        const float c = exp2f(mw - M);
+        L += sm_l[w][g] * c;
+        const float4 a = *reinterpret_cast<const float4*>(&sm_o[w][g][d]);
+        acc.x += a.x * c;
+        acc.y += a.y * c;
+        acc.z += a.z * c;
+        acc.w += a.w * c;
+      }
+    }
+    const int head = head0 + g;
+    if (single) {
+      const float inv = 1.f / L;
+      store4(out + (long long)head * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    } else {
+      const long long pidx = (long long)split * q_heads + head;
+      __stcg(reinterpret_cast<float4*>(ws_o + pidx * D + d), acc);
+      if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml + pidx * 2), make_float2(M, L));
+    }
+  }
+  if (single) return;
+
+  __threadfence();
+  __syncthreads();
+  const int cidx = blockIdx.x;
+  if (tid == 0) {
+    const unsigned int prev = atomicAdd(&counters[cidx], 1u);
+    sm_last = (prev == (unsigned int)(nsplit - 1));
+  }
+  __syncthreads();
+  if (!sm_last) return;
+  __threadfence();
+  if (tid == 0) counters[cidx] = 0u;  // ready for the next launch (graph replay too)
+
+  // Online merge of the splits' (m, l, o), chunks of MB splits, the next chunk's loads in
+  // flight while one is merged. Empty splits (l = 0) are skipped, never multiplied.
+  constexpr int MB = 8;
+  const long long ostride = (long long)q_heads * D;
+  const long long mstride = (long long)q_heads * 2;
+  for (int i = tid; i < gcount * (D / 4); i += THREADS) {
+    const int g = i / (D / 4);
+    const int d = (i - g * (D / 4)) * 4;
+    const int head = head0 + g;
+    const float* osrc = ws_o + (long long)head * D + d;
+    const float* msrc = ws_ml + (long long)head * 2;
+    auto fetch = [&](int s0, float2 (&mlx)[MB], float4 (&ax)[MB]) {
+#pragma unroll
+      for (int k = 0; k < MB; ++k) {
+        const int sidx = s0 + k;
+        if (sidx < nsplit) {
+          mlx[k] = __ldcg(reinterpret_cast<const float2*>(msrc + sidx * mstride));
+          ax[k] = __ldcg(reinterpret_cast<const float4*>(osrc + sidx * ostride));
+        } else {
+          mlx[k] = make_float2(neg_inf(), 0.f);
+          ax[k] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+    };
+    float M = neg_inf(), L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    float2 ml[MB];
+    float4 a[MB];
+    fetch(0, ml, a);
+    for (int s0 = 0; s0 < nsplit; s0 += MB) {
+      float2 ml2[MB];
+      float4 a2[MB];
+      fetch(s0 + MB, ml2, a2);
+      float mn = M;
+#pragma unroll
+      for (int k = 0; k < MB; ++k)
+        if (ml[k].y > 0.f) mn = fmaxf(mn, ml[k].x);
+      if (mn != neg_inf()) {
+        const float ca = exp2f(M - mn);  // M = -inf: 0 (acc and L are still 0)
+        acc.x *= ca;
+        acc.y *= ca;
+        acc.z *= ca;
+        acc.w *= ca;
+        L *= ca;
+#pragma unroll
+        for (int k = 0; k < MB; ++k) {
+          if (ml[k].y > 0.f) {
+            const float cb = exp2f(ml[k].x - mn);
+            acc.x = fmaf(cb, a[k].x, acc.x);
+            acc.y = fmaf(cb, a[k].y, acc.y);
+            acc.z = fmaf(cb, a[k].z, acc.z);
+            acc.w = fmaf(cb, a[k].w, acc.w);
+            L = fmaf(cb, ml[k].y, L);
+          }
+        }
+        M = mn;
+      }
+#pragma unroll
+      for (int k = 0; k < MB; ++k) {
+        ml[k] = ml2[k];
+        a[k] = a2[k];
+      }
+    }
+    const float inv = 1.f / L;
+    store4(out + (long long)head * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  }
+}
+
+}  // namespace edge
+
+#if !defined(EDGE_DTYPE) || !defined(EDGE_HEAD_DIM)
+#error "compile with EDGE_DTYPE and EDGE_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
+#endif
+#if EDGE_DTYPE == 3
+#error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
+#endif
+
+extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
+    paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
+                    const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
+                    const int* __restrict__ table, const int* __restrict__ pos, int host_len,
+                    int kv_heads, int group, int log2_page, float scale_log2,
+                    float* __restrict__ ws, unsigned int* __restrict__ counters) {
+  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
+      out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
+      counters);
+}
