@@ -3,7 +3,10 @@
 
 Modes (one function each; add new ones as subcommands in ``build_parser``):
 
-  decode    end-to-end decode benchmark (tools/bench_decode.py)
+  decode     end-to-end decode benchmark (tools/bench_decode.py)
+
+  scheduler  two-slot scheduler: background-prefill slowdown, switch gap, second-turn
+             TTFT with and without prefix reuse (tools/bench_scheduler.py)
 
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
@@ -402,24 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--prefill", action="store_true", help="also time prefill attention")
     k.set_defaults(func=mode_kernels)
 
-    # End-to-end decode benchmark, implemented in tools/bench_decode.py.
-    try:
-        import bench_decode
-    except ImportError as exc:
-        d = sub.add_parser(
-            "decode", help=f"end-to-end decode benchmark (unavailable: {exc})"
-        )
-        d.set_defaults(
-            func=lambda _a, e=exc: (_ for _ in ()).throw(
-                SystemExit(f"bench decode: {e}")
-            )
-        )
-    else:
-        d = sub.add_parser(
-            "decode", help="end-to-end decode benchmark (tools/bench_decode.py)"
-        )
-        bench_decode.add_arguments(d)
-        d.set_defaults(func=bench_decode.run)
+    # End-to-end modes live in their own modules beside this file.
+    import bench_decode
+    import bench_scheduler
+
+    d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
+    bench_decode.add_arguments(d)
+    d.set_defaults(func=bench_decode.run)
+    sch = sub.add_parser("scheduler", help="ping-pong scheduler benchmark (tools/bench_scheduler.py)")
+    bench_scheduler.add_arguments(sch)
+    sch.set_defaults(func=bench_scheduler.run)
     return ap
 
 
