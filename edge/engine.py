@@ -52,8 +52,9 @@ def kernel_ops(device: torch.device, kernels: str = "auto") -> ModuleType:
     if device.type != "cuda" or kernels == "reference":
         return reference
     try:
-        from edge.kernels import paged_cuda
+        from edge.kernels import int8_cuda, paged_cuda
 
+        int8_cuda.enable(device)  # int8 (W8A16) projections: the decode GEMV
         paged_cuda.load(device)
         return paged_cuda
     except Exception as exc:  # any failure to build or load kernels means: fall back

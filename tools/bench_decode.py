@@ -20,6 +20,7 @@ from edge.config import ModelConfig, parse_dtype
 from edge.engine import Engine
 from edge.loader import fuse_weights
 from edge.model import Model
+from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
 from edge.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
 from edge.tokenizer import Tokenizer
@@ -37,6 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers with a static cache")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: W8A16 projections (q8_0, group 128)")
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -61,11 +63,15 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
     dtype = parse_dtype(args.dtype)
     device = torch.device("cuda")
     if args.model:
-        engine = Engine.from_pretrained(args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len)
+        engine = Engine.from_pretrained(
+            args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args)
+        )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
     cfg = ModelConfig.from_dict(raw)
     weights = fuse_weights(iter_random_tensors(raw, 0, dtype, device), cfg, device, dtype)
+    if _quantize(args):
+        quantize_projections(weights, cfg)
     model = Model(cfg, weights, args.max_seq_len)
     tokenizer = Tokenizer.from_pretrained(default_model_path())
     # Size the pool for the benchmark's longest sequence twice over, not the whole GPU.
@@ -74,9 +80,25 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
     return engine, raw
 
 
+def _quantize(args: argparse.Namespace) -> str | None:
+    q = getattr(args, "quantize", "none")
+    return None if q in (None, "none") else q
+
+
+def quantize_projections(weights: dict, cfg: ModelConfig, group_size: int = DEFAULT_GROUP_SIZE) -> None:
+    """Replace the fused float projections (and an untied lm_head) by int8 ones in
+    place, one tensor at a time: the bits route B (quantize while loading) gives, as
+    quantization works row by row and fusion only stacks rows."""
+    for name in list(weights):
+        if name.endswith("_proj.weight") or (name == LM_HEAD and not cfg.tie_word_embeddings):
+            q, s = quantize_tensor(weights[name], group_size, name=name)
+            weights[name] = Int8Weight(q, s, group_size)
+
+
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode step reads: all of them but the embedding table,
-    of which it reads one row (with tied embeddings the table is read as lm_head)."""
+    of which it reads one row (with tied embeddings the table is read as lm_head).
+    Int8 projections count their int8 bytes and float32 scales (Model.weight_bytes)."""
     cfg = engine.cfg
     total = engine.model.weight_bytes()
     if not cfg.tie_word_embeddings:
@@ -246,6 +268,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name(),
         "model": args.model or args.preset,
         "dtype": args.dtype,
+        "quantize": _quantize(args) or "none",
         "kernels": engine.kv.ops.__name__.rsplit(".", 1)[-1],
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": engine.model.weight_bytes(),

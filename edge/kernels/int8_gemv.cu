@@ -1,0 +1,224 @@
+// W8A16 GEMV for decode (compiled at run time by NVRTC, see edge/kernels/nvrtc.py):
+//
+//   y[t, o] = sum_k x[t, k] * (q[o, k] * scale[o, k >> log2_group])  (+ bias[o])
+//
+// q int8 [out, in] (row-major, 16-byte aligned rows), scale float32 [out, in / group],
+// x / y / bias float16 or bfloat16, float32 accumulation, y in x's dtype. A handful of
+// tokens (t < num_tokens, the wrapper allows up to 4) run in one launch; one is decode.
+//
+// Memory-bound: every weight byte is read exactly once (per token; the CTAs of the
+// tokens of one row block are adjacent, so extra tokens mostly hit L2), with 16-byte
+// streaming loads (ld.global.nc.L1::no_allocate: weights do not evict x from L1).
+// Layout: a warp owns R consecutive rows; lane l reads the 16-byte chunks l, l + 32,
+// l + 64, ... of each of them, so one warp-wide load covers 512 contiguous bytes of a
+// row. Every chunk lies in one group (group a power of two >= 16), so the chunk's
+// 16 products are summed first and multiplied by the group scale once (the lanes of a
+// group read the same scale word: one transaction per group and row). x is read with
+// __ldg (16 bytes at a time, L1-resident: at most 2 * in bytes, shared by the R rows of
+// the warp and every warp of the SM). Each iteration issues R * U weight loads before
+// using any of them (U: the EDGE_INT8_UNROLL_R<R> knobs below; 4-8 loads, 64-128 bytes
+// in flight per lane). The warp's R sums are reduced with shuffles; lane r writes row
+// r. The wrapper picks R per matrix: the most rows per warp that still give every SM
+// two CTAs, so small matrices get more, shorter warps.
+//
+// int8 -> float32 without the low-throughput I2F conversion: with u = b ^ 0x80 (the
+// byte biased to 0..255), the float whose bits are 0x4B0000uu is 2^23 + u, so
+// (2^23 + u) - (2^23 + 128) = b exactly: one PRMT and one FADD per element.
+//
+// No shared memory, no __syncthreads, no host-visible state: safe in CUDA graphs.
+// sm_80+ PTX only (runs on sm_87 Orin and sm_90 H100/H200).
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace {
+
+#ifndef EDGE_INT8_WARPS
+#define EDGE_INT8_WARPS 4
+#endif
+constexpr int kWarps = EDGE_INT8_WARPS;  // warps per CTA (int8_cuda.py reads the same knob)
+constexpr int kThreads = 32 * kWarps;
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint4 ld_x(const void* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+// 8 elements of x (one 16-byte vector) to float.
+template <typename T>
+struct XVec;
+
+template <>
+struct XVec<__nv_bfloat16> {
+  __device__ __forceinline__ static void to_float(const uint4& u, float* f) {
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is a 16-bit shift
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  }
+  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ __forceinline__ static float to_float1(__nv_bfloat16 v) { return __bfloat162float(v); }
+};
+
+template <>
+struct XVec<__half> {
+  __device__ __forceinline__ static void to_float(const uint4& u, float* f) {
+    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      __half2 h;
+      *reinterpret_cast<unsigned int*>(&h) = w[i];
+      const float2 v = __half22float2(h);
+      f[2 * i] = v.x;
+      f[2 * i + 1] = v.y;
+    }
+  }
+  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
+  __device__ __forceinline__ static float to_float1(__half v) { return __half2float(v); }
+};
+
+// Element i (0..3) of a word of 4 biased bytes (b ^ 0x80) as float: exactly b.
+__device__ __forceinline__ float biased_byte(unsigned int u, unsigned int i) {
+  return __int_as_float(__byte_perm(u, 0x4B000000u, 0x7540u | i)) - 8388736.0f;
+}
+
+// sum_{j<16} q_j * xf[j] for one 16-byte chunk of int8 weights (two partial chains).
+__device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
+  const unsigned int b[4] = {w.x ^ 0x80808080u, w.y ^ 0x80808080u, w.z ^ 0x80808080u,
+                             w.w ^ 0x80808080u};
+  float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    s0 = fmaf(biased_byte(b[k], 0), xf[4 * k], s0);
+    s1 = fmaf(biased_byte(b[k], 1), xf[4 * k + 1], s1);
+    s0 = fmaf(biased_byte(b[k], 2), xf[4 * k + 2], s0);
+    s1 = fmaf(biased_byte(b[k], 3), xf[4 * k + 3], s1);
+  }
+  return s0 + s1;
+}
+
+// R rows per warp, U chunks per lane and row in flight per iteration.
+template <typename T, int R, int U>
+__device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                          const signed char* __restrict__ q,
+                                          const float* __restrict__ scale,
+                                          const T* __restrict__ bias, int out, int in,
+                                          int log2_group, int num_tokens) {
+  const int lane = threadIdx.x & 31;
+  const int tok = blockIdx.x % num_tokens;
+  const int row0 = ((blockIdx.x / num_tokens) * kWarps + (threadIdx.x >> 5)) * R;
+  if (row0 >= out) return;  // whole warps only; nothing below synchronises the CTA
+  x += (long long)tok * in;
+  y += (long long)tok * out;
+  const int nchunks = in >> 4;
+  const int groups = in >> log2_group;
+  const int chunk_shift = log2_group - 4;  // chunks per group = 1 << chunk_shift
+
+  const signed char* qrow[R];
+  const float* srow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int row = min(row0 + r, out - 1);  // a short last warp re-reads a valid row
+    qrow[r] = q + (long long)row * in;
+    srow[r] = scale + (long long)row * groups;
+  }
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+
+  for (int base = lane; base < nchunks; base += 32 * U) {
+    uint4 w[U][R];
+    uint4 xa[U], xb[U];
+    float s[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
+        xa[u] = ld_x(x + 16 * c);
+        xb[u] = ld_x(x + 16 * c + 8);
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
+        float xf[16];
+        XVec<T>::to_float(xa[u], xf);
+        XVec<T>::to_float(xb[u], xf + 8);
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+  }
+  float v = acc[0];
+#pragma unroll
+  for (int r = 1; r < R; ++r)
+    if (lane == r) v = acc[r];
+  const int row = row0 + lane;
+  if (lane < R && row < out) {
+    if (bias != nullptr) v += XVec<T>::to_float1(bias[row]);
+    y[row] = XVec<T>::from_float(v);
+  }
+}
+
+}  // namespace
+
+// Compile-time knobs (int8_cuda.py: TUNING): EDGE_INT8_WARPS (warps per CTA, above),
+// chunks in flight per lane and row for the 1-, 2- and 4-row variants, and the minimum
+// resident CTAs per SM asked of the register allocator (0: no constraint).
+#ifndef EDGE_INT8_UNROLL_R1
+#define EDGE_INT8_UNROLL_R1 4
+#endif
+#ifndef EDGE_INT8_UNROLL_R2
+#define EDGE_INT8_UNROLL_R2 4
+#endif
+#ifndef EDGE_INT8_UNROLL_R4
+#define EDGE_INT8_UNROLL_R4 2
+#endif
+#ifndef EDGE_INT8_MIN_BLOCKS
+#define EDGE_INT8_MIN_BLOCKS 0
+#endif
+#if EDGE_INT8_MIN_BLOCKS > 0
+#define EDGE_INT8_BOUNDS __launch_bounds__(kThreads, EDGE_INT8_MIN_BLOCKS)
+#else
+#define EDGE_INT8_BOUNDS __launch_bounds__(kThreads)
+#endif
+
+#define EDGE_INT8_GEMV(NAME, T, R, U)                                                       \
+  extern "C" __global__ void EDGE_INT8_BOUNDS                                              \
+      NAME(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,  \
+           const float* __restrict__ scale, const T* __restrict__ bias, int out, int in,    \
+           int log2_group, int num_tokens) {                                                \
+    int8_gemv<T, R, U>(y, x, q, scale, bias, out, in, log2_group, num_tokens);              \
+  }
+
+EDGE_INT8_GEMV(int8_gemv_bf16_r1, __nv_bfloat16, 1, EDGE_INT8_UNROLL_R1)
+EDGE_INT8_GEMV(int8_gemv_bf16_r2, __nv_bfloat16, 2, EDGE_INT8_UNROLL_R2)
+EDGE_INT8_GEMV(int8_gemv_bf16_r4, __nv_bfloat16, 4, EDGE_INT8_UNROLL_R4)
+EDGE_INT8_GEMV(int8_gemv_f16_r1, __half, 1, EDGE_INT8_UNROLL_R1)
+EDGE_INT8_GEMV(int8_gemv_f16_r2, __half, 2, EDGE_INT8_UNROLL_R2)
+EDGE_INT8_GEMV(int8_gemv_f16_r4, __half, 4, EDGE_INT8_UNROLL_R4)
