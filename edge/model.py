@@ -19,15 +19,19 @@ from edge.loader import load_weights
 from edge.quant import Int8Weight, checkpoint_quantization, linear, load_quantized_weights, parse_quantize, weight_tensors
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # One fused kernel (statistics in float32) rather than the seven an unfused
+    # float-cast/pow/mean/rsqrt/mul/cast/mul chain launches: decode at batch 1 is
+    # launch-bound on small models, so kernel count is speed.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x*cos + rotate_half(x)*sin, with the sign of rotate_half folded into the table:
+    three kernels (swap halves, mul, fused multiply-add) instead of seven."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class Model:
@@ -42,7 +46,9 @@ class Model:
         angles = torch.outer(positions, rope_inv_freq(cfg))
         emb = torch.cat((angles, angles), dim=-1)
         self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
-        self.sin = emb.sin().to(device=self.device, dtype=self.dtype)
+        half = emb.shape[-1] // 2
+        sin = emb.sin()
+        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
 
     @classmethod
     def load(
@@ -71,11 +77,18 @@ class Model:
             "qkv": w[p + "self_attn.qkv_proj.weight"],
             "qkv_b": w.get(p + "self_attn.qkv_proj.bias"),
             "o": w[p + "self_attn.o_proj.weight"],
-            "q_norm": w.get(p + "self_attn.q_norm.weight"),
-            "k_norm": w.get(p + "self_attn.k_norm.weight"),
+            "qk_norm": self._qk_norm(p),
             "gate_up": w[p + "mlp.gate_up_proj.weight"],
             "down": w[p + "mlp.down_proj.weight"],
         }
+
+    def _qk_norm(self, prefix: str) -> torch.Tensor | None:
+        """Qwen3's q_norm and k_norm weights stacked per head ``[heads + kv_heads, D]``."""
+        if not self.cfg.qk_norm:
+            return None
+        q = self.w[prefix + "self_attn.q_norm.weight"]
+        k = self.w[prefix + "self_attn.k_norm.weight"]
+        return torch.cat((q.expand(self.cfg.num_heads, -1), k.expand(self.cfg.num_kv_heads, -1)))
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for tokens ``ids`` at
@@ -83,20 +96,20 @@ class Model:
         cfg = self.cfg
         x = F.embedding(ids, self.w["model.embed_tokens.weight"])
         cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        sin = self.sin_signed.index_select(0, positions).unsqueeze(1)
         t = ids.shape[0]
+        heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for i, lw in enumerate(self.layers):
             h = rms_norm(x, lw["ln1"], cfg.rms_norm_eps)
             qkv = linear(h, lw["qkv"], lw["qkv_b"])
-            q, k, v = qkv.split((cfg.q_size, cfg.kv_size, cfg.kv_size), dim=-1)
-            q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-            k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-            v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+            # q and k side by side are normalised and rotated together: one set of
+            # kernels for both. Qwen3's per-head norms scale after the cast, as HF does.
+            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads + kv_heads, d)
             if cfg.qk_norm:
-                q = rms_norm(q, lw["q_norm"], cfg.rms_norm_eps)
-                k = rms_norm(k, lw["k_norm"], cfg.rms_norm_eps)
-            q = q * cos + rotate_half(q) * sin
-            k = k * cos + rotate_half(k) * sin
+                qk = rms_norm(qk, None, cfg.rms_norm_eps) * lw["qk_norm"]
+            qk = apply_rope(qk, cos, sin)
+            q, k = qk[:, :heads], qk[:, heads:]
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
             attn = kv.attend(i, q, k, v)
             x = x + linear(attn.reshape(t, cfg.q_size), lw["o"])
             h = rms_norm(x, lw["ln2"], cfg.rms_norm_eps)

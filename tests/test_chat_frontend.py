@@ -5,9 +5,10 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-import pexpect
 import pytest
 from test_server_support import ROOT, ServerProc, server_env, slots_idle
+
+pexpect = pytest.importorskip("pexpect")
 
 CANCELLED = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason="cancelled"}'
 LENGTH = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason="length"}'
