@@ -18,6 +18,7 @@ import torch
 from edge.config import parse_dtype
 from edge.engine import Engine, default_device
 from edge.kv.paged import PagedKVCache
+from edge.sampling import SamplerState, SamplingParams
 
 DEFAULT_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -81,9 +82,12 @@ def run_case(engine: Engine, case: Case) -> Trace:
     history: list[int] = []
     for new_ids, n in case.turns:
         history = history + new_ids
-        seq = engine.new_sequence()
+        seq = engine.new_sequence(slot=0)
         try:
             logits = engine.prefill(seq, history)
+            if engine.cuda_graph:
+                history += _graph_tokens(engine, seq, logits, n, trace)
+                continue
             for _ in range(n):
                 tok = int(torch.argmax(logits))
                 trace.tokens.append(tok)
@@ -91,15 +95,30 @@ def run_case(engine: Engine, case: Case) -> Trace:
                 history.append(tok)
                 logits = engine.forward(seq, [tok])
         finally:
-            seq.release()
+            engine.end_sequence(seq)
     return trace
+
+
+def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trace) -> list[int]:  # noqa: ANN001
+    """Greedy tokens from the captured decode graph (it yields tokens, not logits)."""
+    sampler = SamplerState(engine.cfg.vocab_size, engine.device)
+    sampler.load(SamplingParams(), [])
+    first = torch.argmax(logits).view(1)
+    out = [int(first)]
+    decoder = engine.slot_decoder(seq)
+    decoder.bind(seq, sampler, first)
+    while len(out) < n:
+        out.append(decoder.launch(seq, True).token(decoder))
+    trace.tokens += out
+    return out
 
 
 def compare(mode: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
     row = Row(mode, case.name, compared=0)
     for i, (a, b) in enumerate(zip(base.tokens, other.tokens)):
         row.compared += 1
-        row.max_abs_dlogit = max(row.max_abs_dlogit, (base.logits[i] - other.logits[i]).abs().max().item())
+        if other.logits:  # graph decode reports tokens only
+            row.max_abs_dlogit = max(row.max_abs_dlogit, (base.logits[i] - other.logits[i]).abs().max().item())
         if a != b:
             top2 = torch.topk(base.logits[i], 2).values
             row.mismatch_at, row.tokens = i, (a, b)
@@ -119,6 +138,7 @@ def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
     paged("paged", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=False)
     paged("paged+nan-poison", page_size=base.page_size, max_seq_len=base.max_seq_len, poison_kv=True, cuda_graph=False)
     if device.type == "cuda":
+        paged("paged+graph", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=True)
         paged("paged-reference", page_size=base.page_size, max_seq_len=base.max_seq_len, kernels="reference", cuda_graph=False)
     return out
 
