@@ -238,19 +238,29 @@ def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int) -> dict:
     if cfg.tie_word_embeddings:
         hf.tie_weights()
     del state
+    # Greedy decode by hand on a StaticCache: eager transformers with its static cache,
+    # no torch.compile (generate() would compile, and recompile per cache length).
+    import transformers.cache_utils as cu
+
+    cache = cu.StaticCache(config=cfg, max_cache_len=len(prompt) + n + 8)
     ids = torch.tensor([prompt], device="cuda")
 
-    def run(max_new: int) -> float:
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+    def decode_seconds() -> float:
+        cache.reset()
         with torch.no_grad():
-            hf.generate(ids, max_new_tokens=max_new, min_new_tokens=max_new, do_sample=False, cache_implementation="static", pad_token_id=0)
-        torch.cuda.synchronize()
+            out = hf(ids, past_key_values=cache, use_cache=True, cache_position=torch.arange(len(prompt), device="cuda"))
+            tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                pos = torch.tensor([len(prompt) + i], device="cuda")
+                out = hf(tok, past_key_values=cache, use_cache=True, cache_position=pos)
+                tok = out.logits[:, -1:].argmax(-1)
+            torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    run(8)  # warm-up
-    t1, tn = run(1), run(n + 1)
-    out = {"decode_tok_s": n / max(tn - t1, 1e-9), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
+    decode_seconds()  # warm-up
+    out = {"decode_tok_s": n / decode_seconds(), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
     del hf
     gc.collect()
     torch.cuda.empty_cache()
