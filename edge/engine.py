@@ -12,7 +12,6 @@ request to completion on the calling thread.
 from __future__ import annotations
 
 import logging
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -23,7 +22,7 @@ import torch
 from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
 from edge.config import ModelConfig, parse_dtype
 from edge.generation import Chunk, Generation, GenerationResult
-from edge.graph import SlotDecoder, StepHandle
+from edge.graph import SlotDecoder
 from edge.kernels import reference
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.contiguous import ContiguousKV
@@ -234,15 +233,19 @@ class Engine:
             return sample(self.forward(seq, token), sampler, greedy)
         if decoder.bound is not seq:
             decoder.bind(seq, sampler, token)
-        handle = decoder.launch(seq, greedy)
-        return torch.tensor([handle.token(decoder)])
+        return torch.tensor([decoder.next_token(seq, greedy)])
 
-    def end_sequence(self, seq: SequenceKV) -> None:
-        """Release a sequence and detach it from its slot's graph decoder, if bound."""
-        seq.release()
+    def settle(self, seq: SequenceKV) -> None:
+        """Detach ``seq`` from its slot's graph decoder, rolling back any step launched
+        ahead but never read, so ``seq.length`` counts only tokens the caller saw."""
         decoder = self._decoders.get(getattr(seq, "slot", None))
         if decoder is not None and decoder.bound is seq:
             decoder.unbind(seq)
+
+    def end_sequence(self, seq: SequenceKV) -> None:
+        """Settle and release a sequence."""
+        self.settle(seq)
+        seq.release()
 
     def slot_decoder(self, seq: SequenceKV) -> SlotDecoder | None:
         """The CUDA-graph decoder of the sequence's slot, or None for eager decode."""
@@ -281,7 +284,7 @@ class Engine:
         try:
             yield from self._run(seq, gen)
         finally:
-            seq.release()
+            self.end_sequence(seq)
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams, sampler: SamplerState) -> Generation:
         return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids))
@@ -294,10 +297,6 @@ class Engine:
             return
         greedy = gen.params.greedy
         token = sample(logits, gen.sampler, greedy)
-        decoder = self.slot_decoder(seq)
-        if decoder is not None:
-            yield from self._run_graph(seq, gen, decoder, token)
-            return
         while True:
             chunk = gen.feed(int(token))
             if chunk.token_ids or chunk.text:
@@ -310,30 +309,6 @@ class Engine:
                 yield gen.finish("length", message=str(exc))
                 return
         yield gen.finish()
-
-    def _run_graph(self, seq: SequenceKV, gen: Generation, decoder: SlotDecoder, first: torch.Tensor) -> Iterator[Chunk]:
-        """Graph decode, one step ahead: step n+1 is enqueued before token n is read,
-        so the GPU never waits for the host; steps launched past a stop are dropped."""
-        decoder.bind(seq, gen.sampler, first)
-        greedy = gen.params.greedy
-        pending: deque[StepHandle] = deque()
-        oom: str | None = None
-        chunk = gen.feed(int(first))
-        if chunk.token_ids or chunk.text:
-            yield chunk
-        while not gen.done:
-            while oom is None and len(pending) < 2:
-                try:
-                    pending.append(decoder.launch(seq, greedy))
-                except KVOutOfMemory as exc:
-                    oom = str(exc)
-            if not pending:
-                break
-            chunk = gen.feed(pending.popleft().token(decoder))
-            if chunk.token_ids or chunk.text:
-                yield chunk
-        decoder.unbind(seq, steps_to_drop=len(pending))
-        yield gen.finish("length", message=oom) if oom is not None and not gen.done else gen.finish()
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)

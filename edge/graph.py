@@ -11,11 +11,13 @@ page-crossing garbage bug of seed 001 ch.15).
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 
+from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample
 
@@ -73,6 +75,7 @@ class SlotDecoder:
         self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self.mempool = pool
         self.bound: PagedSequence | None = None
+        self.inflight: deque[StepHandle] = deque()  # launched steps whose token is unread
         self.kv = GraphStepKV(self)
 
     # -- binding a request -----------------------------------------------------------
@@ -91,6 +94,7 @@ class SlotDecoder:
             getattr(s, name).copy_(getattr(sampler, name))
         s.use_penalty = sampler.use_penalty
         self.bound = seq
+        self.inflight.clear()
 
     # -- one step --------------------------------------------------------------------
 
@@ -139,10 +143,23 @@ class SlotDecoder:
         event.record()
         return StepHandle(slot, event)
 
-    def unbind(self, seq: PagedSequence, steps_to_drop: int = 0) -> None:
-        """Detach ``seq``; ``steps_to_drop`` speculative steps launched past a stop are
-        rolled back (their K/V beyond ``length`` is simply never read)."""
-        if steps_to_drop:
-            seq.length -= steps_to_drop
+    def next_token(self, seq: PagedSequence, greedy: bool) -> int:
+        """The next token of the bound sequence, keeping one step ahead: the step after
+        it is launched before this one is read, so the GPU does not wait for the host.
+        A step launched past the end of the request is dropped by ``unbind``."""
+        if not self.inflight:
+            self.inflight.append(self.launch(seq, greedy))  # KVOutOfMemory propagates
+        try:
+            self.inflight.append(self.launch(seq, greedy))
+        except KVOutOfMemory:
+            pass  # not speculating; the next call raises if there is still no room
+        return self.inflight.popleft().token(self)
+
+    def unbind(self, seq: PagedSequence) -> None:
+        """Detach ``seq``. Steps launched but never read are rolled back: their K/V
+        beyond ``length`` is simply never read."""
+        if self.inflight:
+            seq.length -= len(self.inflight)
             seq.truncate_blocks()
+        self.inflight.clear()
         self.bound = None

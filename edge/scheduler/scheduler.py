@@ -613,6 +613,7 @@ class Scheduler:
         try:
             if self._cuda and slot.stream is not None:
                 slot.stream.synchronize()  # no kernel may still write blocks we give away
+            self.engine.settle(seq)  # drop a decode step launched ahead of the finish
             if cache and self.prefix_cache is not None and req is not None and gen is not None:
                 written = (req.prompt_ids + gen.token_ids)[: seq.length]
                 full = seq.length // self.page_size
