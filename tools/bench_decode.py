@@ -12,6 +12,8 @@ import argparse
 import gc
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -112,68 +114,62 @@ def kv_bytes(engine: Engine, kv_len: int) -> int:
     return 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * torch.finfo(engine.dtype).bits // 8
 
 
-def time_decode(engine: Engine, prompt: list[int], n: int, graph: bool) -> float:
-    """Seconds for n decode steps after a prefill of ``prompt`` (prefill not timed)."""
+@contextmanager
+def prefilled(engine: Engine, prompt: list[int], graph: bool) -> Iterator[tuple]:
+    """(seq, decoder or None, first token, sampler) after prefilling ``prompt``; with a
+    graph the decoder is bound and has captured and replayed once, so no timed region
+    includes capture."""
     engine.cuda_graph = graph
     seq = engine.new_sequence(slot=0)
     sampler = SamplerState(engine.cfg.vocab_size, engine.device)
-    sampler.load(SamplingParams(max_tokens=n), prompt)
+    sampler.load(SamplingParams(), prompt)
     try:
         token = torch.argmax(engine.prefill(seq, prompt)).view(1)
         decoder = engine.slot_decoder(seq)
         if decoder is not None:
             decoder.bind(seq, sampler, token)
-            decoder.launch(seq, True).token(decoder)  # capture outside the timed region
+            decoder.launch(seq, True).token(decoder)
         torch.cuda.synchronize()
+        yield seq, decoder, token, sampler
+    finally:
+        engine.end_sequence(seq)
+
+
+def time_decode(engine: Engine, prompt: list[int], n: int, graph: bool) -> float:
+    """Seconds for n decode steps after a prefill of ``prompt`` (prefill not timed).
+    Graph steps are all enqueued before the last token is read: GPU-bound throughput."""
+    with prefilled(engine, prompt, graph) as (seq, decoder, token, sampler):
         t0 = time.perf_counter()
         if decoder is not None:
             handle = None
             for _ in range(n):
                 handle = decoder.launch(seq, True)
             handle.token(decoder)
-            decoder.unbind(seq)
         else:
             for _ in range(n):
                 token = engine.decode(seq, token, sampler, True)
         torch.cuda.synchronize()
         return time.perf_counter() - t0
-    finally:
-        seq.release()
 
 
 def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
-    """Host-to-device bytes per graph decode step, from the CUDA profiler."""
+    """Host-to-device copies per graph decode step, from the CUDA profiler."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine.cuda_graph = True
-    seq = engine.new_sequence(slot=0)
-    sampler = SamplerState(engine.cfg.vocab_size, engine.device)
-    sampler.load(SamplingParams(max_tokens=n), prompt)
-    try:
-        token = torch.argmax(engine.prefill(seq, prompt)).view(1)
-        decoder = engine.slot_decoder(seq)
-        decoder.bind(seq, sampler, token)
-        decoder.launch(seq, True).token(decoder)
-        page = engine.page_size
-        crossings = sum(1 for i in range(n) if (seq.length + i) % page == 0)
-        torch.cuda.synchronize()
+    with prefilled(engine, prompt, graph=True) as (seq, decoder, _, _):
+        crossings = sum(1 for i in range(n) if (seq.length + i) % engine.page_size == 0)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 decoder.launch(seq, True)
             torch.cuda.synchronize()
-        decoder.unbind(seq)
-        h2d = [e for e in prof.events() if "HtoD" in e.name or "Memcpy HtoD" in e.name]
-        nbytes = sum(int(getattr(e, "device_memory_usage", 0) or 0) for e in h2d)
-        return {
-            "steps": n,
-            "page_crossings": crossings,
-            "h2d_copies": len(h2d),
-            "table_bytes_synced_per_crossing": 4,
-            "h2d_copies_per_step_inside_page": (len(h2d) - crossings) / max(n - crossings, 1),
-            "h2d_profiler_bytes": nbytes,
-        }
-    finally:
-        seq.release()
+    h2d = [e for e in prof.events() if "HtoD" in e.name]
+    return {
+        "steps": n,
+        "page_crossings": crossings,
+        "h2d_copies": len(h2d),
+        "table_bytes_synced_per_crossing": 4,
+        "h2d_copies_per_step_inside_page": (len(h2d) - crossings) / max(n - crossings, 1),
+    }
 
 
 def energy_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
