@@ -398,69 +398,44 @@ def jsonable(obj: Any) -> Any:
     return str(obj)
 
 
-def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None) -> dict:
-    return {
+def _envelope(rid: str, created: int, model: str, obj: str, choices: list[dict], usage: Any = None) -> dict:
+    """The fields every OpenAI response and stream chunk shares; usage (and our
+    llama.cpp-style ``timings``) only where the request is complete."""
+    body = {
         "id": rid,
-        "object": "chat.completion.chunk",
+        "object": obj,
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+        "choices": choices,
     }
+    if usage is not None:
+        body["usage"] = usage_body(usage)
+        body["timings"] = timings_body(usage)
+    return body
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish_reason: str | None = None) -> dict:
+    choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(rid, created, model, "chat.completion.chunk", [choice])
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish_reason: str | None = None) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-    }
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(rid, created, model, "text_completion", [choice])
 
 
 def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Any) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [],
-        "usage": usage_body(usage),
-        "timings": timings_body(usage),
-    }
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    return _envelope(rid, created, model, obj, [], usage)
 
 
 def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str, usage: Any) -> dict:
-    return {
-        "id": rid,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": None,
-                "finish_reason": finish_reason,
-            }
-        ],
-        "usage": usage_body(usage),
-        "timings": timings_body(usage),
-    }
+    message = {"role": "assistant", "content": text, "refusal": None}
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(rid, created, model, "chat.completion", [choice], usage)
 
 
 def completion(rid: str, created: int, model: str, text: str, finish_reason: str, usage: Any) -> dict:
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        "usage": usage_body(usage),
-        "timings": timings_body(usage),
-    }
+    choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    return _envelope(rid, created, model, "text_completion", [choice], usage)
