@@ -45,21 +45,29 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def kernel_ops(device: torch.device, kernels: str = "auto") -> ModuleType:
+def kernel_ops(device: torch.device, kernels: str = "auto", model: Model | None = None) -> ModuleType:
     """CUDA kernels on a GPU when they load, else the torch reference (with a warning
-    when CUDA was expected): a broken NVRTC install degrades speed, not service."""
+    when CUDA was expected): a broken NVRTC install degrades speed, not service.
+    With ``model``, its fused layer ops (``model.ops``) follow the same choice."""
     if device.type != "cuda" or kernels == "reference":
+        if model is not None:
+            model.ops = reference
         return reference
     try:
-        from edge.kernels import int8_cuda, paged_cuda
+        from edge.kernels import fused_cuda, int8_cuda, paged_cuda
 
         int8_cuda.enable(device)  # int8 (W8A16) projections: the decode GEMV
         paged_cuda.load(device)
+        fused_cuda.load(device)  # norms, q/k norm + RoPE, silu * mul
+        if model is not None:
+            model.ops = fused_cuda
         return paged_cuda
     except Exception as exc:  # any failure to build or load kernels means: fall back
         if kernels == "cuda":
             raise
         log.warning("CUDA kernels unavailable (%s); using the torch reference attention", exc)
+        if model is not None:
+            model.ops = reference
         return reference
 
 
@@ -104,7 +112,7 @@ class Engine:
         self.kv: PagedKVCache | None = None
         self.budget: MemoryBudget | None = None
         if kv_cache == "paged":
-            ops = kernel_ops(self.device, kernels)
+            ops = kernel_ops(self.device, kernels, model)
             if num_blocks is None:
                 self.budget = plan_kv_budget(
                     model,

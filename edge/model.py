@@ -4,44 +4,43 @@ One sequence at a time (the scheduler decodes one conversation while the other
 prefills), so activations are ``[T, hidden]`` with no batch dimension. Numerics follow
 Hugging Face: RMSNorm in float32 then cast, RoPE tables in float32 cast to the model
 dtype, attention softmax in float32.
+
+The norms, q/k norm + RoPE and the SwiGLU activation go through ``self.ops``: the torch
+reference (:mod:`edge.kernels.reference`) by default, the fused CUDA kernels
+(:mod:`edge.kernels.fused_cuda`) once ``edge.engine.kernel_ops`` has loaded them.
+Decode at batch 1 is launch-bound on small models, so kernel count is speed: one
+kernel per residual add + norm, one for q/k norm + RoPE, one for silu * mul.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from edge.config import ModelConfig, rope_inv_freq
+from edge.kernels import reference
 from edge.kv import SequenceKV
 from edge.loader import load_weights
 from edge.quant import Int8Weight, checkpoint_quantization, linear, load_quantized_weights, parse_quantize, weight_tensors
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    # One fused kernel (statistics in float32) rather than the seven an unfused
-    # float-cast/pow/mean/rsqrt/mul/cast/mul chain launches: decode at batch 1 is
-    # launch-bound on small models, so kernel count is speed.
-    return F.rms_norm(x, (x.shape[-1],), weight, eps)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
-    """x*cos + rotate_half(x)*sin, with the sign of rotate_half folded into the table:
-    three kernels (swap halves, mul, fused multiply-add) instead of seven."""
-    half = x.shape[-1] // 2
-    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
-    return torch.addcmul(x * cos, swapped, sin_signed)
 
 
 class Model:
     def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | Int8Weight], max_seq_len: int) -> None:
         self.cfg = cfg
         self.w = weights
+        self.ops: ModuleType = reference  # rms_norm, add_rms_norm, qk_norm_rope, silu_mul
         embed = weights["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.layers = [self._layer_weights(i) for i in range(cfg.num_layers)]
+        # The norm after each layer's residual add: the next layer's input norm, or the
+        # final norm after the last layer.
+        for lw, nxt in zip(self.layers, self.layers[1:]):
+            lw["ln_out"] = nxt["ln1"]
+        self.layers[-1]["ln_out"] = weights["model.norm.weight"]
         positions = torch.arange(max_seq_len, dtype=torch.float64)
         angles = torch.outer(positions, rope_inv_freq(cfg))
         emb = torch.cat((angles, angles), dim=-1)
@@ -93,29 +92,23 @@ class Model:
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for tokens ``ids`` at
         ``positions`` (both device tensors of length T). Writes their K/V through ``kv``."""
-        cfg = self.cfg
-        x = F.embedding(ids, self.w["model.embed_tokens.weight"])
-        cos = self.cos.index_select(0, positions).unsqueeze(1)
-        sin = self.sin_signed.index_select(0, positions).unsqueeze(1)
+        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
+        h = ops.rms_norm(x, self.layers[0]["ln1"], eps)
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw["ln1"], cfg.rms_norm_eps)
             qkv = linear(h, lw["qkv"], lw["qkv_b"])
-            # q and k side by side are normalised and rotated together: one set of
-            # kernels for both. Qwen3's per-head norms scale after the cast, as HF does.
-            qk = qkv[:, : cfg.q_size + cfg.kv_size].view(t, heads + kv_heads, d)
-            if cfg.qk_norm:
-                qk = rms_norm(qk, None, cfg.rms_norm_eps) * lw["qk_norm"]
-            qk = apply_rope(qk, cos, sin)
-            q, k = qk[:, :heads], qk[:, heads:]
+            # Qwen3's per-head q/k norms (when present) and RoPE in one op; v stays a view.
+            q, k = ops.qk_norm_rope(qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
             attn = kv.attend(i, q, k, v)
-            x = x + linear(attn.reshape(t, cfg.q_size), lw["o"])
-            h = rms_norm(x, lw["ln2"], cfg.rms_norm_eps)
-            gate, up = linear(h, lw["gate_up"]).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, lw["down"])
-        return rms_norm(x, self.w["model.norm.weight"], cfg.rms_norm_eps)
+            # x += o_proj(attn) in place, normalised for the MLP.
+            h = ops.add_rms_norm(x, linear(attn.reshape(t, cfg.q_size), lw["o"]), lw["ln2"], eps)
+            mlp = linear(ops.silu_mul(linear(h, lw["gate_up"])), lw["down"])
+            # x += mlp in place, normalised for the next layer (the final norm after the last).
+            h = ops.add_rms_norm(x, mlp, lw["ln_out"], eps)
+        return h
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[T, vocab]``."""

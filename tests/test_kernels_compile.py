@@ -31,6 +31,7 @@ VARIANTS = [
         for d in (64, 128)
     ],
     ("kv_write.cu", {}),
+    ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
     ("int8_gemv.cu", {}),
     (
         "int8_gemv.cu",

@@ -1,4 +1,4 @@
-"""Paged-attention kernels in plain torch.
+"""Paged-attention and fused decoder-layer kernels in plain torch.
 
 This is the CPU path and the oracle every CUDA kernel is tested against. Pools hold
 one layer each here: ``k_pool``/``v_pool`` are ``[num_blocks, page_size, kv_heads,
@@ -12,6 +12,7 @@ Nothing here reads a pool row at or beyond ``kv_len``: pools are never cleared
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def slot_indices(block_table: torch.Tensor, start: int, count: int, page_size: int) -> torch.Tensor:
@@ -94,3 +95,68 @@ def decode_attention(
     """One query token ``q [q_heads, D]`` against positions [0, kv_len) → ``[q_heads, D]``."""
     k, v = gather_kv(k_pool, v_pool, block_table, kv_len)
     return causal_attention(q.unsqueeze(0), k, v, kv_len - 1, scale).squeeze(0)
+
+
+# ---------------------------------------------------------------------------------------
+# Fused decoder-layer ops (edge/kernels/fused.cu): float32 math, one rounding to the
+# input dtype per output (float32 tensors are never converted: the CPU path computes
+# exactly what Hugging Face does in float32).
+# ---------------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension, times ``weight`` (if given): statistics and the
+    weight multiply in float32, rounded once to ``x``'s dtype."""
+    w = None if weight is None else weight.float()
+    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += residual`` IN PLACE (the residual stream, rounded to its dtype), then
+    ``rms_norm(x, weight, eps)``."""
+    x.add_(residual)
+    return rms_norm(x, weight, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up = [gate | up]`` along the last dimension
+    (``[..., 2 * I]`` -> ``[..., I]``), in float32, rounded once."""
+    gate, up = gate_up.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(gate_up.dtype)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    qk_norm_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries and keys of a fused projection ``qkv [T, (heads + 2 kv_heads) * D]``
+    (q, k, v side by side), normalised and rotated: ``(q [T, heads, D], k [T, kv_heads,
+    D])``, both contiguous.
+
+    - ``qk_norm_weight`` ``[heads + kv_heads, D]`` (Qwen3's q_norm / k_norm stacked per
+      head) or None: per-head RMSNorm in Hugging Face's order -- normalise in float32,
+      cast to the model dtype, multiply by the weight in the model dtype.
+    - RoPE, rotate_half layout: ``x * cos + rotate_half(x) * sin`` with the sign of
+      rotate_half folded into ``sin_signed`` (``cat(-sin[:D/2], sin[D/2:])``); ``cos``
+      and ``sin_signed`` are whole tables ``[max_seq_len, D]``, rows picked by
+      ``positions`` (int64 or int32 ``[T]``, on the tables' device). Float32 math,
+      one rounding.
+    """
+    t = qkv.shape[0]
+    qk = qkv[:, : (heads + kv_heads) * head_dim].reshape(t, heads + kv_heads, head_dim)
+    if qk_norm_weight is not None:
+        qk = rms_norm(qk, None, eps) * qk_norm_weight
+    c = cos.index_select(0, positions).unsqueeze(1).float()
+    s = sin_signed.index_select(0, positions).unsqueeze(1).float()
+    x = qk.float()
+    half = head_dim // 2
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    out = (x * c + swapped * s).to(qkv.dtype)
+    return out[:, :heads].contiguous(), out[:, heads:].contiguous()

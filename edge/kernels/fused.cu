@@ -1,0 +1,211 @@
+// Fused element-wise / row-wise kernels of the decoder layer (compiled at run time by
+// NVRTC, see edge/kernels/nvrtc.py; wrapped by edge/kernels/fused_cuda.py with the
+// semantics of the functions of the same names in edge/kernels/reference.py).
+//
+//   rms_norm      out = rms_norm(x) * w                        (one row per CTA)
+//   add_rms_norm  x += r (in place, rounded to T); out = rms_norm(x) * w
+//   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row
+//   qk_norm_rope  q, k heads of a fused qkv row: optional per-head RMSNorm (Qwen3) then
+//                 RoPE (x * cos + rotate_half(x) * sin) at positions read on the device
+//
+// float32 math inside; one rounding to T per output (plus the roundings HF does between
+// the q/k norm and its weight, so that float16/bfloat16 match transformers' order).
+// Every kernel is one launch for any number of tokens T (decode T = 1, prefill chunks),
+// uses no workspace and no host-visible state, and its grid depends on shapes only:
+// safe inside CUDA graphs. sm_80+ only (runs on sm_87 Orin and sm_90 H100/H200).
+//
+// One program holds every instantiation: *_f16, *_bf16, *_f32 (and _d64 / _d128 for the
+// head dim of qk_norm_rope).
+#include "common.cuh"
+
+namespace {
+
+using edge::Vec;
+using edge::warp_sum;
+
+// Round to T and back (the value a T tensor would hold).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return edge::to_float(edge::from_float<T>(v));
+}
+template <>
+__device__ __forceinline__ float round_to<float>(float v) {
+  return v;
+}
+
+// Sum over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) partial[warp] = v;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  v = lane < warps ? partial[lane] : 0.f;
+  return warp_sum(v);
+}
+
+// ---- RMSNorm (optionally after the residual add) ---------------------------------------
+//
+// One CTA per row of `hidden` elements (16-byte vectors: 8 half / 4 float); thread i
+// holds vectors i, i + blockDim, ... (at most kMaxVec) in registers between the
+// statistics and the scaling, so x is read once. The wrapper sizes blockDim (a multiple
+// of 32) so that ceil(nvec / blockDim) <= kMaxVec.
+constexpr int kMaxVec = 4;
+
+template <typename T, bool kAdd>
+__device__ __forceinline__ void rms_norm_row(T* __restrict__ out, T* __restrict__ x,
+                                             const T* __restrict__ res,
+                                             const T* __restrict__ w, float eps, int hidden) {
+  constexpr int N = Vec<T>::N;
+  const int nvec = hidden / N;
+  const long long row = blockIdx.x;
+  uint4* xr = reinterpret_cast<uint4*>(x + row * hidden);
+  float v[kMaxVec][N];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < kMaxVec; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < nvec) {
+      Vec<T>::to_float(xr[c], v[i]);
+      if (kAdd) {
+        float r[N];
+        Vec<T>::to_float(reinterpret_cast<const uint4*>(res + row * hidden)[c], r);
+#pragma unroll
+        for (int j = 0; j < N; ++j) v[i][j] = round_to<T>(v[i][j] + r[j]);
+        xr[c] = Vec<T>::from_float(v[i]);  // the residual stream, updated in place
+      }
+#pragma unroll
+      for (int j = 0; j < N; ++j) ss = fmaf(v[i][j], v[i][j], ss);
+    }
+  }
+  const float rstd = rsqrtf(block_sum(ss) / static_cast<float>(hidden) + eps);
+  uint4* o = reinterpret_cast<uint4*>(out + row * hidden);
+  const uint4* wv = reinterpret_cast<const uint4*>(w);
+#pragma unroll
+  for (int i = 0; i < kMaxVec; ++i) {
+    const int c = threadIdx.x + i * blockDim.x;
+    if (c < nvec) {
+      float g[N];
+      Vec<T>::to_float(__ldg(wv + c), g);
+#pragma unroll
+      for (int j = 0; j < N; ++j) v[i][j] = v[i][j] * rstd * g[j];
+      o[c] = Vec<T>::from_float(v[i]);
+    }
+  }
+}
+
+// ---- SiLU(gate) * up ---------------------------------------------------------------------
+//
+// gate_up [rows, 2 * inter] -> out [rows, inter]; one 16-byte vector per thread.
+template <typename T>
+__device__ __forceinline__ void silu_mul_vec(T* __restrict__ out, const T* __restrict__ gu,
+                                             int inter, long long total_vecs) {
+  constexpr int N = Vec<T>::N;
+  const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total_vecs) return;
+  const int row_vecs = inter / N;
+  const long long row = i / row_vecs;
+  const int c = static_cast<int>(i - row * row_vecs);
+  const uint4* src = reinterpret_cast<const uint4*>(gu + row * 2 * inter);
+  float g[N], u[N];
+  Vec<T>::to_float(__ldg(src + c), g);
+  Vec<T>::to_float(__ldg(src + row_vecs + c), u);
+#pragma unroll
+  for (int j = 0; j < N; ++j) g[j] = g[j] / (1.f + __expf(-g[j])) * u[j];
+  reinterpret_cast<uint4*>(out)[i] = Vec<T>::from_float(g);
+}
+
+// ---- q/k per-head RMSNorm + RoPE ------------------------------------------------------
+//
+// One warp per (token, head) of the q and k parts of a qkv row; lane l holds elements
+// [l * E, l * E + E) (E = D / 32), so the rotate_half partner of element i (i +- D/2)
+// is the same slot of lane l ^ 16. Grid: (ceil((heads + kv_heads) / warps), T).
+template <typename T, int E>
+struct alignas(sizeof(T) * E) Pack {
+  T v[E];
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void qk_norm_rope_head(
+    T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,
+    const T* __restrict__ weight, const T* __restrict__ cos_tab, const T* __restrict__ sin_tab,
+    const void* __restrict__ positions, int pos_is_i64, int heads, int kv_heads,
+    long long row_stride, int max_pos, float eps) {
+  constexpr int E = D / 32;
+  typedef Pack<T, E> P;
+  const int lane = threadIdx.x & 31;
+  const int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+  if (head >= heads + kv_heads) return;  // whole warps; nothing below syncs the CTA
+  const int t = blockIdx.y;
+  long long p = pos_is_i64 ? __ldg(reinterpret_cast<const long long*>(positions) + t)
+                           : static_cast<long long>(__ldg(reinterpret_cast<const int*>(positions) + t));
+  p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);  // never read outside the tables
+
+  const P xin = *reinterpret_cast<const P*>(qkv + t * row_stride + head * D + lane * E);
+  float x[E];
+#pragma unroll
+  for (int j = 0; j < E; ++j) x[j] = edge::to_float(xin.v[j]);
+  if (weight != nullptr) {
+    float ss = 0.f;
+#pragma unroll
+    for (int j = 0; j < E; ++j) ss = fmaf(x[j], x[j], ss);
+    const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(D) + eps);
+    const P wv = *reinterpret_cast<const P*>(weight + head * D + lane * E);
+    // HF order: normalise in float32, cast to T, multiply by the weight in T.
+#pragma unroll
+    for (int j = 0; j < E; ++j) x[j] = round_to<T>(round_to<T>(x[j] * rstd) * edge::to_float(wv.v[j]));
+  }
+  const P cv = *reinterpret_cast<const P*>(cos_tab + p * D + lane * E);
+  const P sv = *reinterpret_cast<const P*>(sin_tab + p * D + lane * E);
+  P o;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const float partner = __shfl_xor_sync(0xffffffffu, x[j], 16);
+    o.v[j] = edge::from_float<T>(x[j] * edge::to_float(cv.v[j]) + partner * edge::to_float(sv.v[j]));
+  }
+  T* dst = head < heads ? q_out + (static_cast<long long>(t) * heads + head) * D
+                        : k_out + (static_cast<long long>(t) * kv_heads + (head - heads)) * D;
+  *reinterpret_cast<P*>(dst + lane * E) = o;
+}
+
+}  // namespace
+
+// ---- extern "C" instantiations -------------------------------------------------------------
+
+#define EDGE_FUSED_NORM(SUFFIX, T)                                                            \
+  extern "C" __global__ void __launch_bounds__(1024)                                         \
+      rms_norm_##SUFFIX(T* __restrict__ out, T* __restrict__ x, const T* __restrict__ w,     \
+                        float eps, int hidden) {                                               \
+    rms_norm_row<T, false>(out, x, nullptr, w, eps, hidden);                                  \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(1024)                                         \
+      add_rms_norm_##SUFFIX(T* __restrict__ out, T* __restrict__ x, const T* __restrict__ r, \
+                            const T* __restrict__ w, float eps, int hidden) {                \
+    rms_norm_row<T, true>(out, x, r, w, eps, hidden);                                         \
+  }                                                                                           \
+  extern "C" __global__ void __launch_bounds__(256)                                          \
+      silu_mul_##SUFFIX(T* __restrict__ out, const T* __restrict__ gate_up, int inter,        \
+                        long long total_vecs) {                                                \
+    silu_mul_vec<T>(out, gate_up, inter, total_vecs);                                         \
+  }
+
+#define EDGE_FUSED_QK(SUFFIX, T, D)                                                           \
+  extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_##SUFFIX##_d##D(            \
+      T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,                \
+      const T* __restrict__ weight, const T* __restrict__ cos_tab,                            \
+      const T* __restrict__ sin_tab, const void* __restrict__ positions, int pos_is_i64,      \
+      int heads, int kv_heads, long long row_stride, int max_pos, float eps) {                \
+    qk_norm_rope_head<T, D>(q_out, k_out, qkv, weight, cos_tab, sin_tab, positions,           \
+                            pos_is_i64, heads, kv_heads, row_stride, max_pos, eps);           \
+  }
+
+EDGE_FUSED_NORM(f16, __half)
+EDGE_FUSED_NORM(bf16, __nv_bfloat16)
+EDGE_FUSED_NORM(f32, float)
+EDGE_FUSED_QK(f16, __half, 64)
+EDGE_FUSED_QK(f16, __half, 128)
+EDGE_FUSED_QK(bf16, __nv_bfloat16, 64)
+EDGE_FUSED_QK(bf16, __nv_bfloat16, 128)
+EDGE_FUSED_QK(f32, float, 64)
+EDGE_FUSED_QK(f32, float, 128)

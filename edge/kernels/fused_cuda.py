@@ -1,0 +1,265 @@
+"""CUDA fused decoder-layer ops (``fused.cu``) with the semantics of the functions of
+the same names in :mod:`edge.kernels.reference`:
+
+- :func:`rms_norm` ``(x, weight, eps)`` -- RMSNorm of each row, times ``weight``.
+- :func:`add_rms_norm` ``(x, residual, weight, eps)`` -- ``x += residual`` in place
+  (the residual stream), returns ``rms_norm(x) * weight``: one kernel instead of two.
+- :func:`qk_norm_rope` ``(qkv, qk_norm_weight | None, cos, sin_signed, positions,
+  heads, kv_heads, head_dim, eps)`` -- q and k of a fused qkv row, Qwen3 per-head
+  RMSNorm (when the weight is given) and RoPE at device positions, as contiguous
+  ``q [T, heads, D]`` and ``k [T, kv_heads, D]``: one kernel instead of ~6.
+- :func:`silu_mul` ``(gate_up)`` -- ``silu(gate) * up``: one kernel instead of two.
+
+float16 / bfloat16 / float32 CUDA tensors, any number of tokens T >= 1 (decode and
+prefill), rows up to :data:`MAX_HIDDEN` elements, head_dim 64 or 128. Anything else
+(CPU tensors, odd sizes, misaligned or strided views, mixed dtypes) runs the torch
+reference, so these are drop-in replacements everywhere. The model calls them through
+``model.ops`` (``edge.engine.kernel_ops`` installs this module when it loads).
+
+Graph-safe: a launch allocates only its outputs (through torch, so inside a capture
+they come from the graph's pool), reads nothing back to the host, and its grid depends
+only on shapes. Call :func:`load` before capturing a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+import torch
+
+from edge.kernels import nvrtc, reference
+from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
+
+__all__ = [
+    "DTYPES",
+    "HEAD_DIMS",
+    "MAX_HIDDEN",
+    "KernelCompileError",
+    "KernelsUnavailable",
+    "add_rms_norm",
+    "available",
+    "load",
+    "qk_norm_rope",
+    "rms_norm",
+    "silu_mul",
+]
+
+SOURCE = "fused.cu"
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+HEAD_DIMS = (64, 128)
+_SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+_MAX_VEC = 4  # kMaxVec in fused.cu: 16-byte vectors per thread in the norm kernels
+_NORM_MAX_THREADS = 1024
+MAX_HIDDEN = {dt: _MAX_VEC * _NORM_MAX_THREADS * 16 // torch.finfo(dt).bits * 8 for dt in DTYPES}
+_SILU_THREADS = 128
+_QK_WARPS = 4
+_NAMES = ("rms_norm", "add_rms_norm", "silu_mul")
+
+_kernels: dict[tuple[int, str], Any] = {}
+
+
+def _kernel(dev: int, name: str) -> Any:
+    k = _kernels.get((dev, name))
+    if k is None:
+        k = nvrtc.get_kernel(dev, SOURCE, name)
+        _kernels[(dev, name)] = k
+    return k
+
+
+def _device_index(device: Any) -> int:
+    if device is None:
+        nvrtc._torch_cuda()
+        return torch.cuda.current_device()
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise KernelsUnavailable(f"the fused CUDA kernels need a CUDA device, got {device}")
+    nvrtc._torch_cuda()
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def load(device: Any = None) -> None:
+    """Compile (or fetch from the disk cache) and load every kernel for ``device``.
+    Raises KernelsUnavailable or KernelCompileError. Call before graph capture."""
+    dev = _device_index(device)
+    nvrtc.check_available(dev)
+    for dtype, sfx in _SUFFIX.items():
+        for name in _NAMES:
+            _kernel(dev, f"{name}_{sfx}")
+        for d in HEAD_DIMS:
+            _kernel(dev, f"qk_norm_rope_{sfx}_d{d}")
+
+
+def available(device: Any = None) -> bool:
+    """True when the kernels load on ``device``."""
+    try:
+        load(device)
+        return True
+    except (KernelsUnavailable, KernelCompileError):
+        return False
+
+
+def _dev(t: torch.Tensor) -> int:
+    i = t.device.index
+    return torch.cuda.current_device() if i is None else i
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+@functools.lru_cache(maxsize=256)
+def _norm_threads(nvec: int) -> int:
+    """Threads per row: about two 16-byte vectors each, a multiple of 32, <= 1024."""
+    per_two = (nvec + 1) // 2
+    return min(_NORM_MAX_THREADS, max(32, (per_two + 31) // 32 * 32))
+
+
+def _norm_ok(x: torch.Tensor, weight: torch.Tensor | None, *others: torch.Tensor) -> bool:
+    if x.device.type != "cuda" or x.dtype not in _SUFFIX or weight is None:
+        return False
+    h = x.shape[-1] if x.dim() else 0
+    if x.numel() == 0 or h * x.element_size() % 16 or h > MAX_HIDDEN[x.dtype]:
+        return False
+    if weight.dtype != x.dtype or weight.device != x.device or weight.shape != (h,) or not weight.is_contiguous():
+        return False
+    for o in others:
+        if o.dtype != x.dtype or o.device != x.device or o.shape != x.shape or not o.is_contiguous():
+            return False
+    return x.is_contiguous() and _aligned(x, weight, *others)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of ``x [..., hidden]`` times ``weight [hidden]``."""
+    if not _norm_ok(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    dev = _dev(x)
+    nvrtc.launch(
+        dev,
+        _kernel(dev, f"rms_norm_{_SUFFIX[x.dtype]}"),
+        x.numel() // h,
+        _norm_threads(h * x.element_size() // 16),
+        (out.data_ptr(), x.data_ptr(), weight.data_ptr(), np.float32(eps), np.int32(h)),
+    )
+    return out
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x += residual`` in place, then RMSNorm of every row of ``x`` times ``weight``."""
+    if not _norm_ok(x, weight, residual) or residual.data_ptr() == x.data_ptr():
+        return reference.add_rms_norm(x, residual, weight, eps)
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    dev = _dev(x)
+    nvrtc.launch(
+        dev,
+        _kernel(dev, f"add_rms_norm_{_SUFFIX[x.dtype]}"),
+        x.numel() // h,
+        _norm_threads(h * x.element_size() // 16),
+        (out.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(), np.float32(eps), np.int32(h)),
+    )
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` for ``gate_up [..., 2 * I]`` (gate first) -> ``[..., I]``."""
+    x = gate_up
+    if x.device.type != "cuda" or x.dtype not in _SUFFIX or x.dim() == 0 or x.numel() == 0:
+        return reference.silu_mul(x)
+    inter = x.shape[-1] // 2
+    if x.shape[-1] % 2 or inter * x.element_size() % 16 or not x.is_contiguous() or not _aligned(x):
+        return reference.silu_mul(x)
+    out = torch.empty((*x.shape[:-1], inter), dtype=x.dtype, device=x.device)
+    vecs = out.numel() * x.element_size() // 16
+    dev = _dev(x)
+    nvrtc.launch(
+        dev,
+        _kernel(dev, f"silu_mul_{_SUFFIX[x.dtype]}"),
+        -(-vecs // _SILU_THREADS),
+        _SILU_THREADS,
+        (out.data_ptr(), x.data_ptr(), np.int32(inter), np.int64(vecs)),
+    )
+    return out
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    qk_norm_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin_signed: torch.Tensor,
+    positions: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-head RMSNorm (if ``qk_norm_weight``) and RoPE of the q and k parts of
+    ``qkv [T, (heads + 2 kv_heads) * D]`` at ``positions`` (int64/int32 ``[T]`` on the
+    device): contiguous ``(q [T, heads, D], k [T, kv_heads, D])``. Positions outside the
+    tables are clamped on the device (the reference raises)."""
+    d = head_dim
+    w = qk_norm_weight
+    ok = (
+        qkv.device.type == "cuda"
+        and qkv.dtype in _SUFFIX
+        and d in HEAD_DIMS
+        and qkv.dim() == 2
+        and 0 < qkv.shape[0] <= 65535
+        and qkv.shape[1] >= (heads + kv_heads) * d
+        and qkv.stride(1) == 1
+        and qkv.stride(0) * qkv.element_size() % 16 == 0
+        and positions.dtype in (torch.int64, torch.int32)
+        and positions.dim() == 1
+        and positions.shape[0] == qkv.shape[0]
+        and positions.is_contiguous()
+        and positions.device == qkv.device
+        and cos.dtype == sin_signed.dtype == qkv.dtype
+        and cos.device == sin_signed.device == qkv.device
+        and cos.shape == sin_signed.shape
+        and cos.dim() == 2
+        and cos.shape[1] == d
+        and cos.is_contiguous()
+        and sin_signed.is_contiguous()
+        and _aligned(qkv, cos, sin_signed)
+        and (
+            w is None
+            or (
+                w.dtype == qkv.dtype
+                and w.device == qkv.device
+                and w.shape == (heads + kv_heads, d)
+                and w.is_contiguous()
+                and _aligned(w)
+            )
+        )
+    )
+    if not ok:
+        return reference.qk_norm_rope(qkv, w, cos, sin_signed, positions, heads, kv_heads, d, eps)
+    t = qkv.shape[0]
+    q = torch.empty((t, heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = torch.empty((t, kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    dev = _dev(qkv)
+    nvrtc.launch(
+        dev,
+        _kernel(dev, f"qk_norm_rope_{_SUFFIX[qkv.dtype]}_d{d}"),
+        (-(-(heads + kv_heads) // _QK_WARPS), t),
+        32 * _QK_WARPS,
+        (
+            q.data_ptr(),
+            k.data_ptr(),
+            qkv.data_ptr(),
+            0 if w is None else w.data_ptr(),
+            cos.data_ptr(),
+            sin_signed.data_ptr(),
+            positions.data_ptr(),
+            np.int32(positions.dtype == torch.int64),
+            np.int32(heads),
+            np.int32(kv_heads),
+            np.int64(qkv.stride(0)),
+            np.int32(cos.shape[0]),
+            np.float32(eps),
+        ),
+    )
+    return q, k
