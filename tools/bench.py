@@ -14,6 +14,7 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
             as a fraction of the copy bandwidth measured in the same run.
 
     python tools/bench.py kernels [--dtype bfloat16] [--kv-lens 512,2048,8192]
+                                  [--sweep | --tunings JSON] [--prefill]
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ _DTYPES = {
     "half": "float16",
 }
 
-# Decode-kernel tunings tried by `kernels --sweep` (knobs of paged_decode.cu).
+# Decode-kernel tunings tried by `kernels --sweep` (knobs of paged_decode*.cu and the
+# split policy; `--tunings JSON` replaces the list).
 SWEEP = [
     {"impl": "simt"},
     {"impl": "tc"},  # defaults: 4 warps, 1 stage at head_dim 128, <= 32 splits
@@ -297,9 +299,9 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.empty_cache()
         return rows
 
-    if args.sweep:
+    if args.sweep or args.tunings:
         sweep = []
-        for tuning in SWEEP:
+        for tuning in json.loads(args.tunings) if args.tunings else SWEEP:
             paged_cuda.set_decode_tuning(**tuning)
             try:
                 sweep.append({"tuning": tuning, "decode": decode_all()})
@@ -348,7 +350,7 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
             print(f"# sweep {tag}: {sw['error'][:300]}", file=out)
             continue
         cells = " ".join(
-            f"{x['kv_len']}:{x['fraction_of_copy']:.2f}/{x['graph_fraction_of_copy']:.2f}"
+            f"{x['kv_len']}:{x['splits']}:{x['kernel_us']:.2f}us:{x['fraction_of_copy']:.3f}/{x['graph_fraction_of_copy']:.3f}"
             for x in sw["decode"]
         )
         k = sw["decode"][-1]["kernel"]
@@ -401,6 +403,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     k.add_argument(
         "--sweep", action="store_true", help="also time the decode tunings in SWEEP"
+    )
+    k.add_argument(
+        "--tunings",
+        default="",
+        help='JSON list of tunings to sweep instead of SWEEP, e.g. \'[{"impl": "tc", "max_splits": 32}]\'',
     )
     k.add_argument("--prefill", action="store_true", help="also time prefill attention")
     k.set_defaults(func=mode_kernels)

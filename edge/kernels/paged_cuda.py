@@ -24,7 +24,9 @@ capture.
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import threading
 from collections.abc import Iterable
 from typing import Any
@@ -72,6 +74,10 @@ DECODE_TUNING: dict[str, Any] = {
     # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
     "max_splits": 32,
 }
+# EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
+# defaults of a process: a candidate tuning can run the whole GPU test suite.
+if os.environ.get("EDGE_DECODE_TUNING"):
+    DECODE_TUNING.update(json.loads(os.environ["EDGE_DECODE_TUNING"]))
 _DEFAULT_TUNING = dict(DECODE_TUNING)
 
 

@@ -391,13 +391,21 @@ __device__ __forceinline__ void paged_decode_tc(
 #error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
 #endif
 
+// EDGE_TC_STAGES is clamped to the stages that fit the 48 KB of static shared memory
+// (4 warps x 2 stages at head_dim 128 would need 70 KB; test_decode_tc_tunings asks for it).
+constexpr int kTcStageBytes = 2 * 16 * EDGE_TC_WARPS * (EDGE_HEAD_DIM + 8) * (int)sizeof(edge_t);
+constexpr int kTcFitStages = (40 * 1024) / kTcStageBytes;
+constexpr int kTcStages = EDGE_TC_STAGES <= 1 ? 1
+                          : (EDGE_TC_STAGES <= kTcFitStages ? EDGE_TC_STAGES
+                                                             : (kTcFitStages < 1 ? 1 : kTcFitStages));
+
 extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
     paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
                     const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
                     float* __restrict__ ws, unsigned int* __restrict__ counters) {
-  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
+  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, kTcStages>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
       counters);
 }
