@@ -131,9 +131,12 @@ def compare(mode: str, case: Case, base: Trace, other: Trace, tie_tol: float) ->
 def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
     """The paged variants to check against the contiguous baseline."""
     out: dict[str, Engine] = {}
+    # Each mode gets a pool for two full sequences, not the memory budget's default
+    # (90 % of what is free): several engines share one GPU here.
+    blocks = 2 * -(-base.max_seq_len // base.page_size)
 
     def paged(name: str, **kw) -> None:
-        out[name] = Engine(base.model, base.tokenizer, base.model_dir, kv_cache="paged", **kw)
+        out[name] = Engine(base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks, **kw)
 
     paged("paged", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=False)
     paged("paged+nan-poison", page_size=base.page_size, max_seq_len=base.max_seq_len, poison_kv=True, cuda_graph=False)

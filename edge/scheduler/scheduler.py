@@ -103,6 +103,10 @@ class Scheduler:
     """Serve requests on ``engine`` from a loop thread; see the module docstring.
 
     ``prefill_chunk``: tokens per background prefill chunk (default: the engine's).
+    ``background_share``: on a GPU, the largest fraction of time background prefill
+    may keep the device busy while a request decodes. Stream priority alone does not
+    protect decode: a prefill GEMM's blocks hold the SMs, and every one of the
+    hundreds of small decode kernels waits for some to drain.
     ``governor``: ``allow_background_prefill()``, ``decode_delay_s()``,
     ``check_admission()`` (may raise). ``energy``: ``begin(id)``, ``end(id) -> J|None``.
     """
@@ -115,7 +119,10 @@ class Scheduler:
         prefix_cache: bool = True,
         governor=None,
         energy=None,
+        background_share: float = 0.2,
     ) -> None:
+        if not 0.0 < background_share <= 1.0:
+            raise ValueError(f"background_share must be in (0, 1], got {background_share}")
         if engine.kv is None:
             raise ValueError("the scheduler needs an engine with kv_cache='paged'")
         if queue_size < 1:
@@ -153,6 +160,9 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._heartbeat = time.monotonic()
         self.background_waits = 0  # background chunks deferred for lack of blocks
+        self.background_share = background_share
+        self._bg_chunk: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # last chunk's GPU span
+        self._bg_resume = 0.0  # perf_counter time before which no background chunk starts
 
     # -- caller side -------------------------------------------------------------------------
 
@@ -377,8 +387,30 @@ class Scheduler:
         if other.state is SlotState.IDLE:
             if not self._admit(other, background=True) or other.state is not SlotState.PREFILLING:
                 return
-        if other.state is SlotState.PREFILLING and other.pending is None:
+        if other.state is SlotState.PREFILLING and other.pending is None and self._background_due():
+            if not self._cuda:
+                self._prefill_chunk(other, background=True)
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(self._low)
             self._prefill_chunk(other, background=True)
+            end.record(self._low)
+            self._bg_chunk = (start, end)
+
+    def _background_due(self) -> bool:
+        """Duty cycle on a GPU: after a chunk that kept the device busy for c seconds,
+        the next may start only c * (1 - share) / share seconds after it finished."""
+        if not self._cuda:
+            return True  # the CPU loop already alternates one decode step, one chunk
+        if self._bg_chunk is not None:
+            start, end = self._bg_chunk
+            if not end.query():
+                return False
+            busy_s = start.elapsed_time(end) / 1e3
+            share = self.background_share
+            self._bg_resume = time.perf_counter() + busy_s * (1.0 - share) / share
+            self._bg_chunk = None
+        return time.perf_counter() >= self._bg_resume
 
     # -- admission and prefill ---------------------------------------------------------------
 
