@@ -15,7 +15,6 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from edge.config import parse_dtype
 from edge.engine import Engine, default_device
 from edge.kv.paged import PagedKVCache
 from edge.sampling import SamplerState, SamplingParams

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
-
 from edge.engine import Engine
 from edge.sampling import SamplingParams
 

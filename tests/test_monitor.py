@@ -398,6 +398,7 @@ def test_failing_source_read_gives_empty_sample(caplog):
     with caplog.at_level(logging.ERROR, logger="edge.monitor"):
         s1, s2 = sampler.sample_once(), sampler.sample_once()
     assert s1.source == "broken" and s1.time == 5.0 and s1.temperatures_c == {}
+    assert s2.source == "broken", "the sampler keeps sampling after a failed read"
     assert sum("read failed" in r.getMessage() for r in caplog.records) == 1
 
 

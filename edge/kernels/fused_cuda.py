@@ -68,21 +68,10 @@ def _kernel(dev: int, name: str) -> Any:
     return k
 
 
-def _device_index(device: Any) -> int:
-    if device is None:
-        nvrtc._torch_cuda()
-        return torch.cuda.current_device()
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise KernelsUnavailable(f"the fused CUDA kernels need a CUDA device, got {device}")
-    nvrtc._torch_cuda()
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def load(device: Any = None) -> None:
     """Compile (or fetch from the disk cache) and load every kernel for ``device``.
     Raises KernelsUnavailable or KernelCompileError. Call before graph capture."""
-    dev = _device_index(device)
+    dev = nvrtc.device_index(device, "the fused CUDA kernels")
     nvrtc.check_available(dev)
     for dtype, sfx in _SUFFIX.items():
         for name in _NAMES:
@@ -93,11 +82,7 @@ def load(device: Any = None) -> None:
 
 def available(device: Any = None) -> bool:
     """True when the kernels load on ``device``."""
-    try:
-        load(device)
-        return True
-    except (KernelsUnavailable, KernelCompileError):
-        return False
+    return nvrtc.loads(load, device)
 
 
 def _dev(t: torch.Tensor) -> int:

@@ -97,19 +97,6 @@ def _kernel(dev: int, dtype: torch.dtype, rows: int) -> Any:
     )
 
 
-def _device_index(device: Any) -> int:
-    if device is None:
-        nvrtc._torch_cuda()
-        return torch.cuda.current_device()
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise KernelsUnavailable(
-            f"the CUDA int8 GEMV needs a CUDA device, got {device}"
-        )
-    nvrtc._torch_cuda()
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 @functools.cache
 def _sm_count(dev: int) -> int:
     return int(torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -118,7 +105,7 @@ def _sm_count(dev: int) -> int:
 def load(device: Any = None) -> None:
     """Compile (or fetch from the disk cache) and load every variant for ``device``.
     Raises KernelsUnavailable or KernelCompileError. Call before graph capture."""
-    dev = _device_index(device)
+    dev = nvrtc.device_index(device, "the CUDA int8 GEMV")
     nvrtc.check_available(dev)
     for dtype in DTYPES:
         for r in ROWS_PER_WARP:
@@ -128,11 +115,7 @@ def load(device: Any = None) -> None:
 
 def available(device: Any = None) -> bool:
     """True when the kernels load on ``device``."""
-    try:
-        load(device)
-        return True
-    except (KernelsUnavailable, KernelCompileError):
-        return False
+    return nvrtc.loads(load, device)
 
 
 def enable(device: Any = None) -> None:

@@ -548,6 +548,30 @@ def check_available(device_index: int | None = None) -> None:
             raise KernelsUnavailable(f"CUDA device {device_index} does not exist")
 
 
+def device_index(device: Any, what: str = "the CUDA kernels") -> int:
+    """CUDA device index of ``device`` (None: the current device); KernelsUnavailable
+    naming ``what`` for a non-CUDA device or a torch without CUDA."""
+    if device is not None:
+        import torch
+
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise KernelsUnavailable(f"{what} need a CUDA device, got {device}")
+        if device.index is not None:
+            _torch_cuda()
+            return device.index
+    return _torch_cuda().cuda.current_device()
+
+
+def loads(load: Any, device: Any = None) -> bool:
+    """True when ``load(device)`` succeeds, False when kernels are unavailable there."""
+    try:
+        load(device)
+        return True
+    except (KernelsUnavailable, KernelCompileError):
+        return False
+
+
 def _reset_for_tests() -> None:
     """Forget every cached import / discovery (tests monkeypatch imports)."""
     core.cache_clear()

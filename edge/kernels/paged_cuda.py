@@ -142,17 +142,6 @@ def _kv_kernel(dev: int) -> Any:
     return nvrtc.get_kernel(dev, "kv_write.cu", "kv_write")
 
 
-def _device_index(device: Any) -> int:
-    if device is None:
-        nvrtc._torch_cuda()
-        return torch.cuda.current_device()
-    device = torch.device(device)
-    if device.type != "cuda":
-        raise KernelsUnavailable(f"the CUDA kernels need a CUDA device, got {device}")
-    nvrtc._torch_cuda()
-    return torch.cuda.current_device() if device.index is None else device.index
-
-
 def load(
     device: Any = None,
     dtypes: Iterable[torch.dtype] = (torch.float16, torch.bfloat16),
@@ -161,7 +150,7 @@ def load(
     """Compile (or fetch from the disk cache) and load every kernel for ``device`` and
     the given dtypes / head dims. Raises KernelsUnavailable (what is missing) or
     KernelCompileError. Call before capturing CUDA graphs."""
-    dev = _device_index(device)
+    dev = nvrtc.device_index(device, "the CUDA kernels")
     nvrtc.check_available(dev)
     _kv_kernel(dev)
     for dtype in dtypes:
@@ -180,13 +169,7 @@ def load(
 def available(device: Any = None) -> bool:
     """True when the kernels can run on ``device`` (cuda-python, NVRTC, headers, GPU
     present and the kernel sources compile)."""
-    try:
-        dev = _device_index(device)
-        nvrtc.check_available(dev)
-        _kv_kernel(dev)
-        return True
-    except (KernelsUnavailable, KernelCompileError):
-        return False
+    return nvrtc.loads(load, device)
 
 
 # ---------------------------------------------------------------------------------------
@@ -481,7 +464,7 @@ def decode_splits(
     None) no split shorter than 64 rows. ``kv_len=None`` gives the device-length (graph)
     count, which depends on nothing that changes between steps."""
     return _plan(
-        _device_index(device), dtype, head_dim, q_heads, kv_heads, page_size
+        nvrtc.device_index(device, "the CUDA kernels"), dtype, head_dim, q_heads, kv_heads, page_size
     ).splits(kv_len)
 
 
