@@ -254,17 +254,19 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | N
     """
     rows, cols = w.weight.shape
     groups = w.scale.shape[1]
-    step = max(1, DEQUANT_CHUNK_ELEMENTS // cols)
-    if step >= rows:
-        deq = (w.weight.float().view(rows, groups, cols // groups) * w.scale.float().unsqueeze(-1)).view(rows, cols)
-        return F.linear(x, deq.to(x.dtype), bias)
+    scale = w.scale.float().unsqueeze(-1)
+    step = min(rows, max(1, DEQUANT_CHUNK_ELEMENTS // cols))
+    # One pass per chunk: int8 x float32 scale computed in float32 and rounded once
+    # into x's dtype on store (3 bytes of traffic per weight instead of ~19 for a
+    # float() / mul / to() chain) - the same values, bit for bit.
+    deq = torch.empty(step, cols, dtype=x.dtype, device=x.device)
     outs = []
     for r0 in range(0, rows, step):
         r1 = min(rows, r0 + step)
-        deq = w.weight[r0:r1].float().view(r1 - r0, groups, cols // groups) * w.scale[r0:r1].float().unsqueeze(-1)
-        outs.append(F.linear(x, deq.view(r1 - r0, cols).to(x.dtype), None if bias is None else bias[r0:r1]))
-        del deq
-    return torch.cat(outs, dim=-1)
+        chunk = deq[: r1 - r0]
+        torch.mul(w.weight[r0:r1].view(r1 - r0, groups, cols // groups), scale[r0:r1], out=chunk.view(r1 - r0, groups, -1))
+        outs.append(F.linear(x, chunk, None if bias is None else bias[r0:r1]))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
 Weight = torch.Tensor | Int8Weight
