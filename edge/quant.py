@@ -32,7 +32,7 @@ the weight: a float tensor goes to ``F.linear``, an ``Int8Weight`` to its ``line
 method, which runs the implementation registered for the activation's device type
 (``register_int8_linear``; the CUDA GEMV kernel registers itself there) or else the
 torch reference ``int8_linear_reference``: dequantize group-wise in float32
-(``q.float().view(out, in/g, g) * scale[..., None]``), cast to the activation dtype,
+(``q.view(out, in/g, g) * scale[..., None]`` in float32), rounded once to the activation dtype,
 ``F.linear``. The reference has no host synchronisation and no data-dependent shapes,
 so it can be captured in a CUDA graph. Weights larger than ``DEQUANT_CHUNK_ELEMENTS``
 are dequantized and multiplied in row chunks (a fixed split per weight) so the float
@@ -58,8 +58,9 @@ QUANTIZE_ALIASES = {"int8": QUANT_METHOD, "q8_0": QUANT_METHOD, "w8a16": QUANT_M
 DEFAULT_GROUP_SIZE = 128
 SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 QMAX = 127
-# Elements dequantized at once by the reference linear (64 MiB of float32).
-DEQUANT_CHUNK_ELEMENTS = 1 << 24
+# Elements dequantized at once by the reference linear (128 MiB in bf16): large enough
+# that prefill GEMMs stay efficient (one per ~64M weights), small enough for Orin.
+DEQUANT_CHUNK_ELEMENTS = 1 << 26
 # Elements quantized at once (bounds the float32 temporary of route A and B).
 QUANTIZE_CHUNK_ELEMENTS = 1 << 24
 
