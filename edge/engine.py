@@ -320,15 +320,7 @@ class Engine:
 
     def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)
-        chunks = list(self.stream(prompt, params))
-        final = chunks[-1]
-        return GenerationResult(
-            token_ids=[t for c in chunks for t in c.token_ids],
-            text="".join(c.text for c in chunks),
-            finish_reason=final.finish_reason or "length",
-            usage=final.usage,
-            message=final.message,
-        )
+        return GenerationResult.from_chunks(list(self.stream(prompt, params)))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         if self.tokenizer is None:

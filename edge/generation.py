@@ -4,7 +4,7 @@ sampler tensors, incremental detokenization, stop conditions, usage and timings.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 from edge.sampling import SamplerState, SamplingParams, StopChecker
 from edge.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -46,7 +46,18 @@ class GenerationResult:
     finish_reason: str
     usage: Usage
     message: str | None = None
-    timings: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_chunks(cls, chunks: list[Chunk]) -> "GenerationResult":
+        """A whole request from its streamed chunks (the last one carries the end)."""
+        final = chunks[-1]
+        return cls(
+            token_ids=[t for c in chunks for t in c.token_ids],
+            text="".join(c.text for c in chunks),
+            finish_reason=final.finish_reason or "length",
+            usage=final.usage or Usage(),
+            message=final.message,
+        )
 
 
 class Generation:
@@ -69,7 +80,6 @@ class Generation:
         # A checkpoint without tokenizer.json still generates token ids, with no text.
         self.detok = IncrementalDetokenizer(tokenizer) if tokenizer is not None else None
         self.token_ids: list[int] = []
-        self.text_parts: list[str] = []
         self.usage = Usage(prompt_tokens=len(prompt_ids), seed=params.seed)
         self.t_start = time.perf_counter()
         self.t_first: float | None = None
@@ -96,7 +106,6 @@ class Generation:
         text = self.stop.on_text(self.detok.push(token) if self.detok else "")
         if self.stop.done and self.stop.finish_reason != "stop":
             text += self._drain()
-        self.text_parts.append(text)
         return Chunk([token], text)
 
     def finish(self, reason: str | None = None, message: str | None = None) -> Chunk:
@@ -105,7 +114,6 @@ class Generation:
         if reason in (None, "length") and self.stop.finish_reason != "stop":
             tail = self._drain()
         final = reason or self.stop.finish_reason or "length"
-        self.text_parts.append(tail)
         now = time.perf_counter()
         u = self.usage
         u.completion_tokens = len(self.token_ids)
@@ -117,17 +125,3 @@ class Generation:
     def _drain(self) -> str:
         """Text held back (a partial UTF-8 character, a possible stop-string prefix)."""
         return self.stop.on_text(self.detok.flush() if self.detok else "") + self.stop.flush()
-
-    @property
-    def text(self) -> str:
-        return "".join(self.text_parts)
-
-    def result(self, final: Chunk) -> GenerationResult:
-        return GenerationResult(
-            token_ids=list(self.token_ids),
-            text=self.text,
-            finish_reason=final.finish_reason or "length",
-            usage=final.usage or self.usage,
-            message=final.message,
-        )
-

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
-from edge.generation import Chunk, GenerationResult, Usage
+from edge.generation import Chunk, GenerationResult
 
 if TYPE_CHECKING:
     from edge.scheduler.scheduler import Scheduler
@@ -133,11 +133,4 @@ class RequestHandle:
                 break
         with self._cond:
             chunks = list(self._chunks)
-        final = chunks[-1]
-        return GenerationResult(
-            token_ids=[t for c in chunks for t in c.token_ids],
-            text="".join(c.text for c in chunks),
-            finish_reason=final.finish_reason or "length",
-            usage=final.usage or Usage(),
-            message=final.message,
-        )
+        return GenerationResult.from_chunks(chunks)
