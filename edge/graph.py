@@ -12,7 +12,6 @@ page-crossing garbage bug of seed 001 ch.15).
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -42,18 +41,6 @@ class GraphStepKV:
         return out.unsqueeze(0)
 
 
-@dataclass
-class StepHandle:
-    """A replayed step whose token is on its way to pinned host memory."""
-
-    slot: int
-    event: torch.cuda.Event
-
-    def token(self, decoder: "SlotDecoder") -> int:
-        self.event.synchronize()
-        return int(decoder.host_tokens[self.slot])
-
-
 class SlotDecoder:
     """Static buffers and captured graphs of one scheduler slot."""
 
@@ -71,11 +58,12 @@ class SlotDecoder:
         cfg = engine.cfg
         self.attn_out = torch.empty(cfg.num_layers, cfg.num_heads, cfg.head_dim, device=dev, dtype=engine.dtype)
         self.host_tokens = torch.zeros(self.RING, dtype=torch.long, pin_memory=True)
+        self._copied = [torch.cuda.Event() for _ in range(self.RING)]  # one per pinned slot
         self._ring = 0
         self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self.mempool = pool
         self.bound: PagedSequence | None = None
-        self.inflight: deque[StepHandle] = deque()  # launched steps whose token is unread
+        self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
         self.kv = GraphStepKV(self)
 
     # -- binding a request -----------------------------------------------------------
@@ -126,22 +114,26 @@ class SlotDecoder:
         self.graphs[key] = graph
         return graph
 
-    def launch(self, seq: PagedSequence, greedy: bool) -> StepHandle:
+    def launch(self, seq: PagedSequence, greedy: bool) -> int:
         """Reserve (and sync) the block for this step outside the graph, replay, and
-        start copying the sampled token to pinned memory. Returns without waiting."""
+        start copying the sampled token to pinned memory. Returns the ring slot to
+        ``read`` the token from, without waiting."""
         if self.bound is not seq:
             raise AssertionError("launch on a sequence that is not bound to this slot")
         seq.reserve(1)  # may raise KVOutOfMemory; nothing has been launched then
-        graph = self._graph(greedy)
-        graph.replay()
+        self._graph(greedy).replay()
         seq.advance(1)
         slot = self._ring
         self._ring = (self._ring + 1) % self.RING
         # Stream order makes this copy read the token before the next replay rewrites it.
         self.host_tokens[slot : slot + 1].copy_(self.token, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return StepHandle(slot, event)
+        self._copied[slot].record()
+        return slot
+
+    def read(self, slot: int) -> int:
+        """The token a launched step sampled (waits for that step only)."""
+        self._copied[slot].synchronize()
+        return int(self.host_tokens[slot])
 
     def next_token(self, seq: PagedSequence, greedy: bool) -> int:
         """The next token of the bound sequence, keeping one step ahead: the step after
@@ -153,7 +145,7 @@ class SlotDecoder:
             self.inflight.append(self.launch(seq, greedy))
         except KVOutOfMemory:
             pass  # not speculating; the next call raises if there is still no room
-        return self.inflight.popleft().token(self)
+        return self.read(self.inflight.popleft())
 
     def unbind(self, seq: PagedSequence) -> None:
         """Detach ``seq``. Steps launched but never read are rolled back: their K/V

@@ -107,7 +107,7 @@ def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trac
     decoder = engine.slot_decoder(seq)
     decoder.bind(seq, sampler, first)
     while len(out) < n:
-        out.append(decoder.launch(seq, True).token(decoder))
+        out.append(decoder.read(decoder.launch(seq, True)))
     trace.tokens += out
     return out
 

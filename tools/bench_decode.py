@@ -9,7 +9,6 @@ several prompt lengths, host-to-device bytes per decode step, peak memory, and w
 from __future__ import annotations
 
 import argparse
-import gc
 import statistics
 import time
 from collections.abc import Iterator
@@ -97,6 +96,13 @@ def quantize_projections(weights: dict, cfg: ModelConfig, group_size: int = DEFA
             weights[name] = Int8Weight(q, s, group_size)
 
 
+def prompt_ids(engine: Engine, n: int, seed: int) -> list[int]:
+    """``n`` seeded token ids the tokenizer can decode (random presets pad the vocab)."""
+    vocab = min(engine.cfg.vocab_size, 800)
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (n,), generator=g).tolist()
+
+
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode step reads: all of them but the embedding table,
     of which it reads one row (with tied embeddings the table is read as lm_head).
@@ -128,7 +134,7 @@ def prefilled(engine: Engine, prompt: list[int], graph: bool) -> Iterator[tuple]
         decoder = engine.slot_decoder(seq)
         if decoder is not None:
             decoder.bind(seq, sampler, token)
-            decoder.launch(seq, True).token(decoder)
+            decoder.read(decoder.launch(seq, True))
         torch.cuda.synchronize()
         yield seq, decoder, token, sampler
     finally:
@@ -141,10 +147,9 @@ def time_decode(engine: Engine, prompt: list[int], n: int, graph: bool) -> float
     with prefilled(engine, prompt, graph) as (seq, decoder, token, sampler):
         t0 = time.perf_counter()
         if decoder is not None:
-            handle = None
             for _ in range(n):
-                handle = decoder.launch(seq, True)
-            handle.token(decoder)
+                slot = decoder.launch(seq, True)
+            decoder.read(slot)
         else:
             for _ in range(n):
                 token = engine.decode(seq, token, sampler, True)
@@ -203,8 +208,7 @@ def energy_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
 
 def time_ttft(engine: Engine, length: int, repeats: int) -> float:
     """Milliseconds from submitting a prompt of ``length`` tokens to the first token on the host."""
-    vocab = min(engine.cfg.vocab_size, 800)
-    prompt = [(i * 7919) % (vocab - 3) + 3 for i in range(length)]
+    prompt = prompt_ids(engine, length, seed=1)
     times = []
     for _ in range(repeats + 1):
         torch.cuda.synchronize()
@@ -256,19 +260,14 @@ def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int) -> dict:
         return time.perf_counter() - t0
 
     decode_seconds()  # warm-up
-    out = {"decode_tok_s": n / decode_seconds(), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
-    del hf
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    return {"decode_tok_s": n / decode_seconds(), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
 
 
 def run(args: argparse.Namespace) -> dict:
     torch.cuda.reset_peak_memory_stats()
     bw = copy_bandwidth()
     engine, raw = build_engine(args)
-    vocab = min(engine.cfg.vocab_size, 800)
-    prompt = [(i * 31) % (vocab - 3) + 3 for i in range(args.context)]
+    prompt = prompt_ids(engine, args.context, seed=0)
     n = args.decode_tokens
     result: dict = {
         "device": torch.cuda.get_device_name(),

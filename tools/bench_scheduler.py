@@ -15,11 +15,11 @@ import statistics
 import threading
 import time
 
-import torch
-
 from edge.engine import Engine
 from edge.sampling import SamplingParams
 from edge.scheduler import Scheduler
+
+from bench_decode import build_engine, prompt_ids  # same presets and prompts as the decode mode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -32,11 +32,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt length for the prefix-reuse test")
-
-
-def _ids(n: int, seed: int, vocab: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (n,), generator=g).tolist()
 
 
 def _timed(handle) -> list[tuple[float, int]]:  # noqa: ANN001 - RequestHandle
@@ -67,21 +62,18 @@ def _watch_state(sched: Scheduler, request_id: str, until: threading.Event) -> d
 
 def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
     if engine is None:
-        from bench_decode import build_engine  # same preset builder as the decode mode (tools/ is on sys.path)
-
         engine, _ = build_engine(args)
-    vocab = min(engine.cfg.vocab_size, 800)
     greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels")}
 
     sched = Scheduler(engine, queue_size=4, prefill_chunk=args.prefill_chunk, prefix_cache=False)
     sched.start()
     try:
-        _timed(sched.submit(_ids(32, 0, vocab), SamplingParams(max_tokens=16, ignore_eos=True)))  # warm-up, graph capture
-        alone = _timed(sched.submit(_ids(64, 1, vocab), greedy))
+        _timed(sched.submit(prompt_ids(engine, 32, 0), SamplingParams(max_tokens=16, ignore_eos=True)))  # warm-up, graph capture
+        alone = _timed(sched.submit(prompt_ids(engine, 64, 1), greedy))
         result["decode_tok_s_alone"] = _rate(alone)
 
-        a = sched.submit(_ids(64, 2, vocab), greedy)
+        a = sched.submit(prompt_ids(engine, 64, 2), greedy)
         a_events: list[tuple[float, int]] = []
         started = threading.Event()
 
@@ -95,7 +87,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         ta.start()
         started.wait(60)
         t_submit_b = time.perf_counter()
-        b = sched.submit(_ids(args.background_prompt, 3, vocab), SamplingParams(max_tokens=8, ignore_eos=True))
+        b = sched.submit(prompt_ids(engine, args.background_prompt, 3), SamplingParams(max_tokens=8, ignore_eos=True))
         stop_watch = threading.Event()
         states: dict[str, float] = {}
         tw = threading.Thread(target=lambda: states.update(_watch_state(sched, b.id, stop_watch)))
@@ -127,9 +119,9 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         try:
             ttfts = []
             for rep in range(3):
-                turn1 = _ids(args.turn_prompt, 10 + rep, vocab)
+                turn1 = prompt_ids(engine, args.turn_prompt, 10 + rep)
                 r1 = sched.submit(turn1, SamplingParams(max_tokens=32, ignore_eos=True)).result(120)
-                turn2 = turn1 + r1.token_ids + _ids(64, 20 + rep, vocab)
+                turn2 = turn1 + r1.token_ids + prompt_ids(engine, 64, 20 + rep)
                 r2 = sched.submit(turn2, SamplingParams(max_tokens=4, ignore_eos=True)).result(120)
                 ttfts.append((r2.usage.ttft_ms, r2.usage.cached_tokens))
             result["second_turn_ttft_ms"]["with_prefix_reuse" if reuse else "without_prefix_reuse"] = {
