@@ -185,6 +185,13 @@ def _short(value: Any) -> str:
 # -- validation into engine inputs -------------------------------------------------------
 
 
+# Fields whose mere presence (truthy) asks for something this server does not do.
+_REJECT_WHEN_SET: dict[type, tuple[str, ...]] = {
+    ChatCompletionRequest: ("logit_bias", "logprobs", "top_logprobs", "tools", "functions"),
+    CompletionRequest: ("logit_bias", "logprobs", "echo", "suffix"),
+}
+
+
 def check_unsupported(req: _Common) -> None:
     """400 for OpenAI features this server does not implement (never silently ignored)."""
     if req.n not in (None, 1):
@@ -197,17 +204,10 @@ def check_unsupported(req: _Common) -> None:
                 param=name,
                 code="unsupported_parameter",
             )
-    if req.logit_bias:
-        raise bad_request("logit_bias is not supported", param="logit_bias", code="unsupported_parameter")
+    for name in _REJECT_WHEN_SET[type(req)]:
+        if getattr(req, name):
+            raise bad_request(f"{name} is not supported", param=name, code="unsupported_parameter")
     if isinstance(req, ChatCompletionRequest):
-        if req.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        if req.top_logprobs:
-            raise bad_request("top_logprobs is not supported", param="top_logprobs", code="unsupported_parameter")
-        if req.tools:
-            raise bad_request("tools are not supported", param="tools", code="unsupported_parameter")
-        if req.functions:
-            raise bad_request("functions are not supported", param="functions", code="unsupported_parameter")
         for name in ("tool_choice", "function_call"):
             v = getattr(req, name)
             if v not in (None, "none", "auto"):
@@ -218,15 +218,8 @@ def check_unsupported(req: _Common) -> None:
                 param="response_format",
                 code="unsupported_parameter",
             )
-    if isinstance(req, CompletionRequest):
-        if req.logprobs:
-            raise bad_request("logprobs are not supported", param="logprobs", code="unsupported_parameter")
-        if req.echo:
-            raise bad_request("echo is not supported", param="echo", code="unsupported_parameter")
-        if req.suffix:
-            raise bad_request("suffix is not supported", param="suffix", code="unsupported_parameter")
-        if req.best_of not in (None, 1):
-            raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
+    if isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
+        raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
