@@ -215,4 +215,117 @@ __device__ __forceinline__ long long paged_slot(const int* __restrict__ table, i
   return ((long long)blk << log2_page) + (p & ((1 << log2_page) - 1));
 }
 
+// ---- online softmax ------------------------------------------------------------------
+
+// One online-softmax step for the two rows a thread holds in m16n8 mma tiles: s[j][c]
+// are the scores (log2 units) of NT key tiles, row c >> 1. Updates the running row max
+// and sum, turns s into probabilities, and gives in corr the factor each row's output
+// accumulators must be scaled by. A row with no key yet (max -inf) stays at zero.
+template <int NT>
+__device__ __forceinline__ void mma_online_softmax(float (&s)[NT][4], float (&mrow)[2], float (&lrow)[2],
+                                                   float (&corr)[2]) {
+  float muse[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float mx = neg_inf();
+#pragma unroll
+    for (int j = 0; j < NT; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float mnew = fmaxf(mrow[i], mx);
+    muse[i] = (mnew == neg_inf()) ? 0.f : mnew;
+    corr[i] = exp2f(mrow[i] - muse[i]);
+    mrow[i] = mnew;
+    lrow[i] *= corr[i];
+  }
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const float p = exp2f(s[j][c] - muse[c >> 1]);
+      s[j][c] = p;
+      lrow[c >> 1] += p;
+    }
+  }
+}
+
+// Scale m16n8 output accumulators row-wise by corr (from mma_online_softmax).
+template <int NT>
+__device__ __forceinline__ void mma_scale_rows(float (&o)[NT][4], const float (&corr)[2]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) {
+    o[n][0] *= corr[0];
+    o[n][1] *= corr[0];
+    o[n][2] *= corr[1];
+    o[n][3] *= corr[1];
+  }
+}
+
+// Merge the online-softmax partials (max m, sum l, unnormalised output o) of W warps
+// for row g, columns [d, d + 4): returns the merged unnormalised output and sets M and
+// L. Warps that saw no key (m = -inf) contribute nothing (never 0 * garbage).
+template <int W, typename ML, typename O>
+__device__ __forceinline__ float4 merge_warp_partials(const ML& sm_m, const ML& sm_l, const O& sm_o, int g, int d,
+                                                      float& M, float& L) {
+  M = neg_inf();
+#pragma unroll
+  for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][g]);
+  L = 0.f;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int w = 0; w < W; ++w) {
+    const float mw = sm_m[w][g];
+    if (mw != neg_inf()) {
+      const float c = exp2f(mw - M);
+      L += sm_l[w][g] * c;
+      const float4 a = *reinterpret_cast<const float4*>(&sm_o[w][g][d]);
+      o.x += a.x * c;
+      o.y += a.y * c;
+      o.z += a.z * c;
+      o.w += a.w * c;
+    }
+  }
+  return o;
+}
+
+// One split's result for a row's columns [d, d + 4): the normalised output when the
+// split covers the whole sequence, else the partial (o, and (M, L) once per row) for
+// the split merge. out, ws_o and ws_ml point at the row.
+template <typename T>
+__device__ __forceinline__ void store_split(bool single, T* out, float* ws_o, float* ws_ml, float4 o, float M,
+                                            float L, int d) {
+  if (single) {
+    const float inv = 1.f / L;
+    store4(out + d, make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
+  } else {
+    __stcg(reinterpret_cast<float4*>(ws_o + d), o);
+    if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml), make_float2(M, L));
+  }
+}
+
+// ---- flash-decoding splits -------------------------------------------------------------
+
+// Split `split` of `nsplit`: key rows [r0, r1) of kv_len, in whole steps of `step` rows.
+// Derived from kv_len on the device, so the launch configuration does not depend on it.
+__device__ __forceinline__ void split_range(int kv_len, int split, int nsplit, int step, int& r0, int& r1) {
+  int per = (kv_len + nsplit - 1) / nsplit;
+  per = (per + step - 1) / step * step;
+  r0 = min(split * per, kv_len);
+  r1 = min(kv_len, r0 + per);
+}
+
+// Called by every thread after the CTA wrote its split's partial: true in the last CTA
+// of the group `counter` counts (atomic ticket), which then merges the splits. That CTA
+// resets the ticket, ready for the next launch (graph replays included).
+__device__ __forceinline__ bool last_split_cta(unsigned int* counter, int nsplit, int& sm_last) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) sm_last = (atomicAdd(counter, 1u) == (unsigned int)(nsplit - 1));
+  __syncthreads();
+  if (!sm_last) return false;
+  __threadfence();
+  if (threadIdx.x == 0) *counter = 0u;
+  return true;
+}
+
 }  // namespace edge

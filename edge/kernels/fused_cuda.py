@@ -115,38 +115,33 @@ def _norm_ok(x: torch.Tensor, weight: torch.Tensor | None, *others: torch.Tensor
     return x.is_contiguous() and _aligned(x, weight, *others)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """RMSNorm of every row of ``x [..., hidden]`` times ``weight [hidden]``."""
-    if not _norm_ok(x, weight):
-        return reference.rms_norm(x, weight, eps)
+def _launch_norm(name: str, x: torch.Tensor, pointers: tuple[int, ...], eps: float) -> torch.Tensor:
+    """One CTA per row of ``x``; ``pointers`` are the kernel's inputs after ``out``."""
     h = x.shape[-1]
     out = torch.empty_like(x)
     dev = _dev(x)
     nvrtc.launch(
         dev,
-        _kernel(dev, f"rms_norm_{_SUFFIX[x.dtype]}"),
+        _kernel(dev, f"{name}_{_SUFFIX[x.dtype]}"),
         x.numel() // h,
         _norm_threads(h * x.element_size() // 16),
-        (out.data_ptr(), x.data_ptr(), weight.data_ptr(), np.float32(eps), np.int32(h)),
+        (out.data_ptr(), *pointers, np.float32(eps), np.int32(h)),
     )
     return out
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm of every row of ``x [..., hidden]`` times ``weight [hidden]``."""
+    if not _norm_ok(x, weight):
+        return reference.rms_norm(x, weight, eps)
+    return _launch_norm("rms_norm", x, (x.data_ptr(), weight.data_ptr()), eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x += residual`` in place, then RMSNorm of every row of ``x`` times ``weight``."""
     if not _norm_ok(x, weight, residual) or residual.data_ptr() == x.data_ptr():
         return reference.add_rms_norm(x, residual, weight, eps)
-    h = x.shape[-1]
-    out = torch.empty_like(x)
-    dev = _dev(x)
-    nvrtc.launch(
-        dev,
-        _kernel(dev, f"add_rms_norm_{_SUFFIX[x.dtype]}"),
-        x.numel() // h,
-        _norm_threads(h * x.element_size() // 16),
-        (out.data_ptr(), x.data_ptr(), residual.data_ptr(), weight.data_ptr(), np.float32(eps), np.int32(h)),
-    )
-    return out
+    return _launch_norm("add_rms_norm", x, (x.data_ptr(), residual.data_ptr(), weight.data_ptr()), eps)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -122,10 +122,8 @@ __device__ __forceinline__ void paged_decode(
 
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the
   // launch does not depend on it.
-  int per = (kv_len + nsplit - 1) / nsplit;
-  per = (per + ROWS_STAGE - 1) / ROWS_STAGE * ROWS_STAGE;
-  const int r0 = min(split * per, kv_len);
-  const int r1 = min(kv_len, r0 + per);
+  int r0, r1;
+  split_range(kv_len, split, nsplit, ROWS_STAGE, r0, r1);
   const int nstage = (r1 - r0 + ROWS_STAGE - 1) / ROWS_STAGE;
 
   const long long row_stride = (long long)kv_heads * D;  // elements between slots
@@ -315,49 +313,16 @@ __device__ __forceinline__ void paged_decode(
   for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
-    float M = neg_inf();
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) M = fmaxf(M, sm_m[w][g]);
-    float L = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float mw = sm_m[w][g];
-      if (mw != neg_inf()) {
-        const float c = exp2f(mw - M);
-        L += sm_l[w][g] * c;
-        const float4 a = *reinterpret_cast<const float4*>(&sm_acc[w][g][d]);
-        o.x += a.x * c;
-        o.y += a.y * c;
-        o.z += a.z * c;
-        o.w += a.w * c;
-      }
-    }
+    float M, L;
+    const float4 o = merge_warp_partials<WARPS>(sm_m, sm_l, sm_acc, g, d, M, L);
     const int head = head0 + g;
-    if (single) {
-      const float inv = 1.f / L;
-      store4(out + ((long long)tok * q_heads + head) * D + d,
-             make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
-    } else {
-      const long long pidx = ((long long)tok * nsplit + split) * q_heads + head;
-      __stcg(reinterpret_cast<float4*>(ws_o + pidx * D + d), o);
-      if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml + pidx * 2), make_float2(M, L));
-    }
+    const long long pidx = ((long long)tok * nsplit + split) * q_heads + head;
+    store_split(single, out + ((long long)tok * q_heads + head) * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
   }
   if (single) return;
 
-  // Ticket: the last split CTA of this (token, KV head, chunk) merges the splits.
-  __threadfence();
-  __syncthreads();
-  const int cidx = blockIdx.z * gridDim.x + blockIdx.x;
-  if (tid == 0) {
-    const unsigned int prev = atomicAdd(&counters[cidx], 1u);
-    sm_last = (prev == (unsigned int)(nsplit - 1));
-  }
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  if (tid == 0) counters[cidx] = 0u;  // ready for the next launch (graph replay too)
+  // The last split CTA of this (token, KV head, chunk) merges the splits.
+  if (!last_split_cta(&counters[blockIdx.z * gridDim.x + blockIdx.x], nsplit, sm_last)) return;
 
   for (int i = tid; i < nsplit * gcount; i += kDecodeThreads) {
     const int sidx = i / gcount;

@@ -91,10 +91,8 @@ __device__ __forceinline__ void paged_decode_tc(
   const int nsplit = gridDim.y;
 
   const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
-  int per = (kv_len + nsplit - 1) / nsplit;
-  per = (per + KEYS - 1) / KEYS * KEYS;
-  const int r0 = min(split * per, kv_len);
-  const int r1 = min(kv_len, r0 + per);
+  int r0, r1;
+  split_range(kv_len, split, nsplit, KEYS, r0, r1);
   const int nstage = (r1 - r0 + KEYS - 1) / KEYS;
 
   const long long row_stride = (long long)kv_heads * D;
@@ -189,7 +187,6 @@ __device__ __forceinline__ void paged_decode_tc(
         mma16816<T>(sc[1], qa[ks], b10, b11);
       }
 
-      float corr[2], muse[2];
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
 #pragma unroll
@@ -198,35 +195,9 @@ __device__ __forceinline__ void paged_decode_tc(
           sc[j][c] = key < r1 ? sc[j][c] * scale_log2 : neg_inf();
         }
       }
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = fmaxf(fmaxf(sc[0][2 * i], sc[0][2 * i + 1]), fmaxf(sc[1][2 * i], sc[1][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float mnew = fmaxf(mrow[i], mx);
-        muse[i] = (mnew == neg_inf()) ? 0.f : mnew;
-        corr[i] = exp2f(mrow[i] - muse[i]);
-        mrow[i] = mnew;
-        lrow[i] *= corr[i];
-      }
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-#pragma unroll
-        for (int c = 0; c < 4; ++c) {
-          const float p = exp2f(sc[j][c] - muse[c >> 1]);
-          sc[j][c] = p;
-          lrow[c >> 1] += p;
-        }
-      }
-      if (corr[0] != 1.f || corr[1] != 1.f) {  // rescale only when a row max moved
-#pragma unroll
-        for (int n = 0; n < NT_D; ++n) {
-          o[n][0] *= corr[0];
-          o[n][1] *= corr[0];
-          o[n][2] *= corr[1];
-          o[n][3] *= corr[1];
-        }
-      }
+      float corr[2];
+      mma_online_softmax<2>(sc, mrow, lrow, corr);
+      if (corr[0] != 1.f || corr[1] != 1.f) mma_scale_rows<NT_D>(o, corr);  // only when a row max moved
       unsigned int pa[4];
       pa[0] = pack2<T>(sc[0][0], sc[0][1]);
       pa[1] = pack2<T>(sc[0][2], sc[0][3]);
@@ -272,47 +243,15 @@ __device__ __forceinline__ void paged_decode_tc(
   for (int i = tid; i < gcount * (D / 4); i += THREADS) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
-    float M = neg_inf();
-#pragma unroll
-    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][g]);
-    float L = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int w = 0; w < W; ++w) {
-      const float mw = sm_m[w][g];
-      if (mw != neg_inf()) {
-        const float c = exp2f(mw - M);
-        L += sm_l[w][g] * c;
-        const float4 a = *reinterpret_cast<const float4*>(&sm_o[w][g][d]);
-        acc.x += a.x * c;
-        acc.y += a.y * c;
-        acc.z += a.z * c;
-        acc.w += a.w * c;
-      }
-    }
+    float M, L;
+    const float4 o = merge_warp_partials<W>(sm_m, sm_l, sm_o, g, d, M, L);
     const int head = head0 + g;
-    if (single) {
-      const float inv = 1.f / L;
-      store4(out + (long long)head * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-    } else {
-      const long long pidx = (long long)split * q_heads + head;
-      __stcg(reinterpret_cast<float4*>(ws_o + pidx * D + d), acc);
-      if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml + pidx * 2), make_float2(M, L));
-    }
+    const long long pidx = (long long)split * q_heads + head;
+    store_split(single, out + (long long)head * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
   }
   if (single) return;
 
-  __threadfence();
-  __syncthreads();
-  const int cidx = blockIdx.x;
-  if (tid == 0) {
-    const unsigned int prev = atomicAdd(&counters[cidx], 1u);
-    sm_last = (prev == (unsigned int)(nsplit - 1));
-  }
-  __syncthreads();
-  if (!sm_last) return;
-  __threadfence();
-  if (tid == 0) counters[cidx] = 0u;  // ready for the next launch (graph replay too)
+  if (!last_split_cta(&counters[blockIdx.x], nsplit, sm_last)) return;
 
   // Online merge of the splits' (m, l, o), chunks of MB splits, the next chunk's loads in
   // flight while one is merged. Empty splits (l = 0) are skipped, never multiplied.

@@ -140,36 +140,9 @@ __device__ __forceinline__ void paged_prefill(
       }
     }
 
-    float corr[2], muse[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float mx = neg_inf();
-#pragma unroll
-      for (int j = 0; j < NT_N; ++j) mx = fmaxf(mx, fmaxf(s[j][2 * i], s[j][2 * i + 1]));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float mnew = fmaxf(mrow[i], mx);
-      muse[i] = (mnew == neg_inf()) ? 0.f : mnew;
-      corr[i] = exp2f(mrow[i] - muse[i]);
-      mrow[i] = mnew;
-      lrow[i] *= corr[i];
-    }
-#pragma unroll
-    for (int j = 0; j < NT_N; ++j) {
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        const float p = exp2f(s[j][c] - muse[c >> 1]);
-        s[j][c] = p;
-        lrow[c >> 1] += p;
-      }
-    }
-#pragma unroll
-    for (int n = 0; n < NT_D; ++n) {
-      o[n][0] *= corr[0];
-      o[n][1] *= corr[0];
-      o[n][2] *= corr[1];
-      o[n][3] *= corr[1];
-    }
+    float corr[2];
+    mma_online_softmax<NT_N>(s, mrow, lrow, corr);
+    mma_scale_rows<NT_D>(o, corr);
 
     cp_async_wait_all();  // V of this tile landed
     __syncthreads();      // ... for every warp, and every warp is done with sK
