@@ -9,7 +9,9 @@ The norms, q/k norm + RoPE and the SwiGLU activation go through ``self.ops``: th
 reference (:mod:`edge.kernels.reference`) by default, the fused CUDA kernels
 (:mod:`edge.kernels.fused_cuda`) once ``edge.engine.kernel_ops`` has loaded them.
 Decode at batch 1 is launch-bound on small models, so kernel count is speed: one
-kernel per residual add + norm, one for q/k norm + RoPE, one for silu * mul.
+kernel per residual add + norm, one for q/k norm + RoPE, one for silu * mul. With int8
+projections the decode GEMV takes the norms, residual adds and SwiGLU into its own
+launches instead (``edge.quant.linear``'s ``norm`` / ``residual`` / ``swiglu``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,17 @@ from edge.config import ModelConfig, rope_inv_freq
 from edge.kernels import reference
 from edge.kv import SequenceKV
 from edge.loader import load_weights
-from edge.quant import Int8Weight, checkpoint_quantization, linear, load_quantized_weights, parse_quantize, weight_tensors
+from edge.quant import (
+    Int8Weight,
+    Norm,
+    Weight,
+    checkpoint_quantization,
+    fuses,
+    linear,
+    load_quantized_weights,
+    parse_quantize,
+    weight_tensors,
+)
 
 
 class Model:
@@ -41,6 +53,10 @@ class Model:
         for lw, nxt in zip(self.layers, self.layers[1:]):
             lw["ln_out"] = nxt["ln1"]
         self.layers[-1]["ln_out"] = weights["model.norm.weight"]
+        # Every projection int8: forward may fold norms and residual adds into them.
+        self.int8_projections = all(
+            isinstance(lw[k], Int8Weight) for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
+        )
         positions = torch.arange(max_seq_len, dtype=torch.float64)
         angles = torch.outer(positions, rope_inv_freq(cfg))
         emb = torch.cat((angles, angles), dim=-1)
@@ -96,19 +112,35 @@ class Model:
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = F.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
-        h = ops.rms_norm(x, self.layers[0]["ln1"], eps)
+        # Two plans with the same numerics. The int8 decode GEMV folds each RMSNorm into
+        # the projection that reads it and each residual add into the projection that
+        # produces it (7 kernels per layer). Otherwise (float weights, prefill chunks,
+        # CPU) one add_rms_norm kernel does add + norm (10 kernels).
+        fused = self.int8_projections and fuses(x, self.layers[0]["qkv"])
+        # What the next projection reads, and the norm it still applies to it.
+        h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)
         for i, lw in enumerate(self.layers):
-            qkv = linear(h, lw["qkv"], lw["qkv_b"])
+            qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm, ops=ops)
             # Qwen3's per-head q/k norms (when present) and RoPE in one op; v stays a view.
             q, k = ops.qk_norm_rope(qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
             attn = kv.attend(i, q, k, v)
-            # x += o_proj(attn) in place, normalised for the MLP.
-            h = ops.add_rms_norm(x, linear(attn.reshape(t, cfg.q_size), lw["o"]), lw["ln2"], eps)
-            mlp = linear(ops.silu_mul(linear(h, lw["gate_up"])), lw["down"])
-            # x += mlp in place, normalised for the next layer (the final norm after the last).
-            h = ops.add_rms_norm(x, mlp, lw["ln_out"], eps)
-        return h
+            h, norm = self._add_projection(x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
+            act = linear(h, lw["gate_up"], norm=norm, swiglu=True, ops=ops)
+            # The last layer's norm is the final one.
+            h, norm = self._add_projection(x, act, lw["down"], lw["ln_out"], fused)
+        return h if norm is None else ops.rms_norm(h, *norm)
+
+    def _add_projection(
+        self, x: torch.Tensor, a: torch.Tensor, w: Weight, ln: torch.Tensor, fused: bool
+    ) -> tuple[torch.Tensor, Norm | None]:
+        """``x += linear(a, w)`` in place; returns the next projection's input and the
+        RMSNorm (weight ``ln``) it still has to apply."""
+        eps = self.cfg.rms_norm_eps
+        if fused:
+            linear(a, w, residual=x, ops=self.ops)
+            return x, (ln, eps)
+        return self.ops.add_rms_norm(x, linear(a, w), ln, eps), None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[T, vocab]``."""

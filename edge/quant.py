@@ -37,6 +37,13 @@ torch reference ``int8_linear_reference``: dequantize group-wise in float32
 so it can be captured in a CUDA graph. Weights larger than ``DEQUANT_CHUNK_ELEMENTS``
 are dequantized and multiplied in row chunks (a fixed split per weight) so the float
 temporary stays bounded (an 8B model's lm_head would otherwise need 3.7 GB of it).
+
+Fusions. Decode at batch 1 is launch-bound once the GEMV is at bandwidth, so
+``linear`` also takes the steps around a projection that the int8 decode GEMV folds
+into its own launch: an RMSNorm of its input (``norm``), SwiGLU of a ``[gate; up]``
+output (``swiglu``) and an in-place residual add (``residual``). Their meaning is
+``fused_linear_reference`` (the unfused ops, bit for bit); ``fuses(x, w)`` says whether
+the registered kernel runs them for ``x`` (``Model.forward`` picks its plan by it).
 """
 
 from __future__ import annotations
@@ -44,12 +51,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
 from edge.config import ModelConfig
-from edge.loader import CheckpointError, checkpoint_files, expected_shapes, file_metadata, fused_layout, iter_tensors
+from edge.kernels import reference
+from edge.loader import (
+    CheckpointError,
+    checkpoint_files,
+    expected_shapes,
+    file_metadata,
+    fused_layout,
+    iter_tensors,
+)
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +188,10 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 # -- the weight container and the linear -------------------------------------------
 
 
+Norm = tuple[torch.Tensor, float]
+"""An RMSNorm for a linear to apply to its input first: (weight ``[in]``, eps)."""
+
+
 class Int8Weight:
     """A quantized linear weight: ``weight`` int8 ``[out, in]``, ``scale`` float32
     ``[out, in // group_size]``, ``group_size``. ``w(x)`` / ``w.linear(x, bias)``
@@ -220,9 +240,26 @@ class Int8Weight:
     def to(self, device: torch.device | str) -> "Int8Weight":
         return Int8Weight(self.weight.to(device), self.scale.to(device), self.group_size)
 
-    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        impl = _INT8_LINEAR.get(x.device.type, int8_linear_reference)
-        return impl(x, self, bias)
+    def linear(
+        self,
+        x: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        *,
+        norm: Norm | None = None,
+        residual: torch.Tensor | None = None,
+        swiglu: bool = False,
+        ops: ModuleType = reference,
+    ) -> torch.Tensor:
+        """:func:`linear` with this weight: the implementation registered for ``x``'s
+        device, or the torch reference."""
+        impl = _INT8_LINEAR.get(x.device.type)
+        if norm is None and residual is None and not swiglu:
+            return (impl or int8_linear_reference)(x, self, bias)
+        if impl is not None and x.device.type in _INT8_FUSES:
+            return impl(x, self, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
+        return fused_linear_reference(
+            x, self, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops, matmul=impl
+        )
 
     __call__ = linear
 
@@ -233,18 +270,42 @@ class Int8Weight:
         )
 
 
-Int8Linear = Callable[[torch.Tensor, Int8Weight, "torch.Tensor | None"], torch.Tensor]
+Weight = torch.Tensor | Int8Weight
+
+# fn(x, w, bias) -> y; a fusing implementation also takes the keyword arguments
+# norm, residual, swiglu and ops of linear().
+Int8Linear = Callable[..., torch.Tensor]
+Fuses = Callable[[torch.Tensor, Int8Weight], bool]
 _INT8_LINEAR: dict[str, Int8Linear] = {}
+_INT8_FUSES: dict[str, Fuses] = {}
 
 
-def register_int8_linear(device_type: str, fn: Int8Linear | None) -> None:
+def register_int8_linear(device_type: str, fn: Int8Linear | None, fuses: Fuses | None = None) -> None:
     """Route ``Int8Weight.linear`` on ``device_type`` ("cuda", "cpu") to ``fn(x, w,
     bias)`` (None restores the torch reference). A kernel that only covers some shapes
-    (say, the decode GEMV with one token) calls ``int8_linear_reference`` for the rest."""
+    (say, the decode GEMV with one token) calls ``int8_linear_reference`` for the rest.
+
+    With ``fuses``, ``fn`` also takes :func:`linear`'s keyword arguments (``norm``,
+    ``residual``, ``swiglu``, ``ops``) and runs them inside its kernel wherever
+    ``fuses(x, w)`` is true (else it composes them, :func:`fused_linear_reference`);
+    without, those calls compose the fusions around ``fn``."""
+    _INT8_FUSES.pop(device_type, None)
     if fn is None:
         _INT8_LINEAR.pop(device_type, None)
-    else:
-        _INT8_LINEAR[device_type] = fn
+        return
+    _INT8_LINEAR[device_type] = fn
+    if fuses is not None:
+        _INT8_FUSES[device_type] = fuses
+
+
+def fuses(x: torch.Tensor, w: Weight) -> bool:
+    """Whether ``linear(x, w, ...)`` runs ``norm`` / ``residual`` / ``swiglu`` inside
+    the projection's own kernel for this ``x`` (an int8 weight whose registered kernel
+    takes ``x``). Only then does folding the decoder's norms and residual adds into
+    its projections save launches; composed, it costs one more pass per residual add
+    than the fused add + norm kernel."""
+    f = _INT8_FUSES.get(x.device.type)
+    return f is not None and isinstance(w, Int8Weight) and f(x, w)
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,14 +331,63 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | N
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-Weight = torch.Tensor | Int8Weight
+def linear(
+    x: torch.Tensor,
+    w: Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    ops: ModuleType = reference,
+) -> torch.Tensor:
+    """``F.linear`` for a float weight, the W8A16 linear for an ``Int8Weight``, with the
+    decoder-layer steps around it that a decode GEMV can fuse (the int8 CUDA kernel
+    does, see :func:`fuses`; everything else composes them, with the same result as
+    :func:`fused_linear_reference`):
 
+    - ``norm=(weight, eps)``: the input is ``ops.rms_norm(x, weight, eps)``;
+    - ``swiglu``: the weight is ``[gate; up]`` and the result ``ops.silu_mul(y)``;
+    - ``residual``: ``residual += y`` in place (rounded to its dtype); returns it.
 
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear`` for a float weight, the W8A16 linear for an ``Int8Weight``."""
-    if isinstance(w, torch.Tensor):
+    ``ops`` (:mod:`edge.kernels.reference` or :mod:`edge.kernels.fused_cuda`: the
+    model's ``ops``) composes whatever the projection's kernel does not fuse.
+    """
+    if isinstance(w, Int8Weight):
+        return w.linear(x, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
+    if norm is None and residual is None and not swiglu:
         return F.linear(x, w, bias)
-    return w.linear(x, bias)
+    return fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
+
+
+def fused_linear_reference(
+    x: torch.Tensor,
+    w: Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    ops: ModuleType = reference,
+    matmul: Int8Linear | None = None,
+) -> torch.Tensor:
+    """What :func:`linear` with ``norm`` / ``residual`` / ``swiglu`` means, as the
+    unfused sequence of ``ops`` calls and a plain linear (the kernel oracle, and the
+    path of every call a fusing kernel does not take, such as prefill chunks).
+    ``matmul(h, w, bias)`` is the plain linear of an int8 weight (default: the torch
+    reference)."""
+    h = x if norm is None else ops.rms_norm(x, norm[0], norm[1])
+    if isinstance(w, torch.Tensor):
+        y = F.linear(h, w, bias)
+    else:
+        y = (matmul or int8_linear_reference)(h, w, bias)
+    if swiglu:
+        y = ops.silu_mul(y)
+    if residual is None:
+        return y
+    if residual.shape != y.shape:
+        raise ValueError(f"residual {tuple(residual.shape)} does not match the output {tuple(y.shape)}")
+    return residual.add_(y)
 
 
 def weight_tensors(w: Weight) -> tuple[torch.Tensor, ...]:

@@ -66,10 +66,11 @@ def ic():
 @pytest.fixture
 def registry():
     """Restore the int8 linear registry after a test that changes it."""
-    saved = dict(quant._INT8_LINEAR)
+    saved = [(d, dict(d)) for d in (quant._INT8_LINEAR, quant._INT8_FUSES)]
     yield
-    quant._INT8_LINEAR.clear()
-    quant._INT8_LINEAR.update(saved)
+    for d, items in saved:
+        d.clear()
+        d.update(items)
 
 
 def _gen() -> torch.Generator:
@@ -327,6 +328,326 @@ def test_engine_enables_the_gemv_for_int8_models(ic, registry) -> None:
 
 
 # ---------------------------------------------------------------------------------------
+# fused modes: RMSNorm prologue, residual and SwiGLU epilogues (int8_cuda.MODES)
+# ---------------------------------------------------------------------------------------
+
+EPS = 1e-6
+# Mantissa bits: one ulp of v is 2^(floor(log2 |v|) - bits).
+_MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
+# The kernel's 1/rms (warp sum) and the reference's (torch's reduction) may differ in
+# the last bits of float32, which flips the rounding of an element of the normalised
+# input h once in ~2^13 (bf16) / ~2^10 (fp16): the bounds let up to this many elements
+# of each h row be one ulp off (|dy| <= FLIPS * ulp(max |h|) * max_k |w[row, k]|).
+FLIPS = 8
+# (mode, weight rows, in, group): Qwen3-8B's qkv, o, down and gate_up, and small odd
+# shapes (a short last warp, rows shorter than one warp-wide load, group 16).
+FUSED_CASES = [
+    ("norm", 6144, 4096, 128),
+    ("norm", 1027, 1024, 64),
+    ("norm", 5, 48, 16),
+    ("residual", 4096, 4096, 128),
+    ("residual", 4096, 12288, 128),
+    ("residual", 33, 512, 32),
+    ("residual", 5, 48, 16),
+    ("norm_swiglu", 2 * 12288, 4096, 128),
+    ("norm_swiglu", 2 * 1027, 1024, 64),
+    ("norm_swiglu", 2 * 5, 48, 16),
+]
+
+
+def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.exp2(torch.floor(torch.log2(v.abs().float().clamp_min(1e-30))) - _MANTISSA[dtype])
+
+
+def _row_absmax(w: Int8Weight) -> torch.Tensor:
+    """max_k |dequant(w)[row, k]| per row (float32)."""
+    rows, cols = w.weight.shape
+    groups = w.scale.shape[1]
+    qmax = w.weight.view(rows, groups, cols // groups).abs().amax(-1).float()
+    return (qmax * w.scale.float()).amax(-1)
+
+
+def fused_inputs(mode: str, rows: int, inp: int, group: int, dtype: torch.dtype, tokens: int, bias: bool) -> dict:
+    """Fresh random arguments of one fused call; outputs poisoned with NaN (the residual
+    is real data: NaN rows around it, which must survive)."""
+    g = _gen()
+    w = random_weight(rows, inp, group, g)
+    kw: dict = {}
+    if "norm" in mode:
+        kw["norm"] = ((1 + 0.2 * torch.randn(inp, generator=g, device="cuda")).to(dtype), EPS)
+    if "swiglu" in mode:
+        kw["swiglu"] = True
+    x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
+    b = torch.randn(rows, generator=g, device="cuda").to(dtype) if bias else None
+    outputs = rows // 2 if "swiglu" in mode else rows
+    if mode == "residual":
+        buf = torch.full((tokens + 2, rows), float("nan"), dtype=dtype, device="cuda")
+        buf[1:-1] = (torch.randn(tokens, rows, generator=g, device="cuda") * 4).to(dtype)
+        kw["residual"] = buf[1:-1]
+        out = None
+    else:
+        buf = None
+        out = torch.full((tokens, outputs), float("nan"), dtype=dtype, device="cuda")
+    return {"x": x, "w": w, "bias": b, "kw": kw, "out": out, "buf": buf}
+
+
+def check_fused(ic, case: dict, label: str) -> None:
+    """Run the kernel on ``case`` and compare with a float32 oracle (elementwise bound)
+    and with the torch reference composition (relative error of the whole output)."""
+    from edge.kernels import reference
+
+    x, w, bias, kw = case["x"], case["w"], case["bias"], case["kw"]
+    dtype, rtol = x.dtype, RTOL_ORACLE[x.dtype]
+    assert ic.supports(x, w, bias, **kw), f"{label}: should take the kernel path"
+    residual_before = kw["residual"].clone() if "residual" in kw else None
+    ref = quant.fused_linear_reference(
+        x, w, bias, ops=reference, **{**kw, **({"residual": residual_before.clone()} if "residual" in kw else {})}
+    ).float()
+    y = ic.int8_linear(x, w, bias, out=case["out"], **kw)
+    torch.cuda.synchronize()
+    if "residual" in kw:
+        assert y is kw["residual"], f"{label}: the residual is the result, updated in place"
+        buf = case["buf"]
+        assert torch.isnan(buf[0]).all() and torch.isnan(buf[-1]).all(), f"{label}: wrote outside the residual"
+    else:
+        assert y.data_ptr() == case["out"].data_ptr()
+    assert torch.isfinite(y).all(), f"{label}: non-finite outputs (unwritten NaN poison?)"
+
+    h = reference.rms_norm(x, *kw["norm"]) if "norm" in kw else x
+    o = oracle(h, w, bias)
+    slack = 1e-5 * o.abs().max()
+    if "norm" in kw:
+        slack = slack + FLIPS * _ulp(h.abs().max(), dtype) * _row_absmax(w)
+    err_lin = rtol * o.abs() + slack  # bound on |round(dot) - o| per output row
+    if "swiglu" in kw:
+        half = w.out_features // 2
+        gate, up = o[:, :half], o[:, half:]
+        eg, eu = err_lin[:, :half], err_lin[:, half:]
+        want = torch.nn.functional.silu(gate) * up
+        # |silu'| <= 1.1; the product of the two errors; the rounding of the output.
+        bound = 1.1 * up.abs() * eg + torch.nn.functional.silu(gate).abs() * eu + eg * eu
+        bound = bound + rtol * want.abs() + 1e-6 * want.abs().max()
+    elif "residual" in kw:
+        want = residual_before.float() + o
+        bound = err_lin + rtol * want.abs()
+    else:
+        want, bound = o, err_lin
+    err = (y.float() - want).abs()
+    worst = (err - bound).max().item()
+    assert worst <= 0, f"{label}: max |y - oracle| {err.max().item():.3g} exceeds the bound by {worst:.3g}"
+    if y.shape[-1] >= 32:  # fewer outputs make the whole-vector error too noisy
+        # SwiGLU compounds the reference's errors in gate and up.
+        tol = TOL_REF[dtype] * (2 if "swiglu" in kw else 1)
+        rel = ((y.float() - ref).norm() / ref.norm()).item()
+        assert rel < tol, f"{label}: relative error vs the reference composition {rel:.3g}"
+
+
+def _case_id(c: tuple) -> str:
+    return f"{c[0]}-{c[1]}x{c[2]}-g{c[3]}"
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", FUSED_CASES, ids=_case_id)
+def test_fused_modes_match_reference(ic, case, dtype, tokens) -> None:
+    mode, rows, inp, group = case
+    for bias in (False, True):
+        c = fused_inputs(mode, rows, inp, group, dtype, tokens, bias)
+        check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
+
+
+@pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
+@pytest.mark.parametrize("mode", ["norm", "residual", "norm_swiglu"])
+def test_fused_modes_every_variant(ic, mode, rows_per_warp) -> None:
+    """Each rows-per-warp variant of each mode (SwiGLU takes at least a pair: 1 runs
+    as 2) on ragged shapes, both dtypes, 1 and 3 tokens."""
+    prev = ic.set_tuning(rows_per_warp=rows_per_warp)
+    try:
+        for rows, inp, group in ((66, 512, 32), (2 * 301, 256, 16), (8, 2048, 256)):
+            for dtype in DTYPES16:
+                for tokens in (1, 3):
+                    c = fused_inputs(mode, rows, inp, group, dtype, tokens, bias=True)
+                    check_fused(ic, c, f"{mode} r{rows_per_warp} {rows}x{inp} g{group} {dtype} T{tokens}")
+    finally:
+        ic.set_tuning(prev[1], **prev[0])
+
+
+def test_fused_fallbacks_compose(ic) -> None:
+    """Fusions the kernel does not take compose the unfused ops around the plain
+    linear (the plain kernel where it applies): exactly fused_linear_reference."""
+    from edge.kernels import reference
+
+    g = _gen()
+    dt = torch.bfloat16
+    w = random_weight(512, 512, 128, g)
+    ln = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(dt)
+    x1 = torch.randn(1, 512, generator=g, device="cuda").to(dt)
+    x5 = torch.randn(5, 512, generator=g, device="cuda").to(dt)
+    cases = [
+        (x5, {"norm": (ln, EPS)}, "5 tokens, norm"),
+        (x5, {"norm": (ln, EPS), "swiglu": True}, "5 tokens, norm + swiglu"),
+        (x5, {"residual": torch.ones(5, 512, device="cuda", dtype=dt)}, "5 tokens, residual"),
+        (x1, {"norm": (ln.float(), EPS)}, "float32 norm weight"),
+        (x1, {"swiglu": True}, "swiglu without norm"),
+        (x1, {"norm": (ln, EPS), "residual": torch.ones(1, 512, device="cuda", dtype=dt)}, "norm + residual"),
+        (x1, {"residual": x1}, "residual aliasing the input"),
+    ]
+    for x, kw, label in cases:
+        assert not ic.supports(x, w, **kw), label
+        res = kw.get("residual")
+        kw_ref = dict(kw, residual=res.clone()) if res is not None else kw
+        want = quant.fused_linear_reference(x.clone(), w, ops=reference, matmul=ic.int8_linear, **kw_ref)
+        got = ic.int8_linear(x, w, **kw)
+        assert torch.equal(got, want), label
+        if res is not None:
+            assert got is res, label
+    with pytest.raises(ValueError, match="exclusive"):
+        ic.int8_linear(x1, w, out=torch.empty(1, 512, device="cuda", dtype=dt), residual=torch.zeros_like(x1))
+
+
+def test_fused_modes_graph_capture(ic) -> None:
+    """One decoder layer's int8 projections with their fusions, captured in a CUDA graph:
+    a replay on new inputs equals the eager launches (residual updated in place)."""
+    g = _gen()
+    dt = torch.bfloat16
+    hidden, inter = 1024, 3072
+    qkv, o = random_weight(2048, hidden, 128, g), random_weight(hidden, 1024, 128, g)
+    gate_up, down = random_weight(2 * inter, hidden, 128, g), random_weight(hidden, inter, 128, g)
+    ln1, ln2 = ((1 + 0.1 * torch.randn(hidden, generator=g, device="cuda")).to(dt) for _ in range(2))
+    x = torch.randn(1, hidden, generator=g, device="cuda").to(dt)
+
+    def layer(x: torch.Tensor) -> torch.Tensor:
+        a = ic.int8_linear(x, qkv, norm=(ln1, EPS))[:, :1024]
+        ic.int8_linear(a, o, residual=x)
+        act = ic.int8_linear(x, gate_up, norm=(ln2, EPS), swiglu=True)
+        return ic.int8_linear(act, down, residual=x)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        layer(x.clone())  # warm-up off the default stream
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    static_x = x.clone()
+    with torch.cuda.graph(graph):
+        layer(static_x)
+    for _ in range(2):
+        x = torch.randn(1, hidden, generator=g, device="cuda").to(dt)
+        static_x.copy_(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static_x, layer(x.clone()))
+
+
+# ---- the model's fused int8 plan -------------------------------------------------------
+
+
+def _unfused(ic) -> None:
+    """Register the int8 GEMV without its fusions: the model runs its unfused plan with
+    the same GEMV kernel for every projection."""
+    quant.register_int8_linear("cuda", ic.int8_linear)
+
+
+def _decode(engine, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the float32 logits of ``steps`` eager decode steps."""
+    seq = engine.new_sequence()
+    try:
+        logits = [engine.prefill(seq, ids)]
+        tokens = []
+        for _ in range(steps):
+            tokens.append(int(torch.argmax(logits[-1])))
+            logits.append(engine.forward(seq, [tokens[-1]]))
+        return tokens, torch.stack(logits[1:])
+    finally:
+        seq.release()
+
+
+def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint) -> None:
+    """A random int8 model (non-flat logits: initializer_range 0.1; llama, qwen2 with
+    qkv bias, qwen3 with an untied int8 lm_head), bf16: eager decode with the fused plan
+    vs the unfused plan gives the same greedy tokens and close logits, and graph decode
+    with the fused plan gives the same tokens too."""
+    from edge.engine import Engine
+    from edge.sampling import SamplingParams
+
+    name, _, path = hf_checkpoint
+    graph = Engine.from_pretrained(
+        path, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=True, max_seq_len=256, num_blocks=64
+    )
+    eager = Engine(graph.model, None, graph.model_dir, max_seq_len=256, num_blocks=64, cuda_graph=False)
+    assert graph.model.int8_projections
+    ids = list(range(3, 30))
+    x = torch.zeros(1, graph.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+    assert quant.fuses(x, graph.model.layers[0]["qkv"]), "decode should take the fused plan"
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    fused_tokens, fused_logits = _decode(eager, ids, 24)
+    graph_tokens = graph.generate(ids, params).token_ids
+    _unfused(ic)
+    assert not quant.fuses(x, graph.model.layers[0]["qkv"])
+    tokens, logits = _decode(eager, ids, 24)
+    assert fused_tokens == tokens, name
+    assert graph_tokens == tokens, name
+    rel = ((fused_logits - logits).norm() / logits.norm()).item()
+    assert rel < 5e-3, f"{name}: fused vs unfused plan logits rel err {rel:.3g}"
+
+
+def test_int8_decode_runs_the_fused_kernels(ic, registry, monkeypatch) -> None:
+    """The fused plan really runs on CUDA: a decode step launches each layer's four
+    GEMVs in their fused modes and nothing falls back to the composition, and it runs
+    3 kernels per layer fewer than the unfused plan (10 -> 7)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from edge.engine import Engine
+    from edge.kernels import fused_cuda, int8_cuda
+
+    engine = Engine.from_pretrained(
+        None, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=False, kernels="cuda", num_blocks=64
+    )
+    assert engine.model.ops is fused_cuda and quant._INT8_LINEAR["cuda"] is ic.int8_linear
+    layers = engine.cfg.num_layers
+    seq = engine.new_sequence()
+    try:
+        tok = int(torch.argmax(engine.prefill(seq, list(range(3, 20)))))
+
+        def step() -> None:
+            nonlocal tok
+            tok = int(torch.argmax(engine.forward(seq, [tok])))
+
+        launched: list[str] = []
+        kernel = int8_cuda._kernel
+
+        def spy(dev, dtype, rows, infix=""):  # noqa: ANN001, ANN202
+            launched.append(infix)
+            return kernel(dev, dtype, rows, infix)
+
+        def no_fallback(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            raise AssertionError("a fused int8 linear fell back to the composition")
+
+        with monkeypatch.context() as m:
+            m.setattr(int8_cuda, "_kernel", spy)
+            m.setattr(int8_cuda, "fused_linear_reference", no_fallback)
+            step()
+        counts = {infix: launched.count(infix) for infix in set(launched)}
+        assert counts == {"norm_": layers, "residual_": 2 * layers, "norm_swiglu_": layers}, counts
+
+        def kernels_per_step() -> int:
+            step()  # warm
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                step()
+                torch.cuda.synchronize()
+            return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+
+        fused = kernels_per_step()
+        _unfused(ic)
+        unfused = kernels_per_step()
+        assert unfused - fused == 3 * layers, (fused, unfused)
+    finally:
+        seq.release()
+
+
+# ---------------------------------------------------------------------------------------
 # microbenchmark (python tests/test_int8_cuda.py)
 # ---------------------------------------------------------------------------------------
 
@@ -341,6 +662,11 @@ BENCH_SHAPES = [
     ("8b gate_up", 24576, 4096),
     ("8b down", 4096, 12288),
     ("8b lm_head", 151936, 4096),
+    # the fused modes of the 8B decoder layer (int8_cuda.MODES)
+    ("8b qkv+norm", 6144, 4096, "norm"),
+    ("8b o+residual", 4096, 4096, "residual"),
+    ("8b gate_up+norm+swiglu", 24576, 4096, "norm_swiglu"),
+    ("8b down+residual", 4096, 12288, "residual"),
 ]
 SWEEP = [
     {},
@@ -421,6 +747,7 @@ def _bench_shape(
     group: int,
     copy_bw: float,
     sweep: bool,
+    mode: str = "",
 ) -> dict:
     from edge.kernels import int8_cuda
 
@@ -429,12 +756,22 @@ def _bench_shape(
     copies = max(2, min(16, (512 << 20) // (out * inp)))
     ws = [random_weight(out, inp, group, g) for _ in range(copies)]
     x = torch.randn(1, inp, generator=g, device="cuda").to(dtype)
-    y = torch.empty(1, out, dtype=dtype, device="cuda")
-    moved = out * inp + ws[0].scale.numel() * 4 + (inp + out) * x.element_size()
+    outputs = out // 2 if "swiglu" in mode else out
+    y = torch.zeros(1, outputs, dtype=dtype, device="cuda")
+    moved = out * inp + ws[0].scale.numel() * 4 + (inp + outputs) * x.element_size()
+    kw: dict = {}
+    if "norm" in mode:
+        kw["norm"] = (torch.ones(inp, dtype=dtype, device="cuda"), EPS)
+        moved += inp * x.element_size()
+    if "swiglu" in mode:
+        kw["swiglu"] = True
+    if mode == "residual":
+        kw["residual"] = y  # in place: y is read and written
+        moved += outputs * x.element_size()
     it = [0]
 
     def call() -> None:
-        int8_cuda.int8_linear(x, ws[it[0] % copies], out=y)
+        int8_cuda.int8_linear(x, ws[it[0] % copies], out=None if mode == "residual" else y, **kw)
         it[0] += 1
 
     launches = copies * max(1, 32 // copies)
@@ -473,14 +810,14 @@ def bench(
         f"device {torch.cuda.get_device_name()}, copy bandwidth {copy_bw / 1e9:.0f} GB/s (read + write)"
     )
     rows = []
-    for label, out, inp in BENCH_SHAPES:
-        rows.append(_bench_shape(label, out, inp, dtype, group, copy_bw, sweep))
+    for label, out, inp, *mode in BENCH_SHAPES:
+        rows.append(_bench_shape(label, out, inp, dtype, group, copy_bw, sweep, *mode))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     print(f"fraction of copy bandwidth ({dtype}, group {group}, default tuning):")
     for row in rows:
         print(
-            f"  {row['shape']:<14} {row['out']:>6}x{row['in']:<6} {row['us']:>8.1f} us "
+            f"  {row['shape']:<24} {row['out']:>6}x{row['in']:<6} {row['us']:>8.1f} us "
             f"{row['GBps']:>7.0f} GB/s  {row['t0']:.3f}  (r{row['rows_per_warp']}; reference {row['ref_us']} us)"
         )
     if sweep:

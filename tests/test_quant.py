@@ -151,6 +151,123 @@ def test_linear_dispatch_and_kernel_registration() -> None:
     assert wq.nbytes() == 8 * 64 + 8 * 2 * 4 and wq.in_features == 64 and wq.out_features == 8
 
 
+# -- fused linears: norm prologue, residual and SwiGLU epilogues --------------------
+
+
+def _fusion_case(tokens: int, dtype: torch.dtype, int8: bool, seed: int = 0) -> dict:
+    """Random inputs of one decoder layer's three fusions (small, odd sizes)."""
+    g = torch.Generator().manual_seed(seed + tokens)
+    hidden, inter, qkv = 96, 80, 112
+
+    def weight(rows: int, cols: int) -> torch.Tensor | Int8Weight:
+        w = torch.randn(rows, cols, generator=g) * 0.2
+        return Int8Weight(*quantize_tensor(w, 16), 16) if int8 else w.to(dtype)
+
+    def vec(*shape: int, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale + shift).to(dtype)
+
+    return {
+        "x": vec(tokens, hidden, scale=3.0),  # the residual stream
+        "ln": vec(hidden, scale=0.2, shift=1.0),
+        "ln2": vec(hidden, scale=0.2, shift=1.0),
+        "qkv": weight(qkv, hidden),
+        "qkv_b": vec(qkv),
+        "gate_up": weight(2 * inter, hidden),
+        "down": weight(hidden, inter),
+        "act": vec(tokens, inter),
+        "eps": 1e-6,
+    }
+
+
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_fused_linear_is_the_unfused_sequence(tokens: int, dtype: torch.dtype, int8: bool) -> None:
+    """linear(..., norm=, swiglu=, residual=) is bit for bit the sequence of reference
+    ops it replaces, in the order Model.forward's unfused plan runs them."""
+    from edge.kernels import reference
+
+    c = _fusion_case(tokens, dtype, int8)
+    x, ln, eps = c["x"], c["ln"], c["eps"]
+    x0 = x.clone()
+    h = reference.rms_norm(x, ln, eps)
+    # Norm prologue (qkv): the input is rms_norm(x); x itself is left alone.
+    y = linear(x, c["qkv"], c["qkv_b"], norm=(ln, eps))
+    assert torch.equal(y, linear(h, c["qkv"], c["qkv_b"])) and torch.equal(x, x0)
+    # Norm prologue + SwiGLU epilogue (gate_up), and SwiGLU alone.
+    act = linear(x, c["gate_up"], norm=(ln, eps), swiglu=True)
+    assert act.shape == (tokens, c["act"].shape[1])
+    assert torch.equal(act, reference.silu_mul(linear(h, c["gate_up"])))
+    assert torch.equal(linear(h, c["gate_up"], swiglu=True), act)
+    # Residual epilogue (o, down): x += y in place, which is also the add of the
+    # unfused plan's add_rms_norm (whose norm the next projection's prologue takes).
+    unfused = x.clone()
+    h2 = reference.add_rms_norm(unfused, linear(c["act"], c["down"]), c["ln2"], eps)
+    out = linear(c["act"], c["down"], residual=x)
+    assert out is x and torch.equal(x, unfused)
+    assert torch.equal(linear(x, c["qkv"], norm=(c["ln2"], eps)), linear(h2, c["qkv"]))
+    with pytest.raises(ValueError, match="residual"):
+        linear(c["act"], c["down"], residual=x[:, :-1])
+
+
+def test_fused_linear_composes_with_the_given_ops() -> None:
+    """Whatever a kernel does not fuse is composed of the caller's ops (the model's
+    fused CUDA norms, say), not always the torch reference."""
+    from types import SimpleNamespace
+
+    from edge.kernels import reference
+
+    calls = []
+
+    def spy(name: str):  # noqa: ANN202
+        def fn(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            calls.append(name)
+            return getattr(reference, name)(*args, **kwargs)
+
+        return fn
+
+    ops = SimpleNamespace(rms_norm=spy("rms_norm"), silu_mul=spy("silu_mul"))
+    c = _fusion_case(2, torch.float32, True)
+    y = linear(c["x"], c["gate_up"], norm=(c["ln"], c["eps"]), swiglu=True, ops=ops)
+    assert calls == ["rms_norm", "silu_mul"]
+    assert torch.equal(y, linear(c["x"], c["gate_up"], norm=(c["ln"], c["eps"]), swiglu=True))
+
+
+def test_fusion_dispatch_and_registration() -> None:
+    """A registered kernel without ``fuses`` only sees plain linears (the fusions are
+    composed around it); one with ``fuses`` gets the keyword arguments, and
+    ``quant.fuses`` reports it for int8 weights only."""
+    c = _fusion_case(1, torch.float32, True)
+    x, w, norm = c["x"], c["qkv"], (c["ln"], c["eps"])
+    want = linear(x, w, c["qkv_b"], norm=norm)
+    assert not quant.fuses(x, w)
+    plain_calls, fused_calls = [], []
+
+    def plain(x, weight, bias=None):  # noqa: ANN001, ANN202
+        plain_calls.append(x)
+        return int8_linear_reference(x, weight, bias)
+
+    def fusing(x, weight, bias=None, **fusion):  # noqa: ANN001, ANN003, ANN202
+        fused_calls.append({k: v for k, v in fusion.items() if k != "ops"})
+        return quant.fused_linear_reference(x, weight, bias, **fusion)
+
+    try:
+        register_int8_linear("cpu", plain)
+        assert torch.equal(linear(x, w, c["qkv_b"], norm=norm), want)
+        assert len(plain_calls) == 1 and not torch.equal(plain_calls[0], x)  # got rms_norm(x)
+        assert not quant.fuses(x, w)
+        register_int8_linear("cpu", fusing, fuses=lambda x, w: x.shape[0] == 1)
+        assert quant.fuses(x, w) and not quant.fuses(x.expand(2, -1), w)
+        assert not quant.fuses(x, c["down"].dequantize())  # a float weight never fuses
+        assert torch.equal(linear(x, w, c["qkv_b"], norm=norm), want)
+        assert fused_calls == [{"norm": norm, "residual": None, "swiglu": False}]
+        register_int8_linear("cpu", plain)  # re-registering without fuses drops it
+        assert not quant.fuses(x, w)
+    finally:
+        register_int8_linear("cpu", None)
+    assert not quant.fuses(x, w)
+
+
 # -- route A: the checkpoint format --------------------------------------------------
 
 
@@ -292,6 +409,46 @@ def test_bfloat16_activations_on_int8_weights(tiny_src: Path, tmp_path: Path) ->
     bf16 = Engine.from_pretrained(dst, device="cpu", dtype="bfloat16", max_seq_len=64)
     assert bf16.model.layers[0]["qkv"].scale.dtype == torch.float32
     assert rel_err(bf16.score(ids), f32) < 0.05
+
+
+@pytest.fixture
+def cpu_fusing_kernel():  # noqa: ANN201
+    """Registers, for CPU tensors, an int8 "kernel" that takes every fusion (computing
+    the reference composition), so Model.forward runs its fused int8 plan on the CPU.
+    Yields the (norm, residual, swiglu) flags of each call."""
+    calls: list[tuple[bool, bool, bool]] = []
+
+    def kernel(x, w, bias=None, *, norm=None, residual=None, swiglu=False, **kw):  # noqa: ANN001, ANN003, ANN202
+        calls.append((norm is not None, residual is not None, swiglu))
+        return quant.fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, **kw)
+
+    register_int8_linear("cpu", kernel, fuses=lambda x, w: True)
+    try:
+        yield calls
+    finally:
+        register_int8_linear("cpu", None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fused_int8_plan_equals_the_unfused_plan(tiny_src: Path, dtype: str, cpu_fusing_kernel) -> None:  # noqa: ANN001
+    """Model.forward's fused int8 plan (norms and residual adds folded into the
+    projections) gives the unfused plan's logits and greedy tokens bit for bit, for
+    prefill chunks and single-token decode; and it is the plan that runs."""
+    engine = Engine.from_pretrained(tiny_src, device="cpu", dtype=dtype, max_seq_len=128, quantize="int8")
+    assert engine.model.int8_projections
+    ids = prompt(9, 5, vocab=800)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    fused_logits = engine.score(ids)
+    fused_tokens = engine.generate(ids, params).token_ids
+    layers = engine.cfg.num_layers
+    per_layer = [(True, False, False), (False, True, False), (True, False, True), (False, True, False)]
+    lm_head = [(False, False, False)]  # untied, int8, no fusion
+    assert cpu_fusing_kernel[: 4 * layers + 1] == per_layer * layers + lm_head
+    register_int8_linear("cpu", None)  # no fusing kernel: the unfused plan
+    unfused_logits = engine.score(ids)
+    unfused_tokens = engine.generate(ids, params).token_ids
+    assert torch.equal(fused_logits, unfused_logits)
+    assert fused_tokens == unfused_tokens
 
 
 def test_bad_quantized_checkpoints(tiny_src: Path, tmp_path: Path) -> None:

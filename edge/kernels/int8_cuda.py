@@ -8,6 +8,14 @@ a float32 scale, a power-of-two ``group_size`` >= 16, 16-byte aligned rows. Anyt
 else (prefill chunks, float32 activations, odd layouts) goes to the torch reference,
 which dequantizes and multiplies.
 
+It also takes the fusions of :func:`edge.quant.linear` (meaning:
+:func:`edge.quant.fused_linear_reference`) and runs these combinations in the kernel
+(:data:`MODES`), which is what lets an int8 decoder layer run 7 launches instead of 10:
+``norm`` (qkv: RMSNorm prologue on the residual stream), ``residual`` (o and down:
+``x += y`` in place), ``norm`` + ``swiglu`` (gate_up: norm prologue, SwiGLU epilogue).
+Other combinations, and whatever the plain kernel would not take, compose the
+unfused ops (the caller's ``ops``) around the plain linear.
+
 :func:`enable` compiles (NVRTC, disk-cached) and loads the kernels for a device, then
 registers :func:`int8_linear` with :func:`edge.quant.register_int8_linear` for
 ``"cuda"``, so every ``Int8Weight.linear`` on a CUDA tensor uses it. Call it before
@@ -22,18 +30,26 @@ only on shapes.
 from __future__ import annotations
 
 import functools
+from types import ModuleType
 from typing import Any
 
 import numpy as np
 import torch
 
-from edge.kernels import nvrtc
+from edge.kernels import nvrtc, reference
 from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
-from edge.quant import Int8Weight, int8_linear_reference, register_int8_linear
+from edge.quant import (
+    Int8Weight,
+    Norm,
+    fused_linear_reference,
+    int8_linear_reference,
+    register_int8_linear,
+)
 
 __all__ = [
     "DTYPES",
     "MAX_GEMV_TOKENS",
+    "MODES",
     "KernelCompileError",
     "KernelsUnavailable",
     "available",
@@ -50,6 +66,14 @@ SOURCE = "int8_gemv.cu"
 DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAME = {torch.float16: "f16", torch.bfloat16: "bf16"}
 ROWS_PER_WARP = (4, 2, 1)
+# Kernel modes of int8_gemv.cu, keyed by (norm, residual, swiglu) given: the name
+# infix and the rows-per-warp variants compiled (SwiGLU takes row pairs).
+MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
+    (False, False, False): ("", ROWS_PER_WARP),
+    (True, False, False): ("norm_", ROWS_PER_WARP),
+    (False, True, False): ("residual_", ROWS_PER_WARP),
+    (True, False, True): ("norm_swiglu_", (4, 2)),
+}
 MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
@@ -91,9 +115,9 @@ def set_tuning(
     return prev
 
 
-def _kernel(dev: int, dtype: torch.dtype, rows: int) -> Any:
+def _kernel(dev: int, dtype: torch.dtype, rows: int, infix: str = "") -> Any:
     return nvrtc.get_kernel(
-        dev, SOURCE, f"int8_gemv_{_DTYPE_NAME[dtype]}_r{rows}", TUNING
+        dev, SOURCE, f"int8_gemv_{infix}{_DTYPE_NAME[dtype]}_r{rows}", TUNING
     )
 
 
@@ -108,8 +132,9 @@ def load(device: Any = None) -> None:
     dev = nvrtc.device_index(device, "the CUDA int8 GEMV")
     nvrtc.check_available(dev)
     for dtype in DTYPES:
-        for r in ROWS_PER_WARP:
-            _kernel(dev, dtype, r)
+        for infix, rows in MODES.values():
+            for r in rows:
+                _kernel(dev, dtype, r, infix)
     _sm_count(dev)
 
 
@@ -123,7 +148,7 @@ def enable(device: Any = None) -> None:
     to :func:`int8_linear`. Raises KernelsUnavailable / KernelCompileError (nothing is
     registered then)."""
     load(device)
-    register_int8_linear("cuda", int8_linear)
+    register_int8_linear("cuda", int8_linear, fuses=supports)
 
 
 def disable() -> None:
@@ -131,9 +156,26 @@ def disable() -> None:
     register_int8_linear("cuda", None)
 
 
-def supports(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> bool:
+def _mode(
+    norm: Norm | None, residual: torch.Tensor | None, swiglu: bool
+) -> tuple[str, tuple[int, ...]] | None:
+    return MODES.get((norm is not None, residual is not None, bool(swiglu)))
+
+
+def supports(
+    x: torch.Tensor,
+    w: Int8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+) -> bool:
     """Whether :func:`int8_linear` runs the kernel (rather than the reference) for
-    these arguments."""
+    these arguments. Registered as :func:`edge.quant.fuses`' test: every fused mode
+    takes what the plain one takes (given norm weights and a residual that fit)."""
+    if _mode(norm, residual, swiglu) is None:
+        return False
     if (
         x.device.type != "cuda"
         or x.dtype not in _DTYPE_NAME
@@ -157,18 +199,42 @@ def supports(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -
         or w.scale.data_ptr() % 4
     ):
         return False
-    if rows >= 2**31 or cols >= 2**31:
+    if rows >= 2**31 or cols >= 2**31 or (swiglu and rows % 2):
         return False
-    return bias is None or (
-        bias.dtype == x.dtype
-        and bias.device == x.device
-        and bias.numel() == rows
-        and bias.is_contiguous()
+    if norm is not None and not _is_vector(norm[0], x, cols, align=16):
+        return False
+    if residual is not None and not (
+        _is_vector(residual, x, (*x.shape[:-1], rows))
+        and not _overlap(residual, x)  # other warps still read x while y is written
+    ):
+        return False
+    return bias is None or _is_vector(bias, x, rows)
+
+
+def _is_vector(
+    t: torch.Tensor, x: torch.Tensor, shape: int | tuple[int, ...], align: int = 1
+) -> bool:
+    """``t`` contiguous, of ``x``'s dtype and device, ``shape`` (an int: ``t.numel()``)."""
+    ok_shape = t.numel() == shape if isinstance(shape, int) else tuple(t.shape) == shape
+    return (
+        ok_shape
+        and t.dtype == x.dtype
+        and t.device == x.device
+        and t.is_contiguous()
+        and t.data_ptr() % align == 0
     )
 
 
-def plan(out_features: int, tokens: int, device_index: int) -> tuple[int, int]:
-    """(rows per warp, CTAs) of a launch."""
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
+
+
+def plan(
+    out_features: int, tokens: int, device_index: int, min_rows: int = 1
+) -> tuple[int, int]:
+    """(rows per warp, CTAs) of a launch over ``out_features`` weight rows, with at
+    least ``min_rows`` rows per warp (SwiGLU: 2, a gate and an up row)."""
     warps = TUNING["EDGE_INT8_WARPS"]
     if _force_rows is not None:
         r = _force_rows
@@ -179,6 +245,7 @@ def plan(out_features: int, tokens: int, device_index: int) -> tuple[int, int]:
             if -(-out_features // (warps * cand)) * tokens >= want:
                 r = cand
                 break
+    r = max(r, min_rows)
     return r, -(-out_features // (warps * r)) * tokens
 
 
@@ -187,21 +254,41 @@ def int8_linear(
     w: Int8Weight,
     bias: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    residual: torch.Tensor | None = None,
+    swiglu: bool = False,
+    ops: ModuleType = reference,
 ) -> torch.Tensor:
-    """``x @ dequant(w).T + bias`` in ``x``'s dtype, ``x`` ``[..., in]`` -> ``[..., out]``.
+    """``x @ dequant(w).T + bias`` in ``x``'s dtype, ``x`` ``[..., in]`` -> ``[..., out]``,
+    with the fusions of :func:`edge.quant.linear` (``norm``, ``residual``, ``swiglu``;
+    ``ops`` composes them where the kernel does not run).
 
     The kernel runs when :func:`supports` says so, else the torch reference. ``out``
-    (contiguous, ``x``'s dtype, the result's shape) receives the result when given.
+    (contiguous, ``x``'s dtype, the result's shape) receives the result when given;
+    with ``residual`` the result is ``residual`` itself (updated in place), so ``out``
+    must be None.
     """
-    if not supports(x, w, bias):
-        y = int8_linear_reference(x, w, bias)
+    if residual is not None and out is not None:
+        raise ValueError("out and residual are exclusive: the residual is updated in place")
+    if not supports(x, w, bias, norm=norm, residual=residual, swiglu=swiglu):
+        if norm is None and residual is None and not swiglu:
+            y = int8_linear_reference(x, w, bias)
+        else:  # the plain kernel may still take the linear of the composition
+            y = fused_linear_reference(
+                x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops,
+                matmul=int8_linear,
+            )
         if out is None:
             return y
         return out.copy_(y)
     rows, cols = w.weight.shape
     tokens = x.numel() // cols
-    shape = (*x.shape[:-1], rows)
-    if out is None:
+    outputs = rows // 2 if swiglu else rows
+    shape = (*x.shape[:-1], outputs)
+    if residual is not None:
+        out = residual
+    elif out is None:
         out = torch.empty(shape, dtype=x.dtype, device=x.device)
     elif (
         tuple(out.shape) != shape
@@ -213,11 +300,11 @@ def int8_linear(
             f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}"
         )
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
-    r, ctas = plan(rows, tokens, dev)
-    kernel = _kernel(dev, x.dtype, r)
+    infix, _ = _mode(norm, residual, swiglu)  # type: ignore[misc]  # supports() checked
+    r, ctas = plan(rows, tokens, dev, min_rows=2 if swiglu else 1)
     nvrtc.launch(
         dev,
-        kernel,
+        _kernel(dev, x.dtype, r, infix),
         ctas,
         32 * TUNING["EDGE_INT8_WARPS"],
         (
@@ -226,7 +313,9 @@ def int8_linear(
             w.weight.data_ptr(),
             w.scale.data_ptr(),
             0 if bias is None else bias.data_ptr(),
-            np.int32(rows),
+            0 if norm is None else norm[0].data_ptr(),
+            np.float32(0.0 if norm is None else norm[1]),
+            np.int32(outputs),
             np.int32(cols),
             np.int32(w.group_size.bit_length() - 1),
             np.int32(tokens),

@@ -105,16 +105,64 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
   return s0 + s1;
 }
 
-// R rows per warp, U chunks per lane and row in flight per iteration.
-template <typename T, int R, int U>
+// What a launch does around the dot products (the fused decoder-layer modes; the
+// wrapper's supports() says which arguments each mode takes).
+//
+//   kNorm       RMSNorm prologue: the input is the residual stream, every element used
+//               is rms_norm(x)[k] = T(x[k] * inv_rms * norm_w[k]) (float32 math, one
+//               rounding: fused.cu's rms_norm and reference.rms_norm), so the norm
+//               kernel before the GEMV and its [T, in] output disappear. Each warp
+//               computes inv_rms of its token's row itself (the row is L1/L2-resident),
+//               after issuing its first weight loads so the reduction hides under
+//               their DRAM latency.
+//   kResidual   residual-add epilogue, in place: y[row] = T(y[row] + T(dot + bias)),
+//               what `y += linear(...)` gives. One lane reads and writes each output,
+//               so in place is race-free (y must not alias x).
+//   kSwiglu     SwiGLU epilogue: the weight is [gate; up] ([2 * out, in]); a warp owns
+//               R / 2 row pairs {j, out + j} and writes y[j] = T(silu(g) * u) with g, u
+//               the linear outputs rounded to T (reference.silu_mul after the linear).
+enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2 };
+
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return XVec<T>::to_float1(XVec<T>::from_float(v));
+}
+
+// 1 / rms of one row of x (in elements, a multiple of 16), with every lane of the warp
+// taking part: sum of squares in float32, then rsqrt(mean + eps) as fused.cu does.
+template <typename T>
+__device__ __forceinline__ float row_inv_rms(const T* __restrict__ x, int in, float eps, int lane) {
+  float ss0 = 0.f, ss1 = 0.f;  // two chains: the loop is latency-, not issue-bound
+#pragma unroll 4
+  for (int v = lane; v < (in >> 3); v += 32) {
+    float f[8];
+    XVec<T>::to_float(ld_x(x + 8 * v), f);
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+      ss0 = fmaf(f[j], f[j], ss0);
+      ss1 = fmaf(f[j + 1], f[j + 1], ss1);
+    }
+  }
+  float ss = ss0 + ss1;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  return rsqrtf(ss / static_cast<float>(in) + eps);
+}
+
+// R weight rows per warp, U chunks per lane and row in flight per iteration. `out` is
+// the number of outputs per token (kSwiglu: half the weight's rows).
+template <typename T, int R, int U, bool kNorm, int kEpi>
 __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const signed char* __restrict__ q,
                                           const float* __restrict__ scale,
-                                          const T* __restrict__ bias, int out, int in,
-                                          int log2_group, int num_tokens) {
+                                          const T* __restrict__ bias,
+                                          const T* __restrict__ norm_w, float eps, int out,
+                                          int in, int log2_group, int num_tokens) {
+  static_assert(kEpi != kSwiglu || R % 2 == 0, "SwiGLU needs row pairs");
+  constexpr int kOuts = kEpi == kSwiglu ? R / 2 : R;  // outputs per warp
   const int lane = threadIdx.x & 31;
   const int tok = blockIdx.x % num_tokens;
-  const int row0 = ((blockIdx.x / num_tokens) * kWarps + (threadIdx.x >> 5)) * R;
+  const int row0 = ((blockIdx.x / num_tokens) * kWarps + (threadIdx.x >> 5)) * kOuts;
   if (row0 >= out) return;  // whole warps only; nothing below synchronises the CTA
   x += (long long)tok * in;
   y += (long long)tok * out;
@@ -126,17 +174,24 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   const float* srow[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const int row = min(row0 + r, out - 1);  // a short last warp re-reads a valid row
+    // A short last warp re-reads a valid row. kSwiglu: rows r < R/2 are gate rows,
+    // the others the matching up rows `out` further down.
+    const int o = r < kOuts ? r : r - kOuts;
+    const int row = min(row0 + o, out - 1) + (r < kOuts ? 0 : out);
     qrow[r] = q + (long long)row * in;
     srow[r] = scale + (long long)row * groups;
   }
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  float inv_rms = 0.f;
 
-  for (int base = lane; base < nchunks; base += 32 * U) {
+  // The trip count is the same for every lane (lanes past the end skip their chunks),
+  // so the norm's shuffles in the first iteration see the whole warp.
+  for (int base = lane; base - lane < nchunks; base += 32 * U) {
     uint4 w[U][R];
     uint4 xa[U], xb[U];
+    uint4 na[U], nb[U];  // kNorm: the norm weight of the chunk
     float s[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -146,12 +201,17 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
         for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
       }
     }
+    if (kNorm && base == lane) inv_rms = row_inv_rms<T>(x, in, eps, lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = base + 32 * u;
       if (c < nchunks) {
         xa[u] = ld_x(x + 16 * c);
         xb[u] = ld_x(x + 16 * c + 8);
+        if (kNorm) {
+          na[u] = ld_x(norm_w + 16 * c);
+          nb[u] = ld_x(norm_w + 16 * c + 8);
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
       }
@@ -163,26 +223,45 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
         float xf[16];
         XVec<T>::to_float(xa[u], xf);
         XVec<T>::to_float(xb[u], xf + 8);
+        if (kNorm) {
+          float g[16];
+          XVec<T>::to_float(na[u], g);
+          XVec<T>::to_float(nb[u], g + 8);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) xf[j] = round_to<T>(xf[j] * inv_rms * g[j]);
+        }
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
       }
     }
   }
 
+  // Butterfly reduction: every lane ends with all R sums; lane o writes output o.
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
   }
   float v = acc[0];
+  float up = acc[kOuts % R];  // kSwiglu: the up row of the lane's pair
 #pragma unroll
-  for (int r = 1; r < R; ++r)
-    if (lane == r) v = acc[r];
-  const int row = row0 + lane;
-  if (lane < R && row < out) {
-    if (bias != nullptr) v += XVec<T>::to_float1(bias[row]);
-    y[row] = XVec<T>::from_float(v);
+  for (int o = 1; o < kOuts; ++o) {
+    if (lane == o) {
+      v = acc[o];
+      up = acc[(o + kOuts) % R];
+    }
   }
+  const int row = row0 + lane;
+  if (lane >= kOuts || row >= out) return;
+  if (bias != nullptr) v += XVec<T>::to_float1(bias[row]);
+  if (kEpi == kSwiglu) {
+    if (bias != nullptr) up += XVec<T>::to_float1(bias[out + row]);
+    const float g = round_to<T>(v);
+    v = g / (1.f + __expf(-g)) * round_to<T>(up);  // fused.cu's silu_mul
+  } else if (kEpi == kResidual) {
+    v = XVec<T>::to_float1(y[row]) + round_to<T>(v);
+  }
+  y[row] = XVec<T>::from_float(v);
 }
 
 }  // namespace
@@ -208,17 +287,31 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 #define EDGE_INT8_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-#define EDGE_INT8_GEMV(NAME, T, R, U)                                                       \
+// One signature for every mode (norm_w / eps unused without the norm prologue).
+#define EDGE_INT8_GEMV(NAME, T, R, U, NORM, EPI)                                            \
   extern "C" __global__ void EDGE_INT8_BOUNDS                                              \
       NAME(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,  \
-           const float* __restrict__ scale, const T* __restrict__ bias, int out, int in,    \
-           int log2_group, int num_tokens) {                                                \
-    int8_gemv<T, R, U>(y, x, q, scale, bias, out, in, log2_group, num_tokens);              \
+           const float* __restrict__ scale, const T* __restrict__ bias,                     \
+           const T* __restrict__ norm_w, float eps, int out, int in, int log2_group,        \
+           int num_tokens) {                                                                \
+    int8_gemv<T, R, U, NORM, EPI>(y, x, q, scale, bias, norm_w, eps, out, in, log2_group,   \
+                                  num_tokens);                                              \
   }
 
-EDGE_INT8_GEMV(int8_gemv_bf16_r1, __nv_bfloat16, 1, EDGE_INT8_UNROLL_R1)
-EDGE_INT8_GEMV(int8_gemv_bf16_r2, __nv_bfloat16, 2, EDGE_INT8_UNROLL_R2)
-EDGE_INT8_GEMV(int8_gemv_bf16_r4, __nv_bfloat16, 4, EDGE_INT8_UNROLL_R4)
-EDGE_INT8_GEMV(int8_gemv_f16_r1, __half, 1, EDGE_INT8_UNROLL_R1)
-EDGE_INT8_GEMV(int8_gemv_f16_r2, __half, 2, EDGE_INT8_UNROLL_R2)
-EDGE_INT8_GEMV(int8_gemv_f16_r4, __half, 4, EDGE_INT8_UNROLL_R4)
+// The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm prologue (qkv),
+// residual epilogue (o, down), norm prologue + SwiGLU epilogue (gate_up; even R only).
+#define EDGE_INT8_MODES(DT, T)                                                                \
+  EDGE_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kStore)                \
+  EDGE_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kStore)                \
+  EDGE_INT8_GEMV(int8_gemv_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kStore)                \
+  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, true, kStore)            \
+  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kStore)            \
+  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kStore)            \
+  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kResidual)    \
+  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kResidual)    \
+  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kResidual)    \
+  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kSwiglu)    \
+  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kSwiglu)
+
+EDGE_INT8_MODES(bf16, __nv_bfloat16)
+EDGE_INT8_MODES(f16, __half)
