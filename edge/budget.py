@@ -445,9 +445,15 @@ class _ScratchKV:
     def release(self) -> None:
         pass
 
+    def pages(self, layer: int):  # noqa: ANN201
+        from edge.kernels.reference import PagedKV
+
+        return PagedKV(self.k[layer], self.v[layer], self.table)
+
     def attend(self, layer: int, q, k, v):  # noqa: ANN001, ANN201
         kp, vp = self.k[layer], self.v[layer]
-        self.ops.write_kv(kp, vp, self.table, k, v, self.length)
+        if k is not None:
+            self.ops.write_kv(kp, vp, self.table, k, v, self.length)
         if q.shape[0] == 1:
             return self.ops.decode_attention(q[0], kp, vp, self.table, self.length + 1, self.scale).unsqueeze(0)
         return self.ops.prefill_attention(q, kp, vp, self.table, self.length, self.scale)

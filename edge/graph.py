@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge.kernels.reference import PagedKV
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample
@@ -30,11 +31,15 @@ class GraphStepKV:
     def __init__(self, decoder: "SlotDecoder") -> None:
         self.d = decoder
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def pages(self, layer: int) -> PagedKV:
+        return PagedKV(self.d.cache.pool.k[layer], self.d.cache.pool.v[layer], self.d.table)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         d = self.d
         pool, ops = d.cache.pool, d.cache.ops
         k_pool, v_pool = pool.k[layer], pool.v[layer]
-        ops.write_kv(k_pool, v_pool, d.table, k, v, 0, pos=d.pos)
+        if k is not None:
+            ops.write_kv(k_pool, v_pool, d.table, k, v, 0, pos=d.pos)
         out = ops.decode_attention(
             q[0], k_pool, v_pool, d.table, d.cache.max_seq_len, d.cache.scale, pos=d.pos, out=d.attn_out[layer]
         )

@@ -207,6 +207,40 @@ def test_qk_norm_rope_reads_a_strided_qkv_view(fc):
     assert torch.equal(q, q2) and torch.equal(k, k2)
 
 
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))
+@pytest.mark.parametrize("t", (1, 5, 37))
+@pytest.mark.parametrize("shape", QK_SHAPES, ids=lambda s: f"h{s[0]}kv{s[1]}d{s[2]}")
+@pytest.mark.parametrize("page", (8, 16))
+def test_qk_norm_rope_writes_kv_into_the_pool(fc, dtype, t, shape, page):
+    """With a pool the launch stores rotated k and raw v at each token's paged row (same
+    bits as the separate launches), returns no k, and touches no other row."""
+    heads, kv_heads, d = shape
+    g = _gen()
+    qkv, w, cos, sin, _ = _qk_case(t, heads, kv_heads, d, dtype, g, True)
+    num_blocks = 64
+    table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(t))[: 4096 // page]
+    table = torch.cat((table, torch.zeros(4096 // page - table.numel(), dtype=table.dtype)))
+    table = table.to("cuda", torch.int32)
+    # distinct positions inside the mapped blocks: a random prefill chunk start
+    start = int(torch.randint(0, (num_blocks * page) - t, (1,), generator=torch.Generator().manual_seed(7)))
+    start = min(start, (table.numel() * page) - t)
+    pos = torch.arange(start, start + t, device="cuda", dtype=torch.int32)
+    pools = [torch.full((num_blocks, page, kv_heads, d), float("nan"), device="cuda", dtype=dtype) for _ in range(2)]
+    cache = reference.PagedKV(pools[0], pools[1], table)
+    q, k = fc.qk_norm_rope(qkv, w, cos, sin, pos, heads, kv_heads, d, EPS, cache)
+    assert k is None
+    eq, ek = fc.qk_norm_rope(qkv, w, cos, sin, pos, heads, kv_heads, d, EPS)
+    assert torch.equal(q, eq)
+    slots = reference.position_slots(table, pos, page)
+    flat_k = pools[0].view(-1, kv_heads, d)
+    flat_v = pools[1].view(-1, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].reshape(t, kv_heads, d)
+    assert torch.equal(flat_k[slots], ek) and torch.equal(flat_v[slots], v)
+    untouched = torch.ones(flat_k.shape[0], dtype=torch.bool, device="cuda")
+    untouched[slots] = False
+    assert flat_k[untouched].isnan().all() and flat_v[untouched].isnan().all()
+
+
 # ---- inside a CUDA graph -------------------------------------------------------------------
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 import torch
 from hypothesis import given, settings
@@ -182,13 +180,16 @@ def engine() -> Engine:
 
 
 def test_prefill_writes_each_chunk_with_one_operation_per_layer(engine: Engine, monkeypatch) -> None:
+    """K/V of a chunk go into the pool in one scatter per layer (through the q/k RoPE op
+    that produces them, or write_kv: both end in reference.scatter_kv on the CPU)."""
     calls: list[int] = []
+    scatter = reference.scatter_kv
 
-    def counting_write(k_pool, v_pool, table, k, v, start):
+    def counting_scatter(k_pool, v_pool, slots, k, v):
         calls.append(k.shape[0])
-        return reference.write_kv(k_pool, v_pool, table, k, v, start)
+        return scatter(k_pool, v_pool, slots, k, v)
 
-    monkeypatch.setattr(engine.kv, "ops", types.SimpleNamespace(**{**vars(reference), "write_kv": counting_write}))
+    monkeypatch.setattr(reference, "scatter_kv", counting_scatter)
     seq = engine.new_sequence()
     engine.prefill(seq, list(range(10, 50)))
     seq.release()

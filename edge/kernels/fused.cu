@@ -6,7 +6,10 @@
 //   add_rms_norm  x += r (in place, rounded to T); out = rms_norm(x) * w
 //   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row
 //   qk_norm_rope  q, k heads of a fused qkv row: optional per-head RMSNorm (Qwen3) then
-//                 RoPE (x * cos + rotate_half(x) * sin) at positions read on the device
+//                 RoPE (x * cos + rotate_half(x) * sin) at positions read on the device;
+//                 optionally k and v go straight into their paged-pool rows (the slot of
+//                 each token from the block table and the same device positions), which
+//                 saves the KV-write launch of every layer
 //
 // float32 math inside; one rounding to T per output (plus the roundings HF does between
 // the q/k norm and its weight, so that float16/bfloat16 match transformers' order).
@@ -131,18 +134,31 @@ __device__ __forceinline__ void qk_norm_rope_head(
     T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,
     const T* __restrict__ weight, const T* __restrict__ cos_tab, const T* __restrict__ sin_tab,
     const void* __restrict__ positions, int pos_is_i64, int heads, int kv_heads,
-    long long row_stride, int max_pos, float eps) {
+    long long row_stride, int max_pos, float eps, T* __restrict__ k_pool, T* __restrict__ v_pool,
+    const int* __restrict__ table, int log2_page) {
   constexpr int E = D / 32;
   typedef Pack<T, E> P;
   const int lane = threadIdx.x & 31;
   const int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
-  if (head >= heads + kv_heads) return;  // whole warps; nothing below syncs the CTA
+  // With a pool, kv_heads more warps copy the v heads into it.
+  const int rows = heads + kv_heads * (k_pool != nullptr ? 2 : 1);
+  if (head >= rows) return;  // whole warps; nothing below syncs the CTA
   const int t = blockIdx.y;
   long long p = pos_is_i64 ? __ldg(reinterpret_cast<const long long*>(positions) + t)
                            : static_cast<long long>(__ldg(reinterpret_cast<const int*>(positions) + t));
   p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);  // never read outside the tables
 
   const P xin = *reinterpret_cast<const P*>(qkv + t * row_stride + head * D + lane * E);
+  T* pool_row = nullptr;  // this token's row of kv head (head - heads) mod kv_heads
+  if (k_pool != nullptr && head >= heads) {
+    const int kvh = (head - heads) % kv_heads;
+    const long long slot = edge::paged_slot(table, static_cast<int>(p), log2_page);
+    pool_row = (head < heads + kv_heads ? k_pool : v_pool) + (slot * kv_heads + kvh) * D;
+    if (head >= heads + kv_heads) {  // v: a plain copy
+      *reinterpret_cast<P*>(pool_row + lane * E) = xin;
+      return;
+    }
+  }
   float x[E];
 #pragma unroll
   for (int j = 0; j < E; ++j) x[j] = edge::to_float(xin.v[j]);
@@ -164,8 +180,9 @@ __device__ __forceinline__ void qk_norm_rope_head(
     const float partner = __shfl_xor_sync(0xffffffffu, x[j], 16);
     o.v[j] = edge::from_float<T>(x[j] * edge::to_float(cv.v[j]) + partner * edge::to_float(sv.v[j]));
   }
-  T* dst = head < heads ? q_out + (static_cast<long long>(t) * heads + head) * D
-                        : k_out + (static_cast<long long>(t) * kv_heads + (head - heads)) * D;
+  T* dst = pool_row != nullptr ? pool_row
+           : head < heads     ? q_out + (static_cast<long long>(t) * heads + head) * D
+                              : k_out + (static_cast<long long>(t) * kv_heads + (head - heads)) * D;
   *reinterpret_cast<P*>(dst + lane * E) = o;
 }
 
@@ -195,9 +212,12 @@ __device__ __forceinline__ void qk_norm_rope_head(
       T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,                \
       const T* __restrict__ weight, const T* __restrict__ cos_tab,                            \
       const T* __restrict__ sin_tab, const void* __restrict__ positions, int pos_is_i64,      \
-      int heads, int kv_heads, long long row_stride, int max_pos, float eps) {                \
+      int heads, int kv_heads, long long row_stride, int max_pos, float eps,                  \
+      T* __restrict__ k_pool, T* __restrict__ v_pool, const int* __restrict__ table,          \
+      int log2_page) {                                                                        \
     qk_norm_rope_head<T, D>(q_out, k_out, qkv, weight, cos_tab, sin_tab, positions,           \
-                            pos_is_i64, heads, kv_heads, row_stride, max_pos, eps);           \
+                            pos_is_i64, heads, kv_heads, row_stride, max_pos, eps, k_pool,    \
+                            v_pool, table, log2_page);                                        \
   }
 
 EDGE_FUSED_NORM(f16, __half)

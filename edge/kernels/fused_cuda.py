@@ -31,6 +31,7 @@ import torch
 
 from edge.kernels import nvrtc, reference
 from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
+from edge.kernels.reference import PagedKV
 
 __all__ = [
     "DTYPES",
@@ -175,11 +176,13 @@ def qk_norm_rope(
     kv_heads: int,
     head_dim: int,
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cache: PagedKV | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head RMSNorm (if ``qk_norm_weight``) and RoPE of the q and k parts of
     ``qkv [T, (heads + 2 kv_heads) * D]`` at ``positions`` (int64/int32 ``[T]`` on the
-    device): contiguous ``(q [T, heads, D], k [T, kv_heads, D])``. Positions outside the
-    tables are clamped on the device (the reference raises)."""
+    device): contiguous ``(q [T, heads, D], k [T, kv_heads, D])``; with ``cache``, k and v
+    go into the pool rows of ``positions`` in the same launch and k is returned as None.
+    Positions outside the tables are clamped on the device (the reference raises)."""
     d = head_dim
     w = qk_norm_weight
     ok = (
@@ -215,20 +218,20 @@ def qk_norm_rope(
             )
         )
     )
-    if not ok:
-        return reference.qk_norm_rope(qkv, w, cos, sin_signed, positions, heads, kv_heads, d, eps)
+    if not (ok and (cache is None or _pool_ok(cache, qkv, kv_heads, d))):
+        return reference.qk_norm_rope(qkv, w, cos, sin_signed, positions, heads, kv_heads, d, eps, cache)
     t = qkv.shape[0]
     q = torch.empty((t, heads, d), dtype=qkv.dtype, device=qkv.device)
-    k = torch.empty((t, kv_heads, d), dtype=qkv.dtype, device=qkv.device)
+    k = None if cache is not None else torch.empty((t, kv_heads, d), dtype=qkv.dtype, device=qkv.device)
     dev = _dev(qkv)
     nvrtc.launch(
         dev,
         _kernel(dev, f"qk_norm_rope_{_SUFFIX[qkv.dtype]}_d{d}"),
-        (-(-(heads + kv_heads) // _QK_WARPS), t),
+        (-(-(heads + kv_heads * (1 if cache is None else 2)) // _QK_WARPS), t),
         32 * _QK_WARPS,
         (
             q.data_ptr(),
-            k.data_ptr(),
+            0 if k is None else k.data_ptr(),
             qkv.data_ptr(),
             0 if w is None else w.data_ptr(),
             cos.data_ptr(),
@@ -240,6 +243,37 @@ def qk_norm_rope(
             np.int64(qkv.stride(0)),
             np.int32(cos.shape[0]),
             np.float32(eps),
+            *(
+                (0, 0, 0, np.int32(0))
+                if cache is None
+                else (
+                    cache.k_pool.data_ptr(),
+                    cache.v_pool.data_ptr(),
+                    cache.table.data_ptr(),
+                    np.int32(cache.k_pool.shape[1].bit_length() - 1),
+                )
+            ),
         ),
     )
     return q, k
+
+
+def _pool_ok(cache: PagedKV, qkv: torch.Tensor, kv_heads: int, d: int) -> bool:
+    """Whether the kernel can write into these pools (else the reference does)."""
+    k_pool, v_pool, table = cache
+    page = k_pool.shape[1] if k_pool.dim() == 4 else 0
+    return (
+        k_pool.shape == v_pool.shape
+        and k_pool.dim() == 4
+        and tuple(k_pool.shape[2:]) == (kv_heads, d)
+        and page > 0
+        and page & (page - 1) == 0
+        and k_pool.dtype == v_pool.dtype == qkv.dtype
+        and k_pool.device == v_pool.device == table.device == qkv.device
+        and k_pool.is_contiguous()
+        and v_pool.is_contiguous()
+        and table.dtype == torch.int32
+        and table.dim() == 1
+        and table.is_contiguous()
+        and _aligned(k_pool, v_pool)
+    )

@@ -11,13 +11,30 @@ Nothing here reads a pool row at or beyond ``kv_len``: pools are never cleared
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
+
+
+class PagedKV(NamedTuple):
+    """Where one layer's K/V live: the pools and the sequence's device block table. A
+    kernel that produces K/V can write them here itself (see ``qk_norm_rope``)."""
+
+    k_pool: torch.Tensor
+    v_pool: torch.Tensor
+    table: torch.Tensor
 
 
 def slot_indices(block_table: torch.Tensor, start: int, count: int, page_size: int) -> torch.Tensor:
     """Flat row indices (block * page_size + offset) of positions [start, start + count)."""
     pos = torch.arange(start, start + count, device=block_table.device, dtype=torch.long)
+    return position_slots(block_table, pos, page_size)
+
+
+def position_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size: int) -> torch.Tensor:
+    """Flat row indices (block * page_size + offset) of the given positions."""
+    pos = positions.to(device=block_table.device, dtype=torch.long)
     blocks = block_table.index_select(0, pos // page_size).long()
     return blocks * page_size + pos % page_size
 
@@ -31,10 +48,15 @@ def write_kv(
     start: int,
 ) -> None:
     """Write K/V ``[T, kv_heads, head_dim]`` of positions [start, start+T) in one scatter."""
-    num_blocks, page_size = k_pool.shape[0], k_pool.shape[1]
-    slots = slot_indices(block_table, start, k.shape[0], page_size)
-    k_pool.view(num_blocks * page_size, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
-    v_pool.view(num_blocks * page_size, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
+    slots = slot_indices(block_table, start, k.shape[0], k_pool.shape[1])
+    scatter_kv(k_pool, v_pool, slots, k, v)
+
+
+def scatter_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store K/V ``[T, kv_heads, head_dim]`` at flat pool rows ``slots``."""
+    rows = k_pool.shape[0] * k_pool.shape[1]
+    k_pool.view(rows, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
+    v_pool.view(rows, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
 
 
 def gather_kv(
@@ -135,10 +157,12 @@ def qk_norm_rope(
     kv_heads: int,
     head_dim: int,
     eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    cache: PagedKV | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Queries and keys of a fused projection ``qkv [T, (heads + 2 kv_heads) * D]``
     (q, k, v side by side), normalised and rotated: ``(q [T, heads, D], k [T, kv_heads,
-    D])``, both contiguous.
+    D])``, both contiguous. With ``cache``, k and v are written into the pool rows of
+    ``positions`` instead and the k returned is None.
 
     - ``qk_norm_weight`` ``[heads + kv_heads, D]`` (Qwen3's q_norm / k_norm stacked per
       head) or None: per-head RMSNorm in Hugging Face's order -- normalise in float32,
@@ -159,4 +183,10 @@ def qk_norm_rope(
     half = head_dim // 2
     swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
     out = (x * c + swapped * s).to(qkv.dtype)
-    return out[:, :heads].contiguous(), out[:, heads:].contiguous()
+    q, k = out[:, :heads].contiguous(), out[:, heads:].contiguous()
+    if cache is None:
+        return q, k
+    v = qkv[:, (heads + kv_heads) * head_dim : (heads + 2 * kv_heads) * head_dim].reshape(t, kv_heads, head_dim)
+    slots = position_slots(cache.table, positions, cache.k_pool.shape[1])
+    scatter_kv(cache.k_pool, cache.v_pool, slots, k, v)
+    return q, None

@@ -6,6 +6,8 @@ from typing import Protocol
 
 import torch
 
+from edge.kernels.reference import PagedKV
+
 
 class KVOutOfMemory(RuntimeError):
     """Logical OOM: the cache has no room for the tokens asked for.
@@ -23,9 +25,14 @@ class SequenceKV(Protocol):
     def reserve(self, n: int) -> None:
         """Make room for ``n`` more tokens; raise KVOutOfMemory without side effects."""
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Store k/v ``[T, kv_heads, D]`` at positions [length, length+T) and return causal
-        attention of q ``[T, q_heads, D]`` over positions [0, length+T)."""
+    def pages(self, layer: int) -> PagedKV | None:
+        """Where a kernel producing this layer's K/V may store them itself (then
+        ``attend`` gets None for k and v), or None when ``attend`` must store them."""
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
+        """Store k/v ``[T, kv_heads, D]`` at positions [length, length+T) (None: already
+        stored through ``pages``) and return causal attention of q ``[T, q_heads, D]``
+        over positions [0, length+T)."""
 
     def advance(self, n: int) -> None:
         """Commit ``n`` tokens written by the last forward pass."""

@@ -27,6 +27,9 @@ class ContiguousKV:
                 f"sequence of {self.length + n} tokens exceeds the contiguous cache's {self.max_seq_len}"
             )
 
+    def pages(self, layer: int) -> None:
+        return None
+
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, end = self.length, self.length + q.shape[0]
         self.k[layer, start:end] = k

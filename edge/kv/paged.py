@@ -18,6 +18,7 @@ import torch
 
 from edge.config import ModelConfig
 from edge.kernels import reference
+from edge.kernels.reference import PagedKV
 from edge.kv import KVOutOfMemory
 
 Reclaimer = Callable[[int], int]
@@ -199,10 +200,14 @@ class PagedSequence:
             self.blocks.append(b)
         self.length = len(blocks) * self.pool.page_size
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def pages(self, layer: int) -> PagedKV:
+        return PagedKV(self.pool.k[layer], self.pool.v[layer], self.table.device)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         pool, ops, start = self.pool, self.cache.ops, self.length
         k_pool, v_pool = pool.k[layer], pool.v[layer]
-        ops.write_kv(k_pool, v_pool, self.table.device, k, v, start)
+        if k is not None:
+            ops.write_kv(k_pool, v_pool, self.table.device, k, v, start)
         if q.shape[0] == 1:
             out = ops.decode_attention(
                 q[0], k_pool, v_pool, self.table.device, start + 1, self.cache.scale, **self.cache.decode_options
