@@ -121,9 +121,14 @@ class Model:
         h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)
         for i, lw in enumerate(self.layers):
             qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm, ops=ops)
-            # Qwen3's per-head q/k norms (when present) and RoPE in one op; v stays a view.
-            q, k = ops.qk_norm_rope(qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps)
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
+            # Qwen3's per-head q/k norms (when present) and RoPE in one op, which also
+            # stores k and v in a paged cache (one launch fewer per layer); a cache
+            # without pages gets k and v (a view) from attend.
+            pages = kv.pages(i)
+            q, k = ops.qk_norm_rope(
+                qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps, pages
+            )
+            v = None if pages is not None else qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
             attn = kv.attend(i, q, k, v)
             h, norm = self._add_projection(x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
             act = linear(h, lw["gate_up"], norm=norm, swiglu=True, ops=ops)
