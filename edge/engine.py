@@ -59,9 +59,6 @@ def kernel_ops(device: torch.device, kernels: str = "auto", model: Model | None 
         int8_cuda.enable(device)  # int8 (W8A16) projections: the decode GEMV
         paged_cuda.load(device)
         fused_cuda.load(device)  # norms, q/k norm + RoPE, silu * mul
-        if model is not None:
-            model.ops = fused_cuda
-        return paged_cuda
     except Exception as exc:  # any failure to build or load kernels means: fall back
         if kernels == "cuda":
             raise
@@ -69,6 +66,16 @@ def kernel_ops(device: torch.device, kernels: str = "auto", model: Model | None 
         if model is not None:
             model.ops = reference
         return reference
+    if model is None:
+        return paged_cuda
+    model.ops = fused_cuda  # each fused op runs the reference for shapes it lacks
+    if model.cfg.head_dim in paged_cuda.HEAD_DIMS:
+        return paged_cuda
+    msg = f"no CUDA attention kernels for head_dim {model.cfg.head_dim} (have {paged_cuda.HEAD_DIMS})"
+    if kernels == "cuda":
+        raise paged_cuda.KernelsUnavailable(msg)
+    log.warning("%s; using the torch reference attention", msg)
+    return reference
 
 
 class Engine:
@@ -124,7 +131,7 @@ class Engine:
                     kv_memory=kv_memory,
                     utilization=memory_utilization,
                     memory=memory_info,
-                    cuda_graph=cuda_graph is not False and self.device.type == "cuda",
+                    cuda_graph=cuda_graph is not False and self.device.type == "cuda" and ops is not reference,
                 )
                 log.info("%s", self.budget.describe())
                 num_blocks = self.budget.num_blocks
@@ -144,9 +151,11 @@ class Engine:
                     self.device, self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, None
                 )
                 self.kv.decode_options = {"num_splits": splits}
-        self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else self.device.type == "cuda"
-        if self.cuda_graph and (self.device.type != "cuda" or kv_cache != "paged"):
-            raise ValueError("cuda_graph needs device='cuda' and kv_cache='paged'")
+        # The captured step reads its position on the device: CUDA attention kernels only.
+        graph_ok = self.device.type == "cuda" and self.kv is not None and self.kv.ops is not reference
+        self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok
+        if self.cuda_graph and not graph_ok:
+            raise ValueError("cuda_graph needs device='cuda', kv_cache='paged' and the CUDA attention kernels")
         self._sampler = SamplerState(self.cfg.vocab_size, self.device)
         self._contiguous: ContiguousKV | None = None
         self._decoders: dict[int, SlotDecoder] = {}
