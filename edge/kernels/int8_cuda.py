@@ -75,6 +75,7 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
     (True, False, True): ("norm_swiglu_", (4, 2)),
 }
 MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
+_MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
 _MIN_CTAS_PER_SM = 2
@@ -201,7 +202,7 @@ def supports(
         return False
     if rows >= 2**31 or cols >= 2**31 or (swiglu and rows % 2):
         return False
-    if norm is not None and not _is_vector(norm[0], x, cols, align=16):
+    if norm is not None and not (_is_vector(norm[0], x, cols, align=16) and _norm_smem(x, cols) <= _MAX_SMEM):
         return False
     if residual is not None and not (
         _is_vector(residual, x, (*x.shape[:-1], rows))
@@ -209,6 +210,11 @@ def supports(
     ):
         return False
     return bias is None or _is_vector(bias, x, rows)
+
+
+def _norm_smem(x: torch.Tensor, cols: int) -> int:
+    """Dynamic shared memory of a norm-mode launch: the row and the norm weight."""
+    return 2 * cols * x.element_size()
 
 
 def _is_vector(
@@ -320,5 +326,6 @@ def int8_linear(
             np.int32(w.group_size.bit_length() - 1),
             np.int32(tokens),
         ),
+        shmem=0 if norm is None else _norm_smem(x, cols),
     )
     return out

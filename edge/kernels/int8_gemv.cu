@@ -25,7 +25,8 @@
 // byte biased to 0..255), the float whose bits are 0x4B0000uu is 2^23 + u, so
 // (2^23 + u) - (2^23 + 128) = b exactly: one PRMT and one FADD per element.
 //
-// No shared memory, no __syncthreads, no host-visible state: safe in CUDA graphs.
+// Shared memory and __syncthreads only in the norm modes; no host-visible state: safe in
+// CUDA graphs.
 // sm_80+ PTX only (runs on sm_87 Orin and sm_90 H100/H200).
 #include <cuda_fp16.h>
 #include <cuda_bf16.h>
@@ -65,6 +66,13 @@ struct XVec<__nv_bfloat16> {
     }
   }
   __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+  __device__ __forceinline__ static uint4 from_float8(const float* f) {
+    uint4 u;
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
   __device__ __forceinline__ static float to_float1(__nv_bfloat16 v) { return __bfloat162float(v); }
 };
 
@@ -82,6 +90,13 @@ struct XVec<__half> {
     }
   }
   __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
+  __device__ __forceinline__ static uint4 from_float8(const float* f) {
+    uint4 u;
+    __half2* h = reinterpret_cast<__half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
+    return u;
+  }
   __device__ __forceinline__ static float to_float1(__half v) { return __half2float(v); }
 };
 
@@ -111,10 +126,11 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //   kNorm       RMSNorm prologue: the input is the residual stream, every element used
 //               is rms_norm(x)[k] = T(x[k] * inv_rms * norm_w[k]) (float32 math, one
 //               rounding: fused.cu's rms_norm and reference.rms_norm), so the norm
-//               kernel before the GEMV and its [T, in] output disappear. Each warp
-//               computes inv_rms of its token's row itself (the row is L1/L2-resident),
-//               after issuing its first weight loads so the reduction hides under
-//               their DRAM latency.
+//               kernel before the GEMV and its [T, in] output disappear. The CTA
+//               normalises its token's row once into shared memory (dynamic, 2 * in
+//               elements: x then the norm weight) while its warps' first weight chunks
+//               are being prefetched into L2; the dot products then read x from there.
+//               (A per-warp norm made gate_up 26 % slower: every warp re-read the row.)
 //   kResidual   residual-add epilogue, in place: y[row] = T(y[row] + T(dot + bias)),
 //               what `y += linear(...)` gives. One lane reads and writes each output,
 //               so in place is race-free (y must not alias x).
@@ -128,25 +144,45 @@ __device__ __forceinline__ float round_to(float v) {
   return XVec<T>::to_float1(XVec<T>::from_float(v));
 }
 
-// 1 / rms of one row of x (in elements, a multiple of 16), with every lane of the warp
-// taking part: sum of squares in float32, then rsqrt(mean + eps) as fused.cu does.
+// rms_norm(x) * norm_w of one row (in elements, a multiple of 16) into sx[0, in), by
+// the whole CTA: x and the weight land in sx / sx + in (one round trip of 16-byte
+// loads), the sum of squares is reduced over the CTA, then each vector is scaled in
+// place. Every thread of the CTA must call it (it synchronises).
 template <typename T>
-__device__ __forceinline__ float row_inv_rms(const T* __restrict__ x, int in, float eps, int lane) {
-  float ss0 = 0.f, ss1 = 0.f;  // two chains: the loop is latency-, not issue-bound
+__device__ __forceinline__ void stage_rms_norm(T* __restrict__ sx, const T* __restrict__ x,
+                                               const T* __restrict__ norm_w, int in, float eps) {
+  __shared__ float partial[kWarps];
+  uint4* sv = reinterpret_cast<uint4*>(sx);
+  uint4* sw = reinterpret_cast<uint4*>(sx + in);
+  const int nvec = in >> 3;
+  float ss = 0.f;
 #pragma unroll 4
-  for (int v = lane; v < (in >> 3); v += 32) {
+  for (int v = threadIdx.x; v < nvec; v += kThreads) {
+    const uint4 xv = ld_x(x + 8 * v);
+    sw[v] = ld_x(norm_w + 8 * v);
+    sv[v] = xv;
     float f[8];
-    XVec<T>::to_float(ld_x(x + 8 * v), f);
+    XVec<T>::to_float(xv, f);
 #pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-      ss0 = fmaf(f[j], f[j], ss0);
-      ss1 = fmaf(f[j + 1], f[j + 1], ss1);
-    }
+    for (int j = 0; j < 8; ++j) ss = fmaf(f[j], f[j], ss);
   }
-  float ss = ss0 + ss1;
 #pragma unroll
   for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  return rsqrtf(ss / static_cast<float>(in) + eps);
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
+  __syncthreads();
+  ss = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) ss += partial[w];
+  const float inv_rms = rsqrtf(ss / static_cast<float>(in) + eps);
+  for (int v = threadIdx.x; v < nvec; v += kThreads) {
+    float f[8], g[8], h[8];
+    XVec<T>::to_float(sv[v], f);
+    XVec<T>::to_float(sw[v], g);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) h[j] = f[j] * inv_rms * g[j];
+    sv[v] = XVec<T>::from_float8(h);
+  }
+  __syncthreads();
 }
 
 // R weight rows per warp, U chunks per lane and row in flight per iteration. `out` is
@@ -163,7 +199,6 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   const int lane = threadIdx.x & 31;
   const int tok = blockIdx.x % num_tokens;
   const int row0 = ((blockIdx.x / num_tokens) * kWarps + (threadIdx.x >> 5)) * kOuts;
-  if (row0 >= out) return;  // whole warps only; nothing below synchronises the CTA
   x += (long long)tok * in;
   y += (long long)tok * out;
   const int nchunks = in >> 4;
@@ -181,17 +216,28 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
     qrow[r] = q + (long long)row * in;
     srow[r] = scale + (long long)row * groups;
   }
+  extern __shared__ __align__(16) unsigned char smem_x[];
+  if (kNorm) {
+    if (row0 < out) {  // the first chunks stream into L2 while the row is normalised
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = lane + 32 * u;
+#pragma unroll
+        for (int r = 0; r < R; ++r)
+          if (c < nchunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(qrow[r] + 16 * c));
+      }
+    }
+    stage_rms_norm<T>(reinterpret_cast<T*>(smem_x), x, norm_w, in, eps);
+    x = reinterpret_cast<const T*>(smem_x);
+  }
+  if (row0 >= out) return;  // whole warps only; nothing below synchronises the CTA
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
-  float inv_rms = 0.f;
 
-  // The trip count is the same for every lane (lanes past the end skip their chunks),
-  // so the norm's shuffles in the first iteration see the whole warp.
-  for (int base = lane; base - lane < nchunks; base += 32 * U) {
+  for (int base = lane; base < nchunks; base += 32 * U) {
     uint4 w[U][R];
     uint4 xa[U], xb[U];
-    uint4 na[U], nb[U];  // kNorm: the norm weight of the chunk
     float s[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -201,16 +247,16 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
         for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
       }
     }
-    if (kNorm && base == lane) inv_rms = row_inv_rms<T>(x, in, eps, lane);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = base + 32 * u;
       if (c < nchunks) {
-        xa[u] = ld_x(x + 16 * c);
-        xb[u] = ld_x(x + 16 * c + 8);
-        if (kNorm) {
-          na[u] = ld_x(norm_w + 16 * c);
-          nb[u] = ld_x(norm_w + 16 * c + 8);
+        if (kNorm) {  // the normalised row in shared memory
+          xa[u] = reinterpret_cast<const uint4*>(x)[2 * c];
+          xb[u] = reinterpret_cast<const uint4*>(x)[2 * c + 1];
+        } else {
+          xa[u] = ld_x(x + 16 * c);
+          xb[u] = ld_x(x + 16 * c + 8);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
@@ -223,13 +269,6 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
         float xf[16];
         XVec<T>::to_float(xa[u], xf);
         XVec<T>::to_float(xb[u], xf + 8);
-        if (kNorm) {
-          float g[16];
-          XVec<T>::to_float(na[u], g);
-          XVec<T>::to_float(nb[u], g + 8);
-#pragma unroll
-          for (int j = 0; j < 16; ++j) xf[j] = round_to<T>(xf[j] * inv_rms * g[j]);
-        }
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
       }
