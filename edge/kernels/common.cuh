@@ -102,6 +102,16 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 template <>
 __device__ __forceinline__ float from_float<float>(float x) { return x; }
 
+// Round to T and back (the value a T tensor would hold).
+template <typename T>
+__device__ __forceinline__ float round_to(float v) {
+  return to_float(from_float<T>(v));
+}
+template <>
+__device__ __forceinline__ float round_to<float>(float v) {
+  return v;
+}
+
 // Pack two floats into one 32-bit register of two 16-bit elements (low half = a).
 template <typename T>
 __device__ __forceinline__ unsigned int pack2(float a, float b);

@@ -26,16 +26,6 @@ namespace {
 using edge::Vec;
 using edge::warp_sum;
 
-// Round to T and back (the value a T tensor would hold).
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return edge::to_float(edge::from_float<T>(v));
-}
-template <>
-__device__ __forceinline__ float round_to<float>(float v) {
-  return v;
-}
-
 // Sum over the CTA (blockDim.x a multiple of 32, at most 1024); every thread gets it.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];
@@ -75,7 +65,7 @@ __device__ __forceinline__ void rms_norm_row(T* __restrict__ out, T* __restrict_
         float r[N];
         Vec<T>::to_float(reinterpret_cast<const uint4*>(res + row * hidden)[c], r);
 #pragma unroll
-        for (int j = 0; j < N; ++j) v[i][j] = round_to<T>(v[i][j] + r[j]);
+        for (int j = 0; j < N; ++j) v[i][j] = edge::round_to<T>(v[i][j] + r[j]);
         xr[c] = Vec<T>::from_float(v[i]);  // the residual stream, updated in place
       }
 #pragma unroll
@@ -170,7 +160,7 @@ __device__ __forceinline__ void qk_norm_rope_head(
     const P wv = *reinterpret_cast<const P*>(weight + head * D + lane * E);
     // HF order: normalise in float32, cast to T, multiply by the weight in T.
 #pragma unroll
-    for (int j = 0; j < E; ++j) x[j] = round_to<T>(round_to<T>(x[j] * rstd) * edge::to_float(wv.v[j]));
+    for (int j = 0; j < E; ++j) x[j] = edge::round_to<T>(edge::round_to<T>(x[j] * rstd) * edge::to_float(wv.v[j]));
   }
   const P cv = *reinterpret_cast<const P*>(cos_tab + p * D + lane * E);
   const P sv = *reinterpret_cast<const P*>(sin_tab + p * D + lane * E);

@@ -28,8 +28,7 @@
 // Shared memory and __syncthreads only in the norm modes; no host-visible state: safe in
 // CUDA graphs.
 // sm_80+ PTX only (runs on sm_87 Orin and sm_90 H100/H200).
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
+#include "common.cuh"
 
 namespace {
 
@@ -50,55 +49,6 @@ __device__ __forceinline__ uint4 ld_stream(const void* p) {
 __device__ __forceinline__ uint4 ld_x(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
-
-// 8 elements of x (one 16-byte vector) to float.
-template <typename T>
-struct XVec;
-
-template <>
-struct XVec<__nv_bfloat16> {
-  __device__ __forceinline__ static void to_float(const uint4& u, float* f) {
-    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {  // bf16 -> f32 is a 16-bit shift
-      f[2 * i] = __uint_as_float(w[i] << 16);
-      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-    }
-  }
-  __device__ __forceinline__ static __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
-  __device__ __forceinline__ static uint4 from_float8(const float* f) {
-    uint4 u;
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(f[2 * i], f[2 * i + 1]);
-    return u;
-  }
-  __device__ __forceinline__ static float to_float1(__nv_bfloat16 v) { return __bfloat162float(v); }
-};
-
-template <>
-struct XVec<__half> {
-  __device__ __forceinline__ static void to_float(const uint4& u, float* f) {
-    const unsigned int w[4] = {u.x, u.y, u.z, u.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      __half2 h;
-      *reinterpret_cast<unsigned int*>(&h) = w[i];
-      const float2 v = __half22float2(h);
-      f[2 * i] = v.x;
-      f[2 * i + 1] = v.y;
-    }
-  }
-  __device__ __forceinline__ static __half from_float(float v) { return __float2half_rn(v); }
-  __device__ __forceinline__ static uint4 from_float8(const float* f) {
-    uint4 u;
-    __half2* h = reinterpret_cast<__half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) h[i] = __floats2half2_rn(f[2 * i], f[2 * i + 1]);
-    return u;
-  }
-  __device__ __forceinline__ static float to_float1(__half v) { return __half2float(v); }
-};
 
 // Element i (0..3) of a word of 4 biased bytes (b ^ 0x80) as float: exactly b.
 __device__ __forceinline__ float biased_byte(unsigned int u, unsigned int i) {
@@ -139,11 +89,6 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //               the linear outputs rounded to T (reference.silu_mul after the linear).
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2 };
 
-template <typename T>
-__device__ __forceinline__ float round_to(float v) {
-  return XVec<T>::to_float1(XVec<T>::from_float(v));
-}
-
 // rms_norm(x) * norm_w of one row (in elements, a multiple of 16) into sx[0, in), by
 // the whole CTA: x and the weight land in sx / sx + in (one round trip of 16-byte
 // loads), the sum of squares is reduced over the CTA, then each vector is scaled in
@@ -162,7 +107,7 @@ __device__ __forceinline__ void stage_rms_norm(T* __restrict__ sx, const T* __re
     sw[v] = ld_x(norm_w + 8 * v);
     sv[v] = xv;
     float f[8];
-    XVec<T>::to_float(xv, f);
+    edge::Vec<T>::to_float(xv, f);
 #pragma unroll
     for (int j = 0; j < 8; ++j) ss = fmaf(f[j], f[j], ss);
   }
@@ -176,11 +121,11 @@ __device__ __forceinline__ void stage_rms_norm(T* __restrict__ sx, const T* __re
   const float inv_rms = rsqrtf(ss / static_cast<float>(in) + eps);
   for (int v = threadIdx.x; v < nvec; v += kThreads) {
     float f[8], g[8], h[8];
-    XVec<T>::to_float(sv[v], f);
-    XVec<T>::to_float(sw[v], g);
+    edge::Vec<T>::to_float(sv[v], f);
+    edge::Vec<T>::to_float(sw[v], g);
 #pragma unroll
     for (int j = 0; j < 8; ++j) h[j] = f[j] * inv_rms * g[j];
-    sv[v] = XVec<T>::from_float8(h);
+    sv[v] = edge::Vec<T>::from_float(h);
   }
   __syncthreads();
 }
@@ -267,8 +212,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
       const int c = base + 32 * u;
       if (c < nchunks) {
         float xf[16];
-        XVec<T>::to_float(xa[u], xf);
-        XVec<T>::to_float(xb[u], xf + 8);
+        edge::Vec<T>::to_float(xa[u], xf);
+        edge::Vec<T>::to_float(xb[u], xf + 8);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
       }
@@ -292,15 +237,15 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   }
   const int row = row0 + lane;
   if (lane >= kOuts || row >= out) return;
-  if (bias != nullptr) v += XVec<T>::to_float1(bias[row]);
+  if (bias != nullptr) v += edge::to_float(bias[row]);
   if (kEpi == kSwiglu) {
-    if (bias != nullptr) up += XVec<T>::to_float1(bias[out + row]);
-    const float g = round_to<T>(v);
-    v = g / (1.f + __expf(-g)) * round_to<T>(up);  // fused.cu's silu_mul
+    if (bias != nullptr) up += edge::to_float(bias[out + row]);
+    const float g = edge::round_to<T>(v);
+    v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
   } else if (kEpi == kResidual) {
-    v = XVec<T>::to_float1(y[row]) + round_to<T>(v);
+    v = edge::to_float(y[row]) + edge::round_to<T>(v);
   }
-  y[row] = XVec<T>::from_float(v);
+  y[row] = edge::from_float<T>(v);
 }
 
 }  // namespace
