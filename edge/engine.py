@@ -92,6 +92,7 @@ class Engine:
         poison_kv: bool = False,
         kernels: str = "auto",
         cuda_graph: bool | None = None,
+        overlap_launches: bool = True,
         kv_blocks: int | None = None,
         kv_memory: int | str | None = None,
         memory_utilization: float = DEFAULT_UTILIZATION,
@@ -160,6 +161,9 @@ class Engine:
         self._contiguous: ContiguousKV | None = None
         self._decoders: dict[int, SlotDecoder] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        # Captured decode steps overlap each kernel's start with the previous one's end
+        # (sm_90+; edge/graph.py). Off: plain serialised launches, for comparison.
+        self.overlap_launches = overlap_launches
 
     @classmethod
     def from_pretrained(

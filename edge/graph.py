@@ -7,6 +7,10 @@ writes the sampled token into the next step's input and advances ``pos``, so a s
 inside a page copies nothing from the host. At a page crossing the host allocates
 the block and syncs its one table entry *before* replay (forgetting that is the
 page-crossing garbage bug of seed 001 ch.15).
+
+Because ``pos`` and the table change only between replays, the step's kernels are
+captured as overlapped launches (``nvrtc.overlapped``, sm_90+; ``Engine.overlap_launches``):
+each starts its weight or K/V stream while the previous kernel is finishing.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge.kernels import nvrtc
 from edge.kernels.reference import PagedKV
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
@@ -65,7 +70,7 @@ class SlotDecoder:
         self.host_tokens = torch.zeros(self.RING, dtype=torch.long, pin_memory=True)
         self._copied = [torch.cuda.Event() for _ in range(self.RING)]  # one per pinned slot
         self._ring = 0
-        self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph] = {}
         self.mempool = pool
         self.bound: PagedSequence | None = None
         self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
@@ -98,7 +103,8 @@ class SlotDecoder:
         self.pos.add_(1)
 
     def _graph(self, greedy: bool) -> torch.cuda.CUDAGraph:
-        key = (greedy, self.sampler.use_penalty)
+        overlap = self.engine.overlap_launches
+        key = (greedy, self.sampler.use_penalty, overlap)
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
@@ -114,7 +120,7 @@ class SlotDecoder:
         for t, s in zip((self.token, self.pos, self.sampler.step, self.sampler.seen), saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
+        with torch.cuda.graph(graph, pool=self.mempool), nvrtc.overlapped(overlap):
             self._body(greedy)
         self.graphs[key] = graph
         return graph

@@ -711,11 +711,14 @@ def _copy_bandwidth(nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (_median_us(lambda: dst.copy_(src), reps=20) * 1e-6)
 
 
-def _graph_us(fn, launches: int, replays: int = 20) -> float:
+def _graph_us(fn, launches: int, replays: int = 20, overlap: bool = False) -> float:
     """Median microseconds per launch of ``fn`` (which launches once per call) over
     replays of a CUDA graph of ``launches`` calls: no Python or launch overhead, only
-    the kernels and the graph's node-to-node gaps, as in captured decode."""
+    the kernels and the graph's node-to-node gaps, as in captured decode (``overlap``:
+    captured as overlapped launches, as the decode graph is on sm_90+)."""
     import statistics
+
+    from edge.kernels import nvrtc
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -724,7 +727,7 @@ def _graph_us(fn, launches: int, replays: int = 20) -> float:
             fn()  # compiles and loads outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph), nvrtc.overlapped(overlap):
         for _ in range(launches):
             fn()
     graph.replay()
@@ -790,6 +793,7 @@ def _bench_shape(
                 row["rows_per_warp"] = int8_cuda.plan(
                     out, 1, torch.cuda.current_device()
                 )[0]
+                row["us_overlapped"] = round(_graph_us(call, launches, overlap=True), 2)
     int8_cuda.set_tuning()
 
     # The reference (dequantize + matmul) on the same weights, for scale.
@@ -820,7 +824,8 @@ def bench(
     for row in rows:
         print(
             f"  {row['shape']:<24} {row['out']:>6}x{row['in']:<6} {row['us']:>8.1f} us "
-            f"{row['GBps']:>7.0f} GB/s  {row['t0']:.3f}  (r{row['rows_per_warp']}; reference {row['ref_us']} us)"
+            f"{row['GBps']:>7.0f} GB/s  {row['t0']:.3f}  overlapped {row['us_overlapped']:>7.1f} us "
+            f"(r{row['rows_per_warp']}; reference {row['ref_us']} us)"
         )
     if sweep:
         print(

@@ -19,6 +19,7 @@ import torch
 
 from edge.config import ModelConfig, parse_dtype
 from edge.engine import Engine
+from edge.kernels import nvrtc
 from edge.loader import fuse_weights
 from edge.model import Model
 from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
@@ -281,12 +282,16 @@ def run(args: argparse.Namespace) -> dict:
     per_token = weight_bytes_per_token(engine) + kv_bytes(engine, args.context + n // 2)
     roofline = bw / per_token
     result["roofline_tok_s"] = roofline
-    for mode, graph in (("eager", False), ("graph", True)):
+    # graph: as the engine runs (launches overlapped on sm_90+); graph_serial: the same
+    # graph with plainly serialised launches.
+    for mode, graph, overlap in (("eager", False, True), ("graph_serial", True, False), ("graph", True, True)):
+        engine.overlap_launches = overlap
         times = [time_decode(engine, prompt, n, graph) for _ in range(args.repeats)]
         tok_s = n / statistics.median(times)
         result[f"decode_tok_s_{mode}"] = tok_s
         result[f"roofline_fraction_{mode}"] = tok_s / roofline
     result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
+    result["overlapped_launches"] = nvrtc.overlap_supported(engine.device.index or 0)
     engine.cuda_graph = True
     result["h2d_per_step"] = h2d_bytes_per_step(engine, prompt, 64)
     result["ttft_ms"] = {

@@ -131,6 +131,37 @@ __device__ __forceinline__ uint4 load_stream(const void* p) {
   return __ldcs(reinterpret_cast<const uint4*>(p));
 }
 
+// ---- overlapped launches (programmatic dependent launch, sm_90+) ----------------------
+//
+// Inside the CUDA-graph decode step (nvrtc.overlapped), sm_90+ launches a kernel while
+// the previous one is still finishing. Every kernel calls grid_dependency_wait() before
+// it touches anything an earlier kernel of the step may write or still read (activations,
+// q, outputs, workspaces); before it, only what no kernel of the step writes may be read
+// (weights, the block table, pos, K/V rows before pos), which is how weight and K/V
+// streams start under the previous kernel's tail. allow_dependents() right after the
+// wait lets the next kernel launch once every CTA has got that far, so a grid's
+// predecessor has always finished when its successor starts. Both compile to nothing
+// below sm_90 (Orin): there launches are plainly serialised, as without the attribute.
+__device__ __forceinline__ void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+// The usual kernel start: nothing worth doing before the wait.
+__device__ __forceinline__ void await_inputs() {
+  grid_dependency_wait();
+  allow_dependents();
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
 // ---- small helpers ------------------------------------------------------------------
 
 __device__ __forceinline__ void store4(__half* p, float4 v) {

@@ -51,6 +51,7 @@ __device__ __forceinline__ void rms_norm_row(T* __restrict__ out, T* __restrict_
                                              const T* __restrict__ res,
                                              const T* __restrict__ w, float eps, int hidden) {
   constexpr int N = Vec<T>::N;
+  edge::await_inputs();
   const int nvec = hidden / N;
   const long long row = blockIdx.x;
   uint4* xr = reinterpret_cast<uint4*>(x + row * hidden);
@@ -95,6 +96,7 @@ template <typename T>
 __device__ __forceinline__ void silu_mul_vec(T* __restrict__ out, const T* __restrict__ gu,
                                              int inter, long long total_vecs) {
   constexpr int N = Vec<T>::N;
+  edge::await_inputs();
   const long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total_vecs) return;
   const int row_vecs = inter / N;
@@ -134,6 +136,7 @@ __device__ __forceinline__ void qk_norm_rope_head(
   const int rows = heads + kv_heads * (k_pool != nullptr ? 2 : 1);
   if (head >= rows) return;  // whole warps; nothing below syncs the CTA
   const int t = blockIdx.y;
+  edge::await_inputs();  // positions too are written in the step (from pos)
   long long p = pos_is_i64 ? __ldg(reinterpret_cast<const long long*>(positions) + t)
                            : static_cast<long long>(__ldg(reinterpret_cast<const int*>(positions) + t));
   p = p < 0 ? 0 : (p >= max_pos ? max_pos - 1 : p);  // never read outside the tables

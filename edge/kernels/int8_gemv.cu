@@ -161,17 +161,19 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
     qrow[r] = q + (long long)row * in;
     srow[r] = scale + (long long)row * groups;
   }
+  // Weights are constants of the step: the lines of the first iteration are prefetched
+  // into L2 before the grid-dependency wait, so with overlapped launches (common.cuh)
+  // they stream in under the previous kernel's tail, and in the norm modes while the
+  // row is normalised. (Holding them in registers across the wait, or prefetching more
+  // than one iteration, measured slower on an H200: docs/kernels.md.)
+  if (row0 < out && lane < 4 * U) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane < (in >> 7)) edge::prefetch_l2(qrow[r] + 128 * lane);
+  }
+  edge::await_inputs();
   extern __shared__ __align__(16) unsigned char smem_x[];
   if (kNorm) {
-    if (row0 < out) {  // the first chunks stream into L2 while the row is normalised
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = lane + 32 * u;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-          if (c < nchunks) asm volatile("prefetch.global.L2 [%0];" ::"l"(qrow[r] + 16 * c));
-      }
-    }
     stage_rms_norm<T>(reinterpret_cast<T*>(smem_x), x, norm_w, in, eps);
     x = reinterpret_cast<const T*>(smem_x);
   }

@@ -13,6 +13,7 @@ extern "C" __global__ void __launch_bounds__(256)
              int num_tokens, int kv_heads, int row_vecs, long long k_tok_stride,
              long long k_head_stride, long long v_tok_stride, long long v_head_stride,
              int log2_page) {
+  edge::await_inputs();
   const int start = (pos != nullptr) ? __ldg(pos) : host_start;
   const int per_tok = kv_heads * row_vecs;
   const int total = num_tokens * per_tok;

@@ -22,6 +22,7 @@ Kernel arguments must have exact widths: pass ``numpy.int32`` / ``numpy.int64`` 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import glob
 import hashlib
@@ -31,7 +32,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -477,8 +478,43 @@ def current_stream(device_index: int) -> Any:
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int) -> Any:
+def _config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, overlap: bool) -> Any:
+    if overlap:
+        return core().LaunchConfig(
+            grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=True
+        )
     return core().LaunchConfig(grid=grid, block=block, shmem_size=shmem)
+
+
+@contextlib.contextmanager
+def overlapped(enabled: bool = True) -> Iterator[None]:
+    """Launches made on this thread inside may start while the previous kernel of the
+    stream is still finishing (programmatic dependent launch, sm_90+; captured as such by
+    ``torch.cuda.graph``). Every kernel here waits for its predecessor before reading
+    anything a kernel may write (common.cuh: grid_dependency_wait); before that it reads
+    only weights, the block table, ``pos`` and K/V rows before ``pos``. So use it only
+    where those stay fixed while the launches run: the CUDA-graph decode step, whose
+    ``pos`` and table change between replays only. Elsewhere, or on a GPU / cuda.core
+    without the feature, launches are serialised as usual."""
+    prev = getattr(_tls, "overlap", False)
+    _tls.overlap = bool(enabled)
+    try:
+        yield
+    finally:
+        _tls.overlap = prev
+
+
+@functools.cache
+def overlap_supported(device_index: int) -> bool:
+    """True when launches on the device can overlap: sm_90+ and a cuda.core whose
+    LaunchConfig takes ``programmatic_stream_serialization``."""
+    if int(re.sub(r"\D", "", device_arch(device_index))) < 90:
+        return False
+    try:
+        _config((1,), (32,), 0, True)
+    except TypeError:
+        return False
+    return True
 
 
 def launch(
@@ -489,12 +525,14 @@ def launch(
     args: Sequence[Any],
     shmem: int = 0,
 ) -> None:
-    """Launch ``kernel`` on torch's current stream of the device."""
+    """Launch ``kernel`` on torch's current stream of the device (overlapping the
+    previous kernel inside :func:`overlapped` where supported)."""
     import torch
 
     grid = grid if isinstance(grid, tuple) else (int(grid),)
     block = block if isinstance(block, tuple) else (int(block),)
-    cfg = _config(grid, block, int(shmem))
+    overlap = getattr(_tls, "overlap", False) and overlap_supported(device_index)
+    cfg = _config(grid, block, int(shmem), overlap)
     cc = core()
     if torch.cuda.current_device() != device_index:
         with torch.cuda.device(device_index):
@@ -578,6 +616,7 @@ def _reset_for_tests() -> None:
     nvrtc_version.cache_clear()
     cuda_include_dirs.cache_clear()
     device_arch.cache_clear()
+    overlap_supported.cache_clear()
 
 
 __all__ = [
@@ -598,4 +637,6 @@ __all__ = [
     "launch",
     "max_active_blocks",
     "nvrtc_version",
+    "overlap_supported",
+    "overlapped",
 ]

@@ -118,6 +118,7 @@ __device__ __forceinline__ void paged_decode(
   const int split = blockIdx.y;
   const int nsplit = gridDim.y;
 
+  await_inputs();
   const int kv_len = (pos != nullptr ? __ldg(pos) + 1 : host_len) + tok;
 
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the

@@ -112,28 +112,45 @@ __device__ __forceinline__ void paged_decode_tc(
       slot[i] = (s < nstage && row < r1) ? (int)paged_slot(table, row, log2_page) : -1;
     }
   };
-  auto issue_stage = [&](int s, const int (&slot)[PT]) {
+  // The copies of stage s for this thread's rows in [lo, hi) (uncommitted).
+  auto copy_stage = [&](int s, const int (&slot)[PT], int lo, int hi) {
     if (s < nstage) {
       T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * 8;
       T* dv = dk + C::STAGE_ELEMS;
+      const int sbase = r0 + s * KEYS + my_r;
 #pragma unroll
       for (int i = 0; i < PT; ++i) {
+        const int row = sbase + i * RPP;
+        if (row < lo || row >= hi) continue;
         const bool ok = slot[i] >= 0;  // rows at or past r1: zero-filled, not read
         const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * 8 : 0;
         cp_async16(smem_u32(dk + i * RPP * LDS), k_pool + off, ok ? 16 : 0);
         cp_async16(smem_u32(dv + i * RPP * LDS), v_pool + off, ok ? 16 : 0);
       }
     }
+  };
+  auto issue_stage = [&](int s, const int (&slot)[PT]) {
+    copy_stage(s, slot, r0, r0 + (s + 1) * KEYS);
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
   };
 
+  // Before the grid-dependency wait (overlapped launches, common.cuh): every K/V row but
+  // the newest (this step's, stored by the kernel before) is already in the pool, so the
+  // first stage's copies go out while the previous kernel finishes. q comes after it.
+  const int newest = kv_len - 1;
   int slots[PT];
+  fetch_slots(0, slots);
+  copy_stage(0, slots, r0, newest);
+  grid_dependency_wait();
+  allow_dependents();
+  copy_stage(0, slots, newest, r0 + KEYS);
+  cp_async_commit();
 #pragma unroll
-  for (int s = 0; s < STAGES - 1; ++s) {
+  for (int s = 1; s < STAGES - 1; ++s) {
     fetch_slots(s, slots);
     issue_stage(s, slots);
   }
-  fetch_slots(STAGES - 1, slots);
+  fetch_slots(STAGES > 1 ? STAGES - 1 : 1, slots);
 
   // Q fragments (A operand): rows gid and gid + 8 of the head tile.
   const bool qv0 = gid < gcount;
@@ -163,9 +180,11 @@ __device__ __forceinline__ void paged_decode_tc(
       issue_stage(s + STAGES - 1, slots);  // into the buffer of stage s - 1
       fetch_slots(s + STAGES, slots);      // lands while stage s is computed
     } else {
-      __syncthreads();  // everyone is done with the previous stage
-      issue_stage(s, slots);
-      fetch_slots(s + 1, slots);
+      if (s > 0) {
+        __syncthreads();  // everyone is done with the previous stage
+        issue_stage(s, slots);
+        fetch_slots(s + 1, slots);
+      }
       cp_async_wait_all();
       __syncthreads();
     }

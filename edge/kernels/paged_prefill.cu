@@ -203,6 +203,7 @@ extern "C" __global__ void __launch_bounds__(edge::kPfThreads)
                   const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
                   const int* __restrict__ table, int num_tokens, int start, int kv_heads,
                   int group, int log2_page, float scale_log2) {
+  edge::await_inputs();
   edge::paged_prefill<edge_t, EDGE_HEAD_DIM>(out, q, k_pool, v_pool, table, num_tokens, start,
                                              kv_heads, group, log2_page, scale_log2);
 }
