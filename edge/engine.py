@@ -23,7 +23,7 @@ from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_b
 from edge.config import ModelConfig, parse_dtype
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder
-from edge.kernels import reference
+from edge.kernels import nvrtc, reference
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.contiguous import ContiguousKV
 from edge.kv.paged import BlockPool, PagedKVCache
@@ -367,6 +367,9 @@ class Engine:
             "kv_cache": self.kv_kind,
             "max_seq_len": self.max_seq_len,
             "cuda_graph": self.cuda_graph,
+            "overlapped_launches": self.cuda_graph
+            and self.overlap_launches
+            and nvrtc.overlap_supported(self.device.index if self.device.index is not None else torch.cuda.current_device()),
         }
         if self.kv is not None:
             pool = self.kv.pool

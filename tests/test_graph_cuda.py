@@ -62,3 +62,19 @@ def test_stop_inside_pipelined_steps_frees_everything(engines) -> None:
     r = graph.generate(PROMPT, SamplingParams(max_tokens=17, ignore_eos=True))
     assert len(r.token_ids) == 17
     assert graph.kv.pool.num_free == free
+
+
+def test_overlapped_and_serialised_launches_decode_the_same_tokens(engines) -> None:
+    from edge.kernels import nvrtc
+
+    graph, _ = engines
+    assert graph.info()["overlapped_launches"] == nvrtc.overlap_supported(0)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    overlapped = graph.generate(PROMPT, params).token_ids
+    graph.overlap_launches = False
+    try:
+        serial = graph.generate(PROMPT, params).token_ids
+    finally:
+        graph.overlap_launches = True
+    assert overlapped == serial
+    assert {key[2] for key in graph._decoders[0].graphs} == {True, False}

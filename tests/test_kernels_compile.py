@@ -1,6 +1,8 @@
 """CPU-only checks of the CUDA kernel sources: every instantiation compiles with NVRTC
-for sm_87 (Jetson Orin) and sm_90 (H100/H200) without errors or warnings, the disk
-cache works, and a missing cuda-python gives a helpful KernelsUnavailable."""
+for sm_87 (Jetson Orin) and sm_90 (H100/H200) without errors or warnings, every kernel
+waits for its predecessor where launches may overlap (sm_90) and carries no such
+instruction for Orin, the disk cache works, and a missing cuda-python gives a helpful
+KernelsUnavailable."""
 
 from __future__ import annotations
 
@@ -74,6 +76,40 @@ def test_kernel_compiles_cleanly(arch, variant, tmp_path, monkeypatch):
     source, defines = variant
     cubin = nvrtc.compile_cubin(source, arch, defines, use_cache=False)
     assert cubin[:4] == b"\x7fELF"
+
+
+def _ptx(source: str, arch: str, defines: dict) -> str:
+    """PTX of a kernel source (raw NVRTC: cuda.core's PTX path asks the driver)."""
+    rt = nvrtc._nvrtc_module()
+    err, prog = rt.nvrtcCreateProgram((nvrtc.KERNEL_DIR / source).read_bytes(), source.encode(), 0, [], [])
+    assert int(err) == 0, err
+    opts = [f"--gpu-architecture=compute_{arch[3:]}", f"--std={nvrtc.STD}", f"-I{nvrtc.KERNEL_DIR}"]
+    opts += [f"-I{d}" for d in nvrtc.cuda_include_dirs()] + [f"-D{k}={v}" for k, v in defines.items()]
+    try:
+        (err,) = rt.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
+        assert int(err) == 0, err
+        err, size = rt.nvrtcGetPTXSize(prog)
+        buf = b" " * size
+        (err,) = rt.nvrtcGetPTX(prog, buf)
+        assert int(err) == 0, err
+        return buf.decode(errors="replace")
+    finally:
+        rt.nvrtcDestroyProgram(prog)
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
+def test_every_kernel_waits_for_its_predecessor(variant):
+    """The decode graph launches every kernel overlapped on sm_90 (nvrtc.overlapped): a
+    kernel without griddepcontrol.wait would read its inputs before they are written."""
+    _nvrtc_or_skip()
+    source, defines = variant
+    entries = _ptx(source, "sm_90", defines).split(".entry ")[1:]
+    assert entries
+    for body in entries:
+        name = body.split("(", 1)[0]
+        assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
+        assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
+    assert "griddepcontrol" not in _ptx(source, "sm_87", defines)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -186,6 +222,38 @@ def test_missing_headers_named(monkeypatch, fresh_discovery, tmp_path):
     )
     with pytest.raises(KernelsUnavailable, match="cuda_fp16.h"):
         nvrtc.cuda_include_dirs()
+
+
+def test_launches_overlap_only_on_sm90_inside_overlapped(monkeypatch):
+    try:
+        nvrtc.core()
+    except KernelsUnavailable as exc:
+        pytest.skip(str(exc))
+    try:
+        nvrtc.core().LaunchConfig(grid=(1,), block=(32,), programmatic_stream_serialization=True)
+        has_attr = True
+    except TypeError:  # an older cuda.core: launches stay serialised
+        has_attr = False
+    supported = {}
+    try:
+        for arch in ("sm_87", "sm_90"):
+            nvrtc.overlap_supported.cache_clear()
+            monkeypatch.setattr(nvrtc, "device_arch", lambda index: arch)
+            supported[arch] = nvrtc.overlap_supported(0)
+    finally:
+        nvrtc.overlap_supported.cache_clear()
+    assert supported == {"sm_87": False, "sm_90": has_attr}
+    cfg = nvrtc._config((2,), (64,), 0, has_attr)
+    assert getattr(cfg, "programmatic_stream_serialization", False) is has_attr
+
+    seen = []
+    with nvrtc.overlapped():
+        seen.append(nvrtc._tls.overlap)
+        with nvrtc.overlapped(False):
+            seen.append(nvrtc._tls.overlap)
+        seen.append(nvrtc._tls.overlap)
+    seen.append(getattr(nvrtc._tls, "overlap", False))
+    assert seen == [True, False, True, False]
 
 
 def test_no_gpu_is_kernels_unavailable():
