@@ -102,7 +102,8 @@ class Engine:
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
         ``kv_blocks``/``kv_memory`` explicitly, or what is available x
         ``memory_utilization`` after weights and activations; ``memory_info`` fakes the
-        probe."""
+        probe. ``overlap_launches=False`` serialises the kernel launches of captured
+        decode steps, which otherwise overlap on sm_90+ (edge/graph.py)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
