@@ -370,7 +370,7 @@ class Engine:
             "cuda_graph": self.cuda_graph,
             "overlapped_launches": self.cuda_graph
             and self.overlap_launches
-            and nvrtc.overlap_supported(self.device.index if self.device.index is not None else torch.cuda.current_device()),
+            and nvrtc.overlap_supported(nvrtc.device_index(self.device)),
         }
         if self.kv is not None:
             pool = self.kv.pool

@@ -1,7 +1,7 @@
 """Overlapped launches (programmatic dependent launch, sm_90+) in a captured decode step.
 
 Inside ``nvrtc.overlapped`` each kernel may start while the previous one is finishing,
-so it must read nothing the previous kernel writes before its grid-dependency wait. A
+so it must read nothing the previous kernel writes before its grid-dependency wait. An
 int8 decoder layer (norm + qkv GEMV, q/k norm + RoPE storing k and v in the pool,
 attention over the pool, o GEMV + residual, norm + gate_up GEMV + SwiGLU, down GEMV +
 residual) is captured with overlapped launches and replayed at positions on and around

@@ -291,7 +291,7 @@ def run(args: argparse.Namespace) -> dict:
         result[f"decode_tok_s_{mode}"] = tok_s
         result[f"roofline_fraction_{mode}"] = tok_s / roofline
     result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
-    result["overlapped_launches"] = nvrtc.overlap_supported(engine.device.index or 0)
+    result["overlapped_launches"] = nvrtc.overlap_supported(nvrtc.device_index(engine.device))
     engine.cuda_graph = True
     result["h2d_per_step"] = h2d_bytes_per_step(engine, prompt, 64)
     result["ttft_ms"] = {

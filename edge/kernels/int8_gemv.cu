@@ -166,10 +166,9 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   // they stream in under the previous kernel's tail, and in the norm modes while the
   // row is normalised. (Holding them in registers across the wait, or prefetching more
   // than one iteration, measured slower on an H200: docs/kernels.md.)
-  if (row0 < out && lane < 4 * U) {
+  if (row0 < out && lane < min(4 * U, in >> 7)) {  // a lane per 128-byte line
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (lane < (in >> 7)) edge::prefetch_l2(qrow[r] + 128 * lane);
+    for (int r = 0; r < R; ++r) edge::prefetch_l2(qrow[r] + 128 * lane);
   }
   edge::await_inputs();
   extern __shared__ __align__(16) unsigned char smem_x[];

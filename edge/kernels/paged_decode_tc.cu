@@ -130,7 +130,7 @@ __device__ __forceinline__ void paged_decode_tc(
     }
   };
   auto issue_stage = [&](int s, const int (&slot)[PT]) {
-    copy_stage(s, slot, r0, r0 + (s + 1) * KEYS);
+    copy_stage(s, slot, r0 + s * KEYS, r0 + (s + 1) * KEYS);  // every row of the stage
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
   };
 
