@@ -47,6 +47,7 @@ TUNINGS = [
     ("paged_decode.cu", {"EDGE_DECODE_QACC_REGS": 128, "EDGE_DECODE_MIN_BLOCKS": 2}),
     ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4}),
     ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1}),
+    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1}),
     (
         "paged_decode_tc.cu",
         {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 1, "EDGE_TC_MIN_BLOCKS": 3},
@@ -132,6 +133,59 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
             use_cache=False,
         )
         assert cubin[:4] == b"\x7fELF"
+
+
+@pytest.mark.parametrize(
+    "warps,stages", [(4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
+)
+def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
+    """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
+    the host works out (paged_cuda.tc_smem_bytes) and the kernel traps below: the two
+    formulas must agree for every dtype, head_dim and tuning."""
+    import re
+
+    import torch
+
+    from edge.kernels import paged_cuda
+
+    _nvrtc_or_skip()
+    for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
+        for d in (64, 128):
+            defines = {"EDGE_DTYPE": code, "EDGE_HEAD_DIM": d, "EDGE_TC_WARPS": warps, "EDGE_TC_STAGES": stages}
+            ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
+            reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", ptx).group(1)
+            op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", ptx).groups()
+            needed = int(n) + 1 if op == "gt" else int(n)
+            assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages), (dtype, d)
+
+
+@pytest.mark.parametrize(
+    "per_sm,optin,want,want64",
+    [
+        (233472, 232448, 3, 3),  # H100 / H200: 228 KB an SM
+        (167936, 166912, 2, 3),  # Orin (sm_87): 164 KB an SM
+        (102400, 101376, 1, 2),  # 100 KB an SM (sm_86 / sm_89)
+    ],
+)
+def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
+    monkeypatch, per_sm, optin, want, want64
+):
+    """Two 4-warp CTAs of 64-key bf16 stages (34 KB a stage at head_dim 128, 18 KB at
+    64) share each SM, so the pipeline is as deep as the SM's shared memory allows, up
+    to 3 stages."""
+    import torch
+
+    from edge.kernels import paged_cuda
+
+    monkeypatch.setattr(nvrtc, "shared_memory", lambda dev: (per_sm, optin, 1024))
+    prev = paged_cuda.set_decode_tuning()
+    try:
+        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == want
+        assert paged_cuda.tc_stages(0, torch.bfloat16, 64) == want64
+        paged_cuda.set_decode_tuning(EDGE_TC_STAGES=4)
+        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == 4  # a tuning wins
+    finally:
+        paged_cuda.set_decode_tuning(**prev)
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):

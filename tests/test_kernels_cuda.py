@@ -171,6 +171,8 @@ TC_TUNINGS = (
     {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1},
     {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2, "max_splits": 128},
     {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2, "max_splits": 16},
+    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 3},
+    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},
 )
 
 
@@ -186,7 +188,9 @@ def test_decode_tc_tunings(pc, tuning, d):
             (torch.float16, (16, 2), 8),
         ):
             k_pool, v_pool, table = make_cache(8191, page, heads[1], d, dtype)
-            for kv_len in (1, 31, 33, 1000, 8191):
+            # 2148, 4300, 6300: the newest row in the second or third stage of its
+            # split, which the kernel issues before its grid-dependency wait
+            for kv_len in (1, 31, 33, 1000, 2148, 4300, 6300, 8191):
                 q = randn(heads[0], d, dtype=dtype)
                 out = torch.full_like(q, float("nan"))
                 pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.1, out=out)

@@ -44,11 +44,13 @@ _DTYPES = {
 # split policy; `--tunings JSON` replaces the list).
 SWEEP = [
     {"impl": "simt"},
-    {"impl": "tc"},  # defaults: 4 warps, 1 stage at head_dim 128, <= 32 splits
+    {"impl": "tc"},  # defaults: 4 warps, stages per device (tc_stages), <= 32 splits
+    {"impl": "tc", "EDGE_TC_STAGES": 1},
+    {"impl": "tc", "EDGE_TC_STAGES": 2},
     {"impl": "tc", "max_splits": 16},
-    {"impl": "tc", "max_splits": 64},
-    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2},
-    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2, "max_splits": 128},
+    {"impl": "tc", "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},
+    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 4},
+    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 6, "max_splits": 64},
 ]
 
 
@@ -218,8 +220,9 @@ def _decode_case(
         "kernel": {
             **nvrtc.kernel_resources(kern),
             "ctas_per_sm": nvrtc.max_active_blocks(
-                kern, plan.threads, torch.cuda.current_device()
+                kern, plan.threads, torch.cuda.current_device(), dynamic_smem=plan.smem
             ),
+            "dynamic_smem_bytes": plan.smem,
         },
         "tuning": dict(pc.DECODE_TUNING),
     }

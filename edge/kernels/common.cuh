@@ -187,6 +187,13 @@ __device__ __forceinline__ float warp_sum(float x) {
 
 // ---- async copies (sm_80+) -------------------------------------------------------------
 
+// Dynamic shared memory this launch was given.
+__device__ __forceinline__ unsigned int dynamic_smem_bytes() {
+  unsigned int n;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(n));
+  return n;
+}
+
 __device__ __forceinline__ unsigned int smem_u32(const void* p) {
   return static_cast<unsigned int>(__cvta_generic_to_shared(p));
 }

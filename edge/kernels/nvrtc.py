@@ -544,16 +544,58 @@ def launch(
 
 
 def max_active_blocks(
-    kernel: Any, block_size: int, device_index: int, default: int = 2
+    kernel: Any, block_size: int, device_index: int, default: int = 2, dynamic_smem: int = 0
 ) -> int:
-    """Resident CTAs per SM for this kernel (driver occupancy query; ``default`` if the
-    installed cuda.core cannot tell)."""
+    """Resident CTAs per SM for this kernel launched with ``dynamic_smem`` bytes (driver
+    occupancy query; ``default`` if the installed cuda.core cannot tell)."""
     try:
-        return max(
-            1, int(kernel.occupancy.max_active_blocks_per_multiprocessor(block_size, 0))
-        )
+        occ = kernel.occupancy.max_active_blocks_per_multiprocessor(block_size, dynamic_smem)
+        return max(1, int(occ))
     except Exception:
         return default
+
+
+@functools.cache
+def shared_memory(device_index: int) -> tuple[int, int, int]:
+    """(bytes per SM, most one CTA may opt in to, bytes the driver reserves per CTA)."""
+    props = core().Device(device_index).properties
+    return (
+        int(props.max_shared_memory_per_multiprocessor),
+        int(props.max_shared_memory_per_block_optin),
+        int(getattr(props, "reserved_shared_memory_per_block", 1024)),
+    )
+
+
+def _driver_module() -> Any:
+    try:
+        from cuda.bindings import driver  # cuda-python >= 12.6
+    except Exception:
+        from cuda import cuda as driver  # type: ignore[no-redef]  # older 12.x layout
+    return driver
+
+
+def allow_dynamic_smem(kernel: Any, device_index: int, nbytes: int) -> None:
+    """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory on the device (above
+    48 KB a kernel must opt in). KernelCompileError when the device cannot give that."""
+    _, optin, _ = shared_memory(device_index)
+    if nbytes > optin:
+        raise KernelCompileError(
+            f"kernel needs {nbytes} B of shared memory, the device allows {optin} B per block"
+        )
+    driver = _driver_module()
+    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    handle = getattr(kernel, "handle", None)
+    if handle is None:  # cuda.core < 0.3
+        handle = kernel._handle
+    # cuda.core loads through the library API (CUkernel, per device) where the driver has
+    # it, else through modules (CUfunction).
+    if isinstance(handle, driver.CUkernel):
+        err, dev = driver.cuDeviceGet(device_index)
+        (err,) = driver.cuKernelSetAttribute(attr, int(nbytes), handle, dev)
+    else:
+        (err,) = driver.cuFuncSetAttribute(handle, attr, int(nbytes))
+    if int(err) != 0:
+        raise KernelCompileError(f"could not allow {nbytes} B of dynamic shared memory: {err}")
 
 
 def kernel_resources(kernel: Any) -> dict[str, int]:
@@ -617,6 +659,7 @@ def _reset_for_tests() -> None:
     cuda_include_dirs.cache_clear()
     device_arch.cache_clear()
     overlap_supported.cache_clear()
+    shared_memory.cache_clear()
 
 
 __all__ = [
@@ -636,6 +679,8 @@ __all__ = [
     "kernel_resources",
     "launch",
     "max_active_blocks",
+    "allow_dynamic_smem",
+    "shared_memory",
     "nvrtc_version",
     "overlap_supported",
     "overlapped",

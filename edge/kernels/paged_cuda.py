@@ -62,6 +62,9 @@ _PREFILL_THREADS = 128
 _PREFILL_ROWS = 64
 _KV_THREADS = 256
 _LOG2E = 1.4426950408889634
+# Static shared memory of paged_decode_tc.cu beside its dynamic pipeline (row maxima and
+# sums of 4 warps, a flag), rounded up.
+_TC_STATIC_SMEM = 1024
 
 # Decode implementation for float16/bfloat16: "tc" (tensor cores, paged_decode_tc.cu)
 # or "simt" (CUDA cores, paged_decode.cu; float32 always uses it). Compile-time knobs of
@@ -73,6 +76,9 @@ DECODE_TUNING: dict[str, Any] = {
     # Cap on the one-wave split count: the last CTA's merge costs ~75 ns per split per
     # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
     "max_splits": 32,
+    # Deepest K/V pipeline of the tensor-core kernel; fewer where shared memory would
+    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages).
+    "tc_max_stages": 3,
 }
 # EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
 # defaults of a process: a candidate tuning can run the whole GPU test suite.
@@ -121,15 +127,49 @@ def _decode_kernel(dev: int, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
     return nvrtc.get_kernel(dev, "paged_decode.cu", f"paged_decode_g{gt}", defines)
 
 
-def _tc_warps(head_dim: int) -> int:
-    return int(
-        DECODE_TUNING.get("EDGE_TC_WARPS", 4)
-    )  # EDGE_TC_WARPS default in the source
+def _tc_warps() -> int:
+    return int(DECODE_TUNING.get("EDGE_TC_WARPS", 4))  # EDGE_TC_WARPS default in the source
 
 
-def _decode_tc_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> Any:
-    defines = {**_variant(dtype, head_dim), **_defines("EDGE_TC_")}
-    return nvrtc.get_kernel(dev, "paged_decode_tc.cu", "paged_decode_tc", defines)
+def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) -> int:
+    """Dynamic shared memory of paged_decode_tc.cu (its TcCfg::SMEM_BYTES): ``stages``
+    K+V stages of 16 * warps padded rows, or the warps' float32 outputs if larger."""
+    esize = torch.empty((), dtype=dtype).element_size()
+    pipe = stages * 2 * 16 * warps * (head_dim + 8) * esize
+    return max(pipe, warps * 16 * head_dim * 4)
+
+
+def tc_stages(dev: int, dtype: torch.dtype, head_dim: int) -> int:
+    """Pipeline depth of the tensor-core decode kernel on this device: ``EDGE_TC_STAGES``
+    when tuned, else the most stages (at most ``tc_max_stages``) that still let
+    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (H200: 3 at head_dim 128; Orin, 164 KB an SM:
+    2)."""
+    if "EDGE_TC_STAGES" in DECODE_TUNING:
+        return int(DECODE_TUNING["EDGE_TC_STAGES"])
+    warps = _tc_warps()
+    ctas = int(DECODE_TUNING.get("EDGE_TC_MIN_BLOCKS", 2 if warps >= 4 else 4))
+    per_sm, optin, reserved = nvrtc.shared_memory(dev)
+    stages = 1
+    for n in range(2, int(DECODE_TUNING["tc_max_stages"]) + 1):
+        need = tc_smem_bytes(dtype, head_dim, warps, n) + _TC_STATIC_SMEM
+        if need <= optin and ctas * (need + reserved) <= per_sm:
+            stages = n
+    return stages
+
+
+def _decode_tc_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> tuple[Any, int]:
+    """The tensor-core decode kernel for this device and the dynamic shared memory its
+    launches pass."""
+    stages = tc_stages(dev, dtype, head_dim)
+    defines = {
+        **_variant(dtype, head_dim),
+        **_defines("EDGE_TC_"),
+        "EDGE_TC_STAGES": stages,
+    }
+    kernel = nvrtc.get_kernel(dev, "paged_decode_tc.cu", "paged_decode_tc", defines)
+    smem = tc_smem_bytes(dtype, head_dim, _tc_warps(), stages)
+    nvrtc.allow_dynamic_smem(kernel, dev, smem)
+    return kernel, smem
 
 
 def _prefill_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> Any:
@@ -391,6 +431,7 @@ class _DecodePlan:
         "log2_page",
         "max_splits",
         "min_rows",
+        "smem",
         "threads",
     )
 
@@ -410,15 +451,16 @@ class _DecodePlan:
         self.log2_page = page.bit_length() - 1
         if dtype != torch.float32 and not multi and DECODE_TUNING["impl"] == "tc":
             tile = 16  # query heads per m16 tile
-            self.kernel = _decode_tc_kernel(dev, dtype, d)
-            self.threads = 32 * _tc_warps(d)
+            self.kernel, self.smem = _decode_tc_kernel(dev, dtype, d)
+            self.threads = 32 * _tc_warps()
         else:
             tile = _group_tile(self.group)
             self.kernel = _decode_kernel(dev, dtype, d, tile)
             self.threads = _DECODE_THREADS
+            self.smem = 0
         self.ctas = kvh * ((self.group + tile - 1) // tile)
         self.counters = self.ctas
-        occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev)
+        occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev, dynamic_smem=self.smem)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         # One full wave of CTAs: every split resident at once, each streaming its range.
         cap = min(MAX_SPLITS, int(DECODE_TUNING["max_splits"]))
@@ -510,6 +552,7 @@ def _launch_decode(
             ws_ptr,
             cnt_ptr,
         ),
+        shmem=plan.smem,
     )
 
 

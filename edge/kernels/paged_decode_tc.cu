@@ -11,20 +11,22 @@
 // derived in-kernel from kv_len, read from the device `pos` when given, so one launch
 // configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
 // stage of 16 * W keys is gathered from the pages with cp.async into padded shared
-// memory (STAGES deep), warp w takes keys [16 w, 16 w + 16) of each stage with its own
-// online softmax (float32, exp2 domain); the warps merge through shared memory, then
-// the CTA writes the output (one split) or its partial, and the last CTA of the KV
-// head (atomic ticket, reset after use) merges the splits, as in paged_decode.cu.
+// memory (STAGES deep, dynamic shared memory: the host picks STAGES per device so that
+// EDGE_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
+// [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
+// the warps merge through shared memory, then the CTA writes the output (one split) or
+// its partial, and the last CTA of the KV head (atomic ticket, reset after use) merges
+// the splits, as in paged_decode.cu.
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
-// Defaults: the fastest configuration measured on an H200 (docs/kernels.md): 4 warps
-// (stage = 64 keys), single-buffered at head_dim 128 (35 KB), double at 64 (37 KB).
+// Defaults of a bare compile; the engine always passes EDGE_TC_STAGES (chosen per
+// device from its shared memory, paged_cuda.tc_stages).
 #ifndef EDGE_TC_WARPS
 #define EDGE_TC_WARPS 4
 #endif
 #ifndef EDGE_TC_STAGES
-#define EDGE_TC_STAGES (EDGE_HEAD_DIM >= 128 ? 1 : 2)
+#define EDGE_TC_STAGES 2
 #endif
 #ifndef EDGE_TC_MIN_BLOCKS
 #define EDGE_TC_MIN_BLOCKS (EDGE_TC_WARPS >= 4 ? 2 : 4)
@@ -47,10 +49,12 @@ struct TcCfg {
   static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
   static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
   static constexpr int ACC_BYTES = W * kTcRows * D * 4;
+  // Dynamic shared memory the launch must pass (paged_cuda.tc_smem_bytes says the same).
   static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
+  // Stages issued before the grid-dependency wait (the pipeline's prologue).
+  static constexpr int PROLOGUE = STAGES > 1 ? STAGES - 1 : 1;
   static_assert(THREADS % CHUNKS == 0 && KEYS % ROWS_PER_PASS == 0, "stage copies must split over threads");
   static_assert(STAGES >= 1, "need a stage");
-  static_assert(SMEM_BYTES <= 48 * 1024, "static shared memory over 48 KB");
 };
 
 template <typename T, int D, int W, int STAGES>
@@ -69,10 +73,11 @@ __device__ __forceinline__ void paged_decode_tc(
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
 
-  __shared__ __align__(16) unsigned char smem[C::SMEM_BYTES];
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float sm_m[W][kTcRows];
   __shared__ float sm_l[W][kTcRows];
   __shared__ int sm_last;
+  if (dynamic_smem_bytes() < (unsigned int)C::SMEM_BYTES) __trap();  // launched with too little
   T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
   float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
 
@@ -112,8 +117,8 @@ __device__ __forceinline__ void paged_decode_tc(
       slot[i] = (s < nstage && row < r1) ? (int)paged_slot(table, row, log2_page) : -1;
     }
   };
-  // The copies of stage s for this thread's rows in [lo, hi) (uncommitted).
-  auto copy_stage = [&](int s, const int (&slot)[PT], int lo, int hi) {
+  // The copies of stage s for this thread's rows, all but row `skip` (uncommitted).
+  auto copy_stage = [&](int s, const int (&slot)[PT], int skip) {
     if (s < nstage) {
       T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * 8;
       T* dv = dk + C::STAGE_ELEMS;
@@ -121,7 +126,7 @@ __device__ __forceinline__ void paged_decode_tc(
 #pragma unroll
       for (int i = 0; i < PT; ++i) {
         const int row = sbase + i * RPP;
-        if (row < lo || row >= hi) continue;
+        if (row == skip) continue;
         const bool ok = slot[i] >= 0;  // rows at or past r1: zero-filled, not read
         const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * 8 : 0;
         cp_async16(smem_u32(dk + i * RPP * LDS), k_pool + off, ok ? 16 : 0);
@@ -130,27 +135,34 @@ __device__ __forceinline__ void paged_decode_tc(
     }
   };
   auto issue_stage = [&](int s, const int (&slot)[PT]) {
-    copy_stage(s, slot, r0 + s * KEYS, r0 + (s + 1) * KEYS);  // every row of the stage
+    copy_stage(s, slot, -1);
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
   };
 
   // Before the grid-dependency wait (overlapped launches, common.cuh): every K/V row but
   // the newest (this step's, stored by the kernel before) is already in the pool, so the
-  // first stage's copies go out while the previous kernel finishes. q comes after it.
+  // prologue's copies go out while the previous kernel finishes. After the wait the
+  // newest row, when a prologue stage holds it, is loaded into its place by the threads
+  // that own it (plain loads: its cp.async group is already committed); q comes after.
   const int newest = kv_len - 1;
   int slots[PT];
-  fetch_slots(0, slots);
-  copy_stage(0, slots, r0, newest);
+#pragma unroll
+  for (int s = 0; s < C::PROLOGUE; ++s) {
+    fetch_slots(s, slots);
+    copy_stage(s, slots, newest);
+    cp_async_commit();
+  }
+  fetch_slots(C::PROLOGUE, slots);
   grid_dependency_wait();
   allow_dependents();
-  copy_stage(0, slots, newest, r0 + KEYS);
-  cp_async_commit();
-#pragma unroll
-  for (int s = 1; s < STAGES - 1; ++s) {
-    fetch_slots(s, slots);
-    issue_stage(s, slots);
+  const int new_off = newest - r0;
+  if (new_off >= 0 && newest < r1 && new_off < C::PROLOGUE * KEYS && my_r == new_off % RPP) {
+    const long long off =
+        paged_slot(table, newest, log2_page) * row_stride + head_off + my_cc * 8;
+    T* dk = pipe + ((new_off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_off % KEYS) * LDS + my_cc * 8;
+    *reinterpret_cast<uint4*>(dk) = __ldcg(reinterpret_cast<const uint4*>(k_pool + off));
+    *reinterpret_cast<uint4*>(dk + C::STAGE_ELEMS) = __ldcg(reinterpret_cast<const uint4*>(v_pool + off));
   }
-  fetch_slots(STAGES > 1 ? STAGES - 1 : 1, slots);
 
   // Q fragments (A operand): rows gid and gid + 8 of the head tile.
   const bool qv0 = gid < gcount;
@@ -349,21 +361,13 @@ __device__ __forceinline__ void paged_decode_tc(
 #error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
 #endif
 
-// EDGE_TC_STAGES is clamped to the stages that fit the 48 KB of static shared memory
-// (4 warps x 2 stages at head_dim 128 would need 70 KB; test_decode_tc_tunings asks for it).
-constexpr int kTcStageBytes = 2 * 16 * EDGE_TC_WARPS * (EDGE_HEAD_DIM + 8) * (int)sizeof(edge_t);
-constexpr int kTcFitStages = (40 * 1024) / kTcStageBytes;
-constexpr int kTcStages = EDGE_TC_STAGES <= 1 ? 1
-                          : (EDGE_TC_STAGES <= kTcFitStages ? EDGE_TC_STAGES
-                                                             : (kTcFitStages < 1 ? 1 : kTcFitStages));
-
 extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
     paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
                     const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
                     float* __restrict__ ws, unsigned int* __restrict__ counters) {
-  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, kTcStages>(
+  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
       counters);
 }
