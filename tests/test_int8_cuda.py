@@ -472,6 +472,30 @@ def test_fused_modes_every_variant(ic, mode, rows_per_warp) -> None:
         ic.set_tuning(prev[1], **prev[0])
 
 
+@pytest.mark.parametrize("wave", [1, 5])
+def test_a_grid_smaller_than_the_matrix_loops_over_its_row_blocks(ic, monkeypatch, wave) -> None:
+    """The norm modes launch one wave of resident CTAs, each looping over row blocks (on
+    an Orin's 16 SMs that is most matrices). Forced down to ``wave`` CTAs per token in
+    every mode, the kernel must give bit for bit what one CTA per block gives."""
+    resident = {"ctas": None}  # None: the device's real wave (>= the blocks here)
+    real_wave = ic._wave
+    monkeypatch.setattr(ic, "ONE_WAVE_INFIXES", frozenset({"", "norm_", "residual_", "norm_swiglu_"}))
+    monkeypatch.setattr(ic, "_wave", lambda *a: resident["ctas"] or real_wave(*a))
+    for mode, rows in (("plain", 300), ("norm", 1027), ("residual", 66), ("norm_swiglu", 2 * 301)):
+        for dtype in DTYPES16:
+            for tokens in (1, 3):
+                c = fused_inputs(mode, rows, 512, 32, dtype, tokens, bias=True)
+                kw = c["kw"]
+                resident["ctas"] = None
+                if "residual" in kw:
+                    full = ic.int8_linear(c["x"], c["w"], c["bias"], **{**kw, "residual": kw["residual"].clone()})
+                else:
+                    full = ic.int8_linear(c["x"], c["w"], c["bias"], **kw)
+                resident["ctas"] = wave * tokens
+                y = ic.int8_linear(c["x"], c["w"], c["bias"], out=c["out"], **kw)
+                assert torch.isfinite(y).all() and torch.equal(y, full), f"{mode} {dtype} T{tokens} wave {wave}"
+
+
 def test_fused_fallbacks_compose(ic) -> None:
     """Fusions the kernel does not take compose the unfused ops around the plain
     linear (the plain kernel where it applies): exactly fused_linear_reference."""

@@ -79,6 +79,10 @@ _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting i
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
 _MIN_CTAS_PER_SM = 2
+# Modes whose grid is one wave of resident CTAs looping over row blocks (int8_gemv.cu):
+# their CTAs normalise the input row once for all of their blocks instead of once per
+# block (8B gate_up has ~3 waves of blocks).
+ONE_WAVE_INFIXES = frozenset({"norm_", "norm_swiglu_"})
 
 # Compile-time knobs of int8_gemv.cu (defaults there); set_tuning() changes them.
 TUNING: dict[str, int] = {
@@ -237,10 +241,16 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def plan(
-    out_features: int, tokens: int, device_index: int, min_rows: int = 1
+    out_features: int,
+    tokens: int,
+    device_index: int,
+    min_rows: int = 1,
+    wave: int | None = None,
 ) -> tuple[int, int]:
     """(rows per warp, CTAs) of a launch over ``out_features`` weight rows, with at
-    least ``min_rows`` rows per warp (SwiGLU: 2, a gate and an up row)."""
+    least ``min_rows`` rows per warp (SwiGLU: 2, a gate and an up row); with ``wave``
+    (resident CTAs of the device), at most that many CTAs, a multiple of ``tokens``,
+    which then loop over the row blocks."""
     warps = TUNING["EDGE_INT8_WARPS"]
     if _force_rows is not None:
         r = _force_rows
@@ -252,7 +262,19 @@ def plan(
                 r = cand
                 break
     r = max(r, min_rows)
-    return r, -(-out_features // (warps * r)) * tokens
+    ctas = -(-out_features // (warps * r)) * tokens
+    if wave is not None:
+        ctas = min(ctas, max(1, wave // tokens) * tokens)
+    return r, ctas
+
+
+@functools.lru_cache(maxsize=256)
+def _wave(dev: int, dtype: torch.dtype, rows: int, infix: str, smem: int, knobs: tuple) -> int:
+    """CTAs of one kernel variant that the device holds at once (``knobs``: TUNING's
+    items, part of the key because they change the kernel)."""
+    threads = 32 * TUNING["EDGE_INT8_WARPS"]
+    kernel = _kernel(dev, dtype, rows, infix)
+    return nvrtc.max_active_blocks(kernel, threads, dev, dynamic_smem=smem) * _sm_count(dev)
 
 
 def int8_linear(
@@ -307,7 +329,12 @@ def int8_linear(
         )
     dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     infix, _ = _mode(norm, residual, swiglu)  # type: ignore[misc]  # supports() checked
-    r, ctas = plan(rows, tokens, dev, min_rows=2 if swiglu else 1)
+    min_rows = 2 if swiglu else 1
+    smem = 0 if norm is None else _norm_smem(x, cols)
+    r, ctas = plan(rows, tokens, dev, min_rows)
+    if infix in ONE_WAVE_INFIXES:
+        wave = _wave(dev, x.dtype, r, infix, smem, tuple(sorted(TUNING.items())))
+        r, ctas = plan(rows, tokens, dev, min_rows, wave)
     nvrtc.launch(
         dev,
         _kernel(dev, x.dtype, r, infix),
@@ -326,6 +353,6 @@ def int8_linear(
             np.int32(w.group_size.bit_length() - 1),
             np.int32(tokens),
         ),
-        shmem=0 if norm is None else _norm_smem(x, cols),
+        shmem=smem,
     )
     return out

@@ -130,8 +130,37 @@ __device__ __forceinline__ void stage_rms_norm(T* __restrict__ sx, const T* __re
   __syncthreads();
 }
 
+// Weight rows and scale rows of the warp's R rows starting at output row0. A short last
+// warp re-reads a valid row. kSwiglu: rows r < R/2 are gate rows, the others the
+// matching up rows `out` further down.
+template <int R, int kOuts>
+__device__ __forceinline__ void warp_rows(const signed char* q, const float* scale, int row0,
+                                          int out, int in, int groups,
+                                          const signed char* (&qrow)[R], const float* (&srow)[R]) {
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const int o = r < kOuts ? r : r - kOuts;
+    const int row = min(row0 + o, out - 1) + (r < kOuts ? 0 : out);
+    qrow[r] = q + (long long)row * in;
+    srow[r] = scale + (long long)row * groups;
+  }
+}
+
+// The first iteration's weight lines of the warp's rows into L2, a lane per 128-byte line.
+template <int R, int U>
+__device__ __forceinline__ void prefetch_rows(const signed char* const (&qrow)[R], int lane, int in) {
+  if (lane < min(4 * U, in >> 7)) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) edge::prefetch_l2(qrow[r] + 128 * lane);
+  }
+}
+
 // R weight rows per warp, U chunks per lane and row in flight per iteration. `out` is
-// the number of outputs per token (kSwiglu: half the weight's rows).
+// the number of outputs per token (kSwiglu: half the weight's rows). The CTAs of a
+// token take row blocks (kWarps * outputs per warp) blockIdx.x / num_tokens,
+// + gridDim.x / num_tokens, ...: one each when the grid covers the matrix, several in
+// the norm modes, whose grid is one wave of resident CTAs so that each CTA normalises
+// the row once for all of its blocks (int8_cuda.plan).
 template <typename T, int R, int U, bool kNorm, int kEpi>
 __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const signed char* __restrict__ q,
@@ -142,111 +171,115 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   static_assert(kEpi != kSwiglu || R % 2 == 0, "SwiGLU needs row pairs");
   constexpr int kOuts = kEpi == kSwiglu ? R / 2 : R;  // outputs per warp
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int tok = blockIdx.x % num_tokens;
-  const int row0 = ((blockIdx.x / num_tokens) * kWarps + (threadIdx.x >> 5)) * kOuts;
+  const int block_stride = gridDim.x / num_tokens;
   x += (long long)tok * in;
   y += (long long)tok * out;
   const int nchunks = in >> 4;
   const int groups = in >> log2_group;
   const int chunk_shift = log2_group - 4;  // chunks per group = 1 << chunk_shift
 
+  int block = blockIdx.x / num_tokens;
+  int row0 = (block * kWarps + warp) * kOuts;
   const signed char* qrow[R];
   const float* srow[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    // A short last warp re-reads a valid row. kSwiglu: rows r < R/2 are gate rows,
-    // the others the matching up rows `out` further down.
-    const int o = r < kOuts ? r : r - kOuts;
-    const int row = min(row0 + o, out - 1) + (r < kOuts ? 0 : out);
-    qrow[r] = q + (long long)row * in;
-    srow[r] = scale + (long long)row * groups;
-  }
+  warp_rows<R, kOuts>(q, scale, row0, out, in, groups, qrow, srow);
   // Weights are constants of the step: the lines of the first iteration are prefetched
   // into L2 before the grid-dependency wait, so with overlapped launches (common.cuh)
   // they stream in under the previous kernel's tail, and in the norm modes while the
   // row is normalised. (Holding them in registers across the wait, or prefetching more
   // than one iteration, measured slower on an H200: docs/kernels.md.)
-  if (row0 < out && lane < min(4 * U, in >> 7)) {  // a lane per 128-byte line
-#pragma unroll
-    for (int r = 0; r < R; ++r) edge::prefetch_l2(qrow[r] + 128 * lane);
-  }
+  if (row0 < out) prefetch_rows<R, U>(qrow, lane, in);
   edge::await_inputs();
   extern __shared__ __align__(16) unsigned char smem_x[];
   if (kNorm) {
     stage_rms_norm<T>(reinterpret_cast<T*>(smem_x), x, norm_w, in, eps);
     x = reinterpret_cast<const T*>(smem_x);
   }
-  if (row0 >= out) return;  // whole warps only; nothing below synchronises the CTA
-  float acc[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.f;
 
-  for (int base = lane; base < nchunks; base += 32 * U) {
-    uint4 w[U][R];
-    uint4 xa[U], xb[U];
-    float s[U][R];
+  // Whole warps leave the loop together; nothing in it synchronises the CTA.
+  while (row0 < out) {
+    const int next_row0 = ((block + block_stride) * kWarps + warp) * kOuts;
+    float acc[R];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + 32 * u;
-      if (c < nchunks) {
+    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+
+    for (int base = lane; base < nchunks; base += 32 * U) {
+      uint4 w[U][R];
+      uint4 xa[U], xb[U];
+      float s[U][R];
 #pragma unroll
-        for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
-      }
-    }
+      for (int u = 0; u < U; ++u) {
+        const int c = base + 32 * u;
+        if (c < nchunks) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + 32 * u;
-      if (c < nchunks) {
-        if (kNorm) {  // the normalised row in shared memory
-          xa[u] = reinterpret_cast<const uint4*>(x)[2 * c];
-          xb[u] = reinterpret_cast<const uint4*>(x)[2 * c + 1];
-        } else {
-          xa[u] = ld_x(x + 16 * c);
-          xb[u] = ld_x(x + 16 * c + 8);
+          for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
         }
+      }
 #pragma unroll
-        for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
+      for (int u = 0; u < U; ++u) {
+        const int c = base + 32 * u;
+        if (c < nchunks) {
+          if (kNorm) {  // the normalised row in shared memory
+            xa[u] = reinterpret_cast<const uint4*>(x)[2 * c];
+            xb[u] = reinterpret_cast<const uint4*>(x)[2 * c + 1];
+          } else {
+            xa[u] = ld_x(x + 16 * c);
+            xb[u] = ld_x(x + 16 * c + 8);
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int c = base + 32 * u;
+        if (c < nchunks) {
+          float xf[16];
+          edge::Vec<T>::to_float(xa[u], xf);
+          edge::Vec<T>::to_float(xb[u], xf + 8);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
+        }
       }
     }
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int c = base + 32 * u;
-      if (c < nchunks) {
-        float xf[16];
-        edge::Vec<T>::to_float(xa[u], xf);
-        edge::Vec<T>::to_float(xb[u], xf + 8);
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
-      }
+    // The next block's first lines stream in while this one is reduced and stored.
+    if (next_row0 < out) {
+      warp_rows<R, kOuts>(q, scale, next_row0, out, in, groups, qrow, srow);
+      prefetch_rows<R, U>(qrow, lane, in);
     }
-  }
 
-  // Butterfly reduction: every lane ends with all R sums; lane o writes output o.
+    // Butterfly reduction: every lane ends with all R sums; lane o writes output o.
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
+    for (int r = 0; r < R; ++r) {
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-  }
-  float v = acc[0];
-  float up = acc[kOuts % R];  // kSwiglu: the up row of the lane's pair
-#pragma unroll
-  for (int o = 1; o < kOuts; ++o) {
-    if (lane == o) {
-      v = acc[o];
-      up = acc[(o + kOuts) % R];
+      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
     }
+    float v = acc[0];
+    float up = acc[kOuts % R];  // kSwiglu: the up row of the lane's pair
+#pragma unroll
+    for (int o = 1; o < kOuts; ++o) {
+      if (lane == o) {
+        v = acc[o];
+        up = acc[(o + kOuts) % R];
+      }
+    }
+    const int row = row0 + lane;
+    if (lane < kOuts && row < out) {
+      if (bias != nullptr) v += edge::to_float(bias[row]);
+      if (kEpi == kSwiglu) {
+        if (bias != nullptr) up += edge::to_float(bias[out + row]);
+        const float g = edge::round_to<T>(v);
+        v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
+      } else if (kEpi == kResidual) {
+        v = edge::to_float(y[row]) + edge::round_to<T>(v);
+      }
+      y[row] = edge::from_float<T>(v);
+    }
+    block += block_stride;
+    row0 = next_row0;
   }
-  const int row = row0 + lane;
-  if (lane >= kOuts || row >= out) return;
-  if (bias != nullptr) v += edge::to_float(bias[row]);
-  if (kEpi == kSwiglu) {
-    if (bias != nullptr) up += edge::to_float(bias[out + row]);
-    const float g = edge::round_to<T>(v);
-    v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
-  } else if (kEpi == kResidual) {
-    v = edge::to_float(y[row]) + edge::round_to<T>(v);
-  }
-  y[row] = edge::from_float<T>(v);
 }
 
 }  // namespace
