@@ -33,6 +33,7 @@ VARIANTS = [
         for d in (64, 128)
     ],
     ("kv_write.cu", {}),
+    ("read_floor.cu", {}),  # tools/bench.py kernels --floor
     ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
     ("int8_gemv.cu", {}),
     (

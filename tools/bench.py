@@ -11,10 +11,12 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
             achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
-            as a fraction of the copy bandwidth measured in the same run.
+            as a fraction of the copy bandwidth measured in the same run; --floor adds
+            kernels that only read the same bytes (the attention's gather, and a
+            contiguous read): the floor under the attention's time.
 
     python tools/bench.py kernels [--dtype bfloat16] [--kv-lens 512,2048,8192]
-                                  [--sweep | --tunings JSON] [--prefill]
+                                  [--sweep | --tunings JSON] [--prefill] [--floor]
 """
 
 from __future__ import annotations
@@ -116,6 +118,47 @@ def _kernel_us(fn: Callable[[], None], prefix: str) -> list[float]:
     return out
 
 
+def _kv_sequences(
+    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int
+) -> tuple[Any, Any, Any, int]:
+    """(k_pool, v_pool, block tables [n_seq, blocks], n_seq): enough distinct sequences
+    (random block tables into one pool) that their K/V is ~6x the L2, so calls rotating
+    through them read K/V from device memory."""
+    import torch
+
+    kv_bytes = 2 * kv_len * kvh * d * torch.empty((), dtype=dtype).element_size()
+    n_seq = max(4, min(512, math.ceil(6 * l2_bytes / kv_bytes)))
+    blocks_per_seq = -(-kv_len // page)
+    num_blocks = n_seq * blocks_per_seq
+    g = torch.Generator(device="cuda").manual_seed(kv_len)
+    k_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
+    v_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
+    tables = (
+        torch.randperm(num_blocks, device="cuda", generator=g)
+        .to(torch.int32)
+        .view(n_seq, blocks_per_seq)
+    )
+    return k_pool, v_pool, tables, n_seq
+
+
+def _capture(fn: Callable[[], None], overlap: bool) -> Any:
+    """fn captured in a CUDA graph (launches overlapped as the decode graph makes them
+    on sm_90+, or serialised), after a warm-up run on a side stream."""
+    import torch
+
+    from edge.kernels import nvrtc
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph), nvrtc.overlapped(overlap):
+        fn()
+    return graph
+
+
 def _decode_case(
     pc,
     dtype,
@@ -141,17 +184,8 @@ def _decode_case(
     kv_bytes = 2 * kv_len * kvh * d * es
     qo_bytes = 2 * qh * d * es
     table_bytes = -(-kv_len // page) * 4
-    n_seq = max(4, min(512, math.ceil(6 * l2_bytes / kv_bytes)))
-    blocks_per_seq = -(-kv_len // page)
-    num_blocks = n_seq * blocks_per_seq
-    g = torch.Generator(device="cuda").manual_seed(kv_len)
-    k_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
-    v_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
-    tables = (
-        torch.randperm(num_blocks, device="cuda", generator=g)
-        .to(torch.int32)
-        .view(n_seq, blocks_per_seq)
-    )
+    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes)
+    g = torch.Generator(device="cuda").manual_seed(kv_len + 1)
     qs = torch.randn(n_seq, qh, d, device="cuda", generator=g).to(dtype)
     outs = torch.empty_like(qs)
     scale = 1.0 / math.sqrt(d)
@@ -174,18 +208,11 @@ def _decode_case(
     for _ in range(3):
         kern_us += _kernel_us(run_all, "paged_decode")
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run_all()
-    torch.cuda.current_stream().wait_stream(s)
     moved = kv_bytes + qo_bytes + table_bytes
     graph_s = {}
     rel_err = {}
     for name, overlap in (("serial", False), ("overlapped", True)):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph), nvrtc.overlapped(overlap):
-            run_all()
+        graph = _capture(run_all, overlap)
         graph_ms, _ = _median_ms(graph.replay, reps)
         graph_s[name] = graph_ms * 1e-3 / n_seq
         outs.fill_(float("nan"))
@@ -226,6 +253,58 @@ def _decode_case(
         },
         "tuning": dict(pc.DECODE_TUNING),
     }
+
+
+def _floor_case(
+    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int, reps: int, splits: int
+) -> dict[str, Any]:
+    """Per-call time of kernels that only read the K/V bytes of one decode attention call
+    (edge/kernels/read_floor.cu), captured in graphs like the attention calls: the
+    attention's gather with its own grid and with 4x the splits, and a contiguous read
+    of as many bytes with 8 CTAs an SM. The attention kernel cannot beat these."""
+    import numpy as np
+    import torch
+
+    from edge.kernels import nvrtc
+
+    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes)
+    es = k_pool.element_size()
+    chunks = d * es // 16
+    seq_chunks = kv_len * kvh * chunks  # of K (and of V), contiguous in linear_read
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    dev = torch.cuda.current_device()
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    gather = nvrtc.get_kernel(dev, "read_floor.cu", "gather_read")
+    linear = nvrtc.get_kernel(dev, "read_floor.cu", "linear_read")
+    log2_page = page.bit_length() - 1
+
+    def gathers(n_splits: int) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(n_seq):
+                args = (k_pool.data_ptr(), v_pool.data_ptr(), tables[i].data_ptr(), np.int32(kv_len),
+                        np.int32(kvh), np.int32(chunks), np.int32(log2_page), np.int32(64), sink.data_ptr())
+                nvrtc.launch(dev, gather, (kvh, n_splits), 128, args)
+        return run
+
+    def linears() -> None:
+        for i in range(n_seq):
+            off = i * seq_chunks * 16
+            args = (k_pool.data_ptr() + off, v_pool.data_ptr() + off, np.int64(seq_chunks), sink.data_ptr())
+            nvrtc.launch(dev, linear, 8 * sms, 256, args)
+
+    moved = 2 * seq_chunks * 16
+    out: dict[str, Any] = {"kv_len": kv_len, "bytes_per_call": moved}
+    for name, fn in (
+        (f"gather_{splits}_splits", gathers(splits)),
+        (f"gather_{4 * splits}_splits", gathers(4 * splits)),
+        (f"linear_{8 * sms}_ctas", linears),
+    ):
+        for mode, overlap in (("serial", False), ("overlapped", True)):
+            graph = _capture(fn, overlap)
+            ms, _ = _median_ms(graph.replay, reps)
+            out[f"{name}_{mode}_us"] = ms * 1e3 / n_seq
+            del graph
+    return out
 
 
 def _prefill_case(
@@ -326,6 +405,14 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
         result["sweep"] = sweep
         paged_cuda.set_decode_tuning(**default_tuning)
     result["decode"] = decode_all()
+    if args.floor:
+        result["floor"] = [
+            _floor_case(dtype, x["kv_len"], args.kv_heads, args.head_dim, args.page, l2, args.reps, x["splits"])
+            for x in result["decode"]
+        ]
+        for f in result["floor"]:
+            for key in [k for k in f if k.endswith("_us")]:
+                f[key.removesuffix("_us") + "_fraction_of_copy"] = f["bytes_per_call"] / (f[key] * 1e-6) / 1e9 / bw
     if args.prefill:
         result["prefill"] = [
             _prefill_case(
@@ -387,6 +474,13 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
             f" {max(x['rel_err_vs_reference'].values()):>8.1e}",
             file=out,
         )
+    for f in r.get("floor", []):
+        cells = "  ".join(
+            f"{k.removesuffix('_us')} {v:.2f} us ({f[k.removesuffix('_us') + '_fraction_of_copy']:.1%})"
+            for k, v in f.items()
+            if k.endswith("_us")
+        )
+        print(f"# read floor kv_len={f['kv_len']}: {cells}", file=out)
     for p in r.get("prefill", []):
         print(
             f"# prefill start={p['start']} T={p['T']}: {p['median_us']:.1f} us, {p['TFLOPs']:.1f} TFLOP/s",
@@ -427,6 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON list of tunings to sweep instead of SWEEP, e.g. \'[{"impl": "tc", "max_splits": 32}]\'',
     )
     k.add_argument("--prefill", action="store_true", help="also time prefill attention")
+    k.add_argument(
+        "--floor",
+        action="store_true",
+        help="also time kernels that only read the same K/V bytes (edge/kernels/read_floor.cu)",
+    )
     k.set_defaults(func=mode_kernels)
 
     # End-to-end modes live in their own modules beside this file.

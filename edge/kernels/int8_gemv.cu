@@ -20,6 +20,8 @@
 // in flight per lane). The warp's R sums are reduced with shuffles; lane r writes row
 // r. The wrapper picks R per matrix: the most rows per warp that still give every SM
 // two CTAs, so small matrices get more, shorter warps.
+// In the norm modes the grid is one wave of resident CTAs, each looping over row blocks
+// (normalising the row once): 8B gate_up + norm + SwiGLU 31.2 -> 29.1 us on an H200.
 //
 // int8 -> float32 without the low-throughput I2F conversion: with u = b ^ 0x80 (the
 // byte biased to 0..255), the float whose bits are 0x4B0000uu is 2^23 + u, so
