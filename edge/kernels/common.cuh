@@ -353,14 +353,6 @@ __device__ __forceinline__ void store_split(bool single, T* out, float* ws_o, fl
 
 // ---- flash-decoding splits -------------------------------------------------------------
 
-// Splits of a launch of `grid_splits` that hold keys: ceil(kv_len / min_rows), at least
-// 1 - the host's split policy (paged_cuda: no split shorter than min_rows) applied to the
-// length the kernel reads, so a graph captured with the most splits runs only as many as
-// the current length needs; the CTAs of the other splits return at once.
-__device__ __forceinline__ int active_splits(int kv_len, int grid_splits, int min_rows) {
-  return max(1, min(grid_splits, (kv_len + min_rows - 1) / min_rows));
-}
-
 // Split `split` of `nsplit`: key rows [r0, r1) of kv_len, in whole steps of `step` rows.
 // Derived from kv_len on the device, so the launch configuration does not depend on it.
 __device__ __forceinline__ void split_range(int kv_len, int split, int nsplit, int step, int& r0, int& r1) {

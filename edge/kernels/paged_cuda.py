@@ -72,9 +72,7 @@ _TC_STATIC_SMEM = 1024
 # them with set_decode_tuning() (tools/bench.py sweeps them).
 DECODE_TUNING: dict[str, Any] = {
     "impl": "tc",
-    # No split shorter than this: host-length launches size their grid by it, and the
-    # kernel applies it to the device length (graph launches carry the most splits).
-    "min_split_rows": 64,
+    "min_split_rows": 64,  # host-length launches: no split shorter than this
     # Cap on the one-wave split count: the last CTA's merge costs ~75 ns per split per
     # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
     "max_splits": 32,
@@ -505,9 +503,8 @@ def decode_splits(
 ) -> int:
     """Split count the decode launch uses: one full wave of CTAs (resident CTAs per SM x
     SMs / CTAs per split), at most ``MAX_SPLITS``, and for a host length (``kv_len`` not
-    None) no split shorter than ``min_split_rows`` (64). ``kv_len=None`` gives the grid of
-    a device-length (graph) launch, which depends on nothing that changes between steps;
-    the kernel then runs the first ceil(length / min_split_rows) of its splits."""
+    None) no split shorter than 64 rows. ``kv_len=None`` gives the device-length (graph)
+    count, which depends on nothing that changes between steps."""
     return _plan(
         nvrtc.device_index(device, "the CUDA kernels"), dtype, head_dim, q_heads, kv_heads, page_size
     ).splits(kv_len)
@@ -525,10 +522,7 @@ def _launch_decode(
     tokens: int,
     splits: int,
     scale: float,
-    min_rows: int,
 ) -> None:
-    """Launch the decode kernel with ``splits`` splits of which the kernel runs those that
-    ``kv_len`` fills to ``min_rows`` keys each (common.cuh: active_splits)."""
     ws_ptr = cnt_ptr = 0
     if splits > 1:
         d = k_pool.shape[3]
@@ -557,7 +551,6 @@ def _launch_decode(
             np.float32(scale * _LOG2E),
             ws_ptr,
             cnt_ptr,
-            np.int32(min_rows),
         ),
         shmem=plan.smem,
     )
@@ -628,12 +621,10 @@ def decode_attention(
     plan = _plan(k_pool.device.index, k_pool.dtype, d, q.shape[-2], kvh, page)
     if num_splits is None:
         splits = plan.splits(None if pos is not None else kv_len)
-        min_rows = plan.min_rows
     else:
         splits = int(num_splits)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
-        min_rows = 1  # every split that holds a key runs
     _launch_decode(
         plan,
         out,
@@ -646,7 +637,6 @@ def decode_attention(
         1,
         splits,
         float(scale),
-        min_rows,
     )
     return out
 
@@ -692,7 +682,7 @@ def prefill_attention(
             k_pool.device.index, k_pool.dtype, d, q_heads, kvh, page, multi=True
         )
         _launch_decode(
-            plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale), 1
+            plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale)
         )
         return out
     dev = k_pool.device.index

@@ -88,8 +88,7 @@ __device__ __forceinline__ void paged_decode(
     int host_len,                    // kv_len of token 0 when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters,
-    int min_rows) {                  // shortest split (active_splits)
+    unsigned int* __restrict__ counters) {
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
   constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, NVEC = C::NVEC;
@@ -117,12 +116,10 @@ __device__ __forceinline__ void paged_decode(
   const int head0 = kvh * group + chunk * GT;
   const int tok = blockIdx.z;
   const int split = blockIdx.y;
-  const int grid_splits = gridDim.y;  // the workspace is laid out for all of them
+  const int nsplit = gridDim.y;
 
   await_inputs();
   const int kv_len = (pos != nullptr ? __ldg(pos) + 1 : host_len) + tok;
-  const int nsplit = active_splits(kv_len, grid_splits, min_rows);
-  if (split >= nsplit) return;
 
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the
   // launch does not depend on it.
@@ -313,14 +310,14 @@ __device__ __forceinline__ void paged_decode(
   // for an empty split: m = -inf, l = 0, o = 0).
   const bool single = (nsplit == 1);
   float* ws_o = ws;
-  float* ws_ml = ws + (long long)gridDim.z * grid_splits * q_heads * D;
+  float* ws_ml = ws + (long long)gridDim.z * nsplit * q_heads * D;
   for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
     float M, L;
     const float4 o = merge_warp_partials<WARPS>(sm_m, sm_l, sm_acc, g, d, M, L);
     const int head = head0 + g;
-    const long long pidx = ((long long)tok * grid_splits + split) * q_heads + head;
+    const long long pidx = ((long long)tok * nsplit + split) * q_heads + head;
     store_split(single, out + ((long long)tok * q_heads + head) * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
   }
   if (single) return;
@@ -331,7 +328,7 @@ __device__ __forceinline__ void paged_decode(
   for (int i = tid; i < nsplit * gcount; i += kDecodeThreads) {
     const int sidx = i / gcount;
     const int g = i - sidx * gcount;
-    const long long pidx = ((long long)tok * grid_splits + sidx) * q_heads + head0 + g;
+    const long long pidx = ((long long)tok * nsplit + sidx) * q_heads + head0 + g;
     const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml + pidx * 2));
     sm_sm[sidx][g] = ml.x;
     sm_sl[sidx][g] = ml.y;
@@ -354,7 +351,7 @@ __device__ __forceinline__ void paged_decode(
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
     const int head = head0 + g;
-    const float* src = ws_o + (((long long)tok * grid_splits) * q_heads + head) * D + d;
+    const float* src = ws_o + (((long long)tok * nsplit) * q_heads + head) * D + d;
     const long long sstride = (long long)q_heads * D;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
     // Every split wrote finite partials (zeros when empty), so weight 0 is exact.
@@ -384,11 +381,10 @@ __device__ __forceinline__ void paged_decode(
                         const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
                         const int* __restrict__ table, const int* __restrict__ pos,              \
                         int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
-                        float* __restrict__ ws, unsigned int* __restrict__ counters,             \
-                        int min_rows) {                                                          \
+                        float* __restrict__ ws, unsigned int* __restrict__ counters) {            \
     edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
                                                  kv_heads, group, log2_page, scale_log2, ws,     \
-                                                 counters, min_rows);                            \
+                                                 counters);                                      \
   }
 
 EDGE_DECODE_INST(1)

@@ -7,10 +7,9 @@
 // matrix products per 16 keys instead of ~100 dependent CUDA-core instructions per
 // key: the kernel is left with nothing to do but stream K and V.
 //
-// Grid: x = kv_heads * ceil(group / 16), y = num_splits (the kernel runs the first
-// active_splits(kv_len) of them and derives each one's key range from kv_len, read from
-// the device `pos` when given, so one launch configuration serves every length:
-// CUDA-graph safe), z = 1. A CTA has W warps; a
+// Grid: x = kv_heads * ceil(group / 16), y = num_splits (each split's key range is
+// derived in-kernel from kv_len, read from the device `pos` when given, so one launch
+// configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
 // stage of 16 * W keys is gathered from the pages with cp.async into padded shared
 // memory (STAGES deep, dynamic shared memory: the host picks STAGES per device so that
 // EDGE_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
@@ -69,8 +68,7 @@ __device__ __forceinline__ void paged_decode_tc(
     int host_len,                    // kv_len when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters,
-    int min_rows) {                  // shortest split (active_splits)
+    unsigned int* __restrict__ counters) {
   using C = TcCfg<T, D, W, STAGES>;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
@@ -95,10 +93,9 @@ __device__ __forceinline__ void paged_decode_tc(
   const int q_heads = kv_heads * group;
   const int head0 = kvh * group + chunk * kTcRows;
   const int split = blockIdx.y;
+  const int nsplit = gridDim.y;
 
   const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
-  const int nsplit = active_splits(kv_len, gridDim.y, min_rows);
-  if (split >= nsplit) return;
   int r0, r1;
   split_range(kv_len, split, nsplit, KEYS, r0, r1);
   const int nstage = (r1 - r0 + KEYS - 1) / KEYS;
@@ -273,7 +270,7 @@ __device__ __forceinline__ void paged_decode_tc(
   // for an empty split: m = -inf, l = 0, o = 0).
   const bool single = (nsplit == 1);
   float* ws_o = ws;
-  float* ws_ml = ws + (long long)gridDim.y * q_heads * D;  // laid out for the whole grid
+  float* ws_ml = ws + (long long)nsplit * q_heads * D;
   for (int i = tid; i < gcount * (D / 4); i += THREADS) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
@@ -369,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLO
                     const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
-                    float* __restrict__ ws, unsigned int* __restrict__ counters, int min_rows) {
+                    float* __restrict__ ws, unsigned int* __restrict__ counters) {
   edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, min_rows);
+      counters);
 }

@@ -10,7 +10,7 @@ and ``poison=True`` fills every newly allocated block with NaN to prove it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import numpy as np
@@ -148,6 +148,9 @@ class PagedKVCache:
     scale: float
     ops: ModuleType = reference
     bytes_synced: int = 0  # block-table bytes copied host -> device, all sequences
+    # Extra decode-kernel arguments. On CUDA: the split count graph replays use, so
+    # eager decode runs the identical launch and both produce the same tokens.
+    decode_options: dict = field(default_factory=dict)
 
     @property
     def max_blocks_per_seq(self) -> int:
@@ -206,9 +209,9 @@ class PagedSequence:
         if k is not None:
             ops.write_kv(k_pool, v_pool, self.table.device, k, v, start)
         if q.shape[0] == 1:
-            # On CUDA the same splits run as in a graph replay (active_splits), so eager
-            # and graph decode produce the same tokens.
-            out = ops.decode_attention(q[0], k_pool, v_pool, self.table.device, start + 1, self.cache.scale)
+            out = ops.decode_attention(
+                q[0], k_pool, v_pool, self.table.device, start + 1, self.cache.scale, **self.cache.decode_options
+            )
             return out.unsqueeze(0)
         return ops.prefill_attention(q, k_pool, v_pool, self.table.device, start, self.cache.scale)
 
