@@ -555,23 +555,36 @@ def max_active_blocks(
         return default
 
 
-@functools.cache
-def shared_memory(device_index: int) -> tuple[int, int, int]:
-    """(bytes per SM, most one CTA may opt in to, bytes the driver reserves per CTA)."""
-    props = core().Device(device_index).properties
-    return (
-        int(props.max_shared_memory_per_multiprocessor),
-        int(props.max_shared_memory_per_block_optin),
-        int(getattr(props, "reserved_shared_memory_per_block", 1024)),
-    )
-
-
 def _driver_module() -> Any:
     try:
         from cuda.bindings import driver  # cuda-python >= 12.6
     except Exception:
         from cuda import cuda as driver  # type: ignore[no-redef]  # older 12.x layout
     return driver
+
+
+@functools.cache
+def shared_memory(device_index: int) -> tuple[int, int, int]:
+    """(bytes per SM, most one CTA may opt in to, bytes the driver reserves per CTA),
+    from the driver (the same call on every cuda-python version)."""
+    driver = _driver_module()
+    (err,) = driver.cuInit(0)
+    if int(err) == 0:
+        err, dev = driver.cuDeviceGet(device_index)
+    if int(err) != 0:
+        raise KernelsUnavailable(f"CUDA device {device_index} cannot be queried: {err}")
+    names = (
+        "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR",
+        "CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN",
+        "CU_DEVICE_ATTRIBUTE_RESERVED_SHARED_MEMORY_PER_BLOCK",
+    )
+    values = []
+    for name in names:
+        err, v = driver.cuDeviceGetAttribute(getattr(driver.CUdevice_attribute, name), dev)
+        if int(err) != 0:
+            raise KernelsUnavailable(f"cuDeviceGetAttribute({name}) failed: {err}")
+        values.append(int(v))
+    return values[0], values[1], values[2]
 
 
 def allow_dynamic_smem(kernel: Any, device_index: int, nbytes: int) -> None:
