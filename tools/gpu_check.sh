@@ -30,7 +30,7 @@ step bench-scheduler sh -c "python tools/bench.py scheduler --preset qwen3-0.6b 
 if [ "${1:-}" != quick ]; then
     step bench-8b sh -c "python tools/bench.py decode --preset qwen3-8b --compare-hf --decode-tokens 128 --repeats 2 > $OUT/decode-8b.json"
     step bench-8b-int8 sh -c "python tools/bench.py decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 > $OUT/decode-8b-int8.json"
-    step bench-kernels sh -c "python tools/bench.py kernels > $OUT/kernels.json"
+    step bench-kernels sh -c "python tools/bench.py kernels --floor > $OUT/kernels.json"
 fi
 echo
 printf '%s\n' "${status[@]}"
