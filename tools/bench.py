@@ -46,8 +46,8 @@ _DTYPES = {
 # split policy; `--tunings JSON` replaces the list).
 SWEEP = [
     {"impl": "simt"},
-    {"impl": "tc"},  # defaults: 4 warps, stages per device (tc_stages), <= 32 splits
-    {"impl": "tc", "EDGE_TC_STAGES": 1},
+    {"impl": "tc"},  # defaults: 4 warps, 1 stage, <= 32 splits
+    {"impl": "tc", "tc_max_stages": 3},  # as deep as 2 CTAs an SM allow (tc_stages)
     {"impl": "tc", "EDGE_TC_STAGES": 2},
     {"impl": "tc", "max_splits": 16},
     {"impl": "tc", "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},

@@ -77,8 +77,10 @@ DECODE_TUNING: dict[str, Any] = {
     # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
     "max_splits": 32,
     # Deepest K/V pipeline of the tensor-core kernel; fewer where shared memory would
-    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages).
-    "tc_max_stages": 3,
+    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). 3 stages stream 8192 keys 2 %
+    # faster alone, but in int8 decode their 104 KB CTAs keep the next GEMV's from
+    # starting beside them: 1 stage decodes 2-3.5 % faster there (docs/kernels.md).
+    "tc_max_stages": 1,
 }
 # EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
 # defaults of a process: a candidate tuning can run the whole GPU test suite.
@@ -142,8 +144,8 @@ def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) ->
 def tc_stages(dev: int, dtype: torch.dtype, head_dim: int) -> int:
     """Pipeline depth of the tensor-core decode kernel on this device: ``EDGE_TC_STAGES``
     when tuned, else the most stages (at most ``tc_max_stages``) that still let
-    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (H200: 3 at head_dim 128; Orin, 164 KB an SM:
-    2)."""
+    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (with ``tc_max_stages=3``: 3 on an H200 at
+    head_dim 128, 2 on Orin's 164 KB an SM)."""
     if "EDGE_TC_STAGES" in DECODE_TUNING:
         return int(DECODE_TUNING["EDGE_TC_STAGES"])
     warps = _tc_warps()
