@@ -117,6 +117,7 @@ def set_tuning(
     TUNING.update(_DEFAULT_TUNING)
     TUNING.update({k: int(v) for k, v in knobs.items()})
     _force_rows = rows_per_warp
+    _wave.cache_clear()
     return prev
 
 
@@ -269,9 +270,9 @@ def plan(
 
 
 @functools.lru_cache(maxsize=256)
-def _wave(dev: int, dtype: torch.dtype, rows: int, infix: str, smem: int, knobs: tuple) -> int:
-    """CTAs of one kernel variant that the device holds at once (``knobs``: TUNING's
-    items, part of the key because they change the kernel)."""
+def _wave(dev: int, dtype: torch.dtype, rows: int, infix: str, smem: int) -> int:
+    """CTAs of one kernel variant that the device holds at once (forgotten by
+    set_tuning, whose knobs change the kernel)."""
     threads = 32 * TUNING["EDGE_INT8_WARPS"]
     kernel = _kernel(dev, dtype, rows, infix)
     return nvrtc.max_active_blocks(kernel, threads, dev, dynamic_smem=smem) * _sm_count(dev)
@@ -333,7 +334,7 @@ def int8_linear(
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
     if infix in ONE_WAVE_INFIXES:
-        wave = _wave(dev, x.dtype, r, infix, smem, tuple(sorted(TUNING.items())))
+        wave = _wave(dev, x.dtype, r, infix, smem)
         r, ctas = plan(rows, tokens, dev, min_rows, wave)
     nvrtc.launch(
         dev,
