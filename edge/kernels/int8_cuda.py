@@ -117,7 +117,6 @@ def set_tuning(
     TUNING.update(_DEFAULT_TUNING)
     TUNING.update({k: int(v) for k, v in knobs.items()})
     _force_rows = rows_per_warp
-    _wave.cache_clear()
     return prev
 
 
@@ -269,13 +268,19 @@ def plan(
     return r, ctas
 
 
-@functools.lru_cache(maxsize=256)
-def _wave(dev: int, dtype: torch.dtype, rows: int, infix: str, smem: int) -> int:
-    """CTAs of one kernel variant that the device holds at once (forgotten by
-    set_tuning, whose knobs change the kernel)."""
-    threads = 32 * TUNING["EDGE_INT8_WARPS"]
-    kernel = _kernel(dev, dtype, rows, infix)
-    return nvrtc.max_active_blocks(kernel, threads, dev, dynamic_smem=smem) * _sm_count(dev)
+_waves: dict[tuple[int, int], int] = {}  # (id of a loaded kernel, dynamic smem) -> CTAs
+
+
+def _wave(kernel: Any, dev: int, smem: int) -> int:
+    """CTAs of ``kernel`` the device holds at once, launched with ``smem`` bytes of
+    dynamic shared memory (loaded kernels live for the process, so their ids stay
+    unique)."""
+    key = (id(kernel), smem)
+    n = _waves.get(key)
+    if n is None:
+        threads = 32 * TUNING["EDGE_INT8_WARPS"]
+        n = _waves[key] = nvrtc.max_active_blocks(kernel, threads, dev, dynamic_smem=smem) * _sm_count(dev)
+    return n
 
 
 def int8_linear(
@@ -333,12 +338,12 @@ def int8_linear(
     min_rows = 2 if swiglu else 1
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
+    kernel = _kernel(dev, x.dtype, r, infix)
     if infix in ONE_WAVE_INFIXES:
-        wave = _wave(dev, x.dtype, r, infix, smem)
-        r, ctas = plan(rows, tokens, dev, min_rows, wave)
+        r, ctas = plan(rows, tokens, dev, min_rows, _wave(kernel, dev, smem))
     nvrtc.launch(
         dev,
-        _kernel(dev, x.dtype, r, infix),
+        kernel,
         ctas,
         32 * TUNING["EDGE_INT8_WARPS"],
         (
