@@ -256,6 +256,28 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned int& r0, unsigned int& r1, 
                : "r"(addr));
 }
 
+// o += P V for 16 keys: P is the softmax weights of the keys as two m16n8 score
+// fragments (keys 0-7, 8-15), reused as the A operand; V is the 16 rows of D elements
+// at v (row stride ldv elements, shared memory), read transposed by ldmatrix.
+template <typename T, int D>
+__device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)[4],
+                                         const float (&p1)[4], const T* v, int ldv) {
+  const int lane = threadIdx.x & 31;
+  unsigned int pa[4];
+  pa[0] = pack2<T>(p0[0], p0[1]);
+  pa[1] = pack2<T>(p0[2], p0[3]);
+  pa[2] = pack2<T>(p1[0], p1[1]);
+  pa[3] = pack2<T>(p1[2], p1[3]);
+  const T* vaddr = v + ((lane & 7) + ((lane >> 3) & 1) * 8) * ldv + (lane >> 4) * 8;
+#pragma unroll
+  for (int np = 0; np < D / 16; ++np) {
+    unsigned int v0, v1, v2, v3;
+    ldmatrix_x4_trans(v0, v1, v2, v3, smem_u32(vaddr + np * 16));
+    mma16816<T>(o[2 * np], pa, v0, v1);
+    mma16816<T>(o[2 * np + 1], pa, v2, v3);
+  }
+}
+
 // Row index of position p in a paged pool of one KV head:
 //   slot = table[p >> log2_page] * page + (p & (page - 1)).
 __device__ __forceinline__ long long paged_slot(const int* __restrict__ table, int p, int log2_page) {

@@ -241,16 +241,10 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def plan(
-    out_features: int,
-    tokens: int,
-    device_index: int,
-    min_rows: int = 1,
-    wave: int | None = None,
+    out_features: int, tokens: int, device_index: int, min_rows: int = 1
 ) -> tuple[int, int]:
     """(rows per warp, CTAs) of a launch over ``out_features`` weight rows, with at
-    least ``min_rows`` rows per warp (SwiGLU: 2, a gate and an up row); with ``wave``
-    (resident CTAs of the device), at most that many CTAs, a multiple of ``tokens``,
-    which then loop over the row blocks."""
+    least ``min_rows`` rows per warp (SwiGLU: 2, a gate and an up row)."""
     warps = TUNING["EDGE_INT8_WARPS"]
     if _force_rows is not None:
         r = _force_rows
@@ -262,10 +256,7 @@ def plan(
                 r = cand
                 break
     r = max(r, min_rows)
-    ctas = -(-out_features // (warps * r)) * tokens
-    if wave is not None:
-        ctas = min(ctas, max(1, wave // tokens) * tokens)
-    return r, ctas
+    return r, -(-out_features // (warps * r)) * tokens
 
 
 _waves: dict[tuple[int, int], int] = {}  # (id of a loaded kernel, dynamic smem) -> CTAs
@@ -339,8 +330,8 @@ def int8_linear(
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
     kernel = _kernel(dev, x.dtype, r, infix)
-    if infix in ONE_WAVE_INFIXES:
-        r, ctas = plan(rows, tokens, dev, min_rows, _wave(kernel, dev, smem))
+    if infix in ONE_WAVE_INFIXES:  # at most the resident CTAs (a multiple of tokens) loop
+        ctas = min(ctas, max(1, _wave(kernel, dev, smem) // tokens) * tokens)
     nvrtc.launch(
         dev,
         kernel,

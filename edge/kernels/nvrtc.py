@@ -92,17 +92,22 @@ def core() -> Any:
     )
 
 
-def _nvrtc_module() -> Any:
+def _bindings(name: str, old_name: str) -> Any:
+    """cuda-python's ``name`` bindings: ``cuda.bindings.<name>`` (>= 12.6) or the older
+    12.x ``cuda.<old_name>``."""
     try:
-        from cuda.bindings import nvrtc  # cuda-python >= 12.6
+        return importlib.import_module(f"cuda.bindings.{name}")
     except Exception:
         try:
-            from cuda import nvrtc  # type: ignore[no-redef]  # older 12.x layout
+            return importlib.import_module(f"cuda.{old_name}")
         except Exception as exc:
             raise KernelsUnavailable(
-                f"cuda-python's NVRTC bindings are missing ({exc}); {_INSTALL_HINT}"
+                f"cuda-python's {name} bindings are missing ({exc}); {_INSTALL_HINT}"
             )
-    return nvrtc
+
+
+def _nvrtc_module() -> Any:
+    return _bindings("nvrtc", "nvrtc")
 
 
 @functools.cache
@@ -556,11 +561,7 @@ def max_active_blocks(
 
 
 def _driver_module() -> Any:
-    try:
-        from cuda.bindings import driver  # cuda-python >= 12.6
-    except Exception:
-        from cuda import cuda as driver  # type: ignore[no-redef]  # older 12.x layout
-    return driver
+    return _bindings("driver", "cuda")
 
 
 @functools.cache

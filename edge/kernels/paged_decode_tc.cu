@@ -229,19 +229,7 @@ __device__ __forceinline__ void paged_decode_tc(
       float corr[2];
       mma_online_softmax<2>(sc, mrow, lrow, corr);
       if (corr[0] != 1.f || corr[1] != 1.f) mma_scale_rows<NT_D>(o, corr);  // only when a row max moved
-      unsigned int pa[4];
-      pa[0] = pack2<T>(sc[0][0], sc[0][1]);
-      pa[1] = pack2<T>(sc[0][2], sc[0][3]);
-      pa[2] = pack2<T>(sc[1][0], sc[1][1]);
-      pa[3] = pack2<T>(sc[1][2], sc[1][3]);
-      const T* vaddr = sv + ((lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
-#pragma unroll
-      for (int np = 0; np < D / 16; ++np) {
-        unsigned int v0, v1, v2, v3;
-        ldmatrix_x4_trans(v0, v1, v2, v3, smem_u32(vaddr + np * 16));
-        mma16816<T>(o[2 * np], pa, v0, v1);
-        mma16816<T>(o[2 * np + 1], pa, v2, v3);
-      }
+      mma_pv16<T, D>(o, sc[0], sc[1], sv, LDS);
     }
   }
   cp_async_wait_all();

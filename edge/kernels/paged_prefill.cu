@@ -149,21 +149,7 @@ __device__ __forceinline__ void paged_prefill(
     if (kt + 1 < n_tiles) load_tile(sK, k_pool, key0 + kBN);  // lands during P V
 
 #pragma unroll
-    for (int kk = 0; kk < kBN / 16; ++kk) {
-      unsigned int pa[4];
-      pa[0] = pack2<T>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = pack2<T>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = pack2<T>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = pack2<T>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
-      const T* vrow = sV + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * LDS + (lane >> 4) * 8;
-#pragma unroll
-      for (int np = 0; np < D / 16; ++np) {
-        unsigned int r0, r1, r2, r3;
-        ldmatrix_x4_trans(r0, r1, r2, r3, smem_u32(vrow + np * 16));
-        mma16816<T>(o[2 * np], pa, r0, r1);
-        mma16816<T>(o[2 * np + 1], pa, r2, r3);
-      }
-    }
+    for (int kk = 0; kk < kBN / 16; ++kk) mma_pv16<T, D>(o, s[2 * kk], s[2 * kk + 1], sV + kk * 16 * LDS, LDS);
 
     cp_async_wait_all();  // next K landed
     __syncthreads();      // ... and every warp is done with sV
