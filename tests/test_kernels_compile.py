@@ -191,6 +191,26 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
         paged_cuda.set_decode_tuning(**prev)
 
 
+def test_split_mergers_only_when_the_whole_grid_is_resident():
+    """Several CTAs per KV head merge the splits only when every CTA of the launch is
+    resident at once: a merger waits for all splits of its head, which must be running."""
+    from edge.kernels import paged_cuda
+
+    plan = object.__new__(paged_cuda._DecodePlan)
+    plan.ctas, plan.wave = 8, 264  # 8 KV heads; 2 CTAs an SM x 132 SMs
+    prev = paged_cuda.set_decode_tuning()
+    try:
+        assert plan.mergers(32, 1) == 8
+        assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
+        assert plan.mergers(3, 1) == 3  # never more mergers than splits
+        assert plan.mergers(34, 1) == 1  # 272 CTAs: some would wait for a slot
+        assert plan.mergers(32, 2) == 1  # tokens multiply the grid
+        paged_cuda.set_decode_tuning(mergers=1)
+        assert plan.mergers(32, 1) == 1
+    finally:
+        paged_cuda.set_decode_tuning(**prev)
+
+
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     _nvrtc_or_skip()
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))

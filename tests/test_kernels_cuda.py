@@ -217,6 +217,31 @@ def test_decode_any_split_count(pc, impl, splits):
         assert err < TOL[dtype], f"kv_len={kv_len} splits={splits}: {err:.2e}"
 
 
+@pytest.mark.parametrize("mergers", (1, 2, 3, 8, 32))
+@pytest.mark.parametrize("heads", ((32, 8), (32, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
+    """The last `mergers` CTAs of a KV head each merge a share of its outputs (waiting
+    for every split): any count, more mergers than non-empty splits, and shares that
+    split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers)."""
+    dtype, d, page = torch.bfloat16, 128, 16
+    qh, kvh = heads
+    prev = pc.set_decode_tuning(impl=impl, mergers=mergers)
+    try:
+        plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
+        splits = min(32, plan.wave // plan.ctas)  # the whole grid resident: mergers > 1 allowed
+        assert plan.mergers(splits, 1) == min(mergers, splits)
+        k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+        for kv_len in (1, 100, 2049, 8191):  # 1 and 100: most splits empty
+            q = randn(qh, d, dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            for _ in range(3):  # the counters reset themselves between launches
+                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
+                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
+                assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
+    finally:
+        pc.set_decode_tuning(**prev)
+
+
 def test_decode_q_with_token_dim(pc, impl):
     k_pool, v_pool, table = make_cache(100, 16, 8, 128, torch.bfloat16)
     q = randn(1, 32, 128, dtype=torch.bfloat16)

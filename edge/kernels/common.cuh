@@ -384,18 +384,119 @@ __device__ __forceinline__ void split_range(int kv_len, int split, int nsplit, i
   r1 = min(kv_len, r0 + per);
 }
 
-// Called by every thread after the CTA wrote its split's partial: true in the last CTA
-// of the group `counter` counts (atomic ticket), which then merges the splits. That CTA
-// resets the ticket, ready for the next launch (graph replays included).
-__device__ __forceinline__ bool last_split_cta(unsigned int* counter, int nsplit, int& sm_last) {
-  __threadfence();
+// ---- the split merge ---------------------------------------------------------------
+//
+// A group (token, KV head, chunk of query heads) runs nsplit CTAs, each storing its
+// split's partial (m, l, unnormalised o) per head. The last `mergers` CTAs of the group
+// to store theirs each merge a slice of the group's outputs, so the merge's reads are
+// spread over that many SMs: one CTA merging 32 splits of 4 heads (66 KB) took ~4.5 us
+// on an H200, most of it waiting on its own loads (docs/kernels.md). A merger waits
+// until every split has arrived; the host asks for mergers > 1 only when the whole grid
+// is resident at once, so the CTAs it waits for are running and the wait ends.
+// counters[0] counts the group's arrivals, counters[1] the mergers past their wait; the
+// last of those resets both for the next launch (graph replays included).
+
+__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
+  unsigned int v;
+  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+}
+
+// Called by every thread once the CTA stored its partial: this CTA's merger index in
+// [0, mergers), or -1 when it is not a merger. A merger returns once every split's
+// partial is visible to it.
+__device__ __forceinline__ int split_merger(unsigned int* counters, int nsplit, int mergers, int& sm_slot) {
+  __threadfence();  // this thread's partial is visible before the CTA's arrival counts
   __syncthreads();
-  if (threadIdx.x == 0) sm_last = (atomicAdd(counter, 1u) == (unsigned int)(nsplit - 1));
+  if (threadIdx.x == 0) {
+    const int k = (int)atomicAdd(&counters[0], 1u) - (nsplit - mergers);
+    if (k >= 0) {
+      if (mergers == 1) {
+        counters[0] = 0u;  // the last arrival: nobody else reads the counters
+      } else {
+        while (load_acquire(&counters[0]) < (unsigned int)nsplit) __nanosleep(64);
+        if (atomicAdd(&counters[1], 1u) == (unsigned int)(mergers - 1)) {
+          counters[1] = 0u;
+          counters[0] = 0u;
+        }
+      }
+    }
+    sm_slot = k;
+  }
   __syncthreads();
-  if (!sm_last) return false;
+  const int k = sm_slot;
+  if (k < 0) return -1;
   __threadfence();
-  if (threadIdx.x == 0) *counter = 0u;
-  return true;
+  return k;
+}
+
+// Folds partial (m2, l2, a2) into (M, L, acc): both unnormalised under their own maxima;
+// an empty partial (l2 = 0, m2 = -inf) changes nothing and is never multiplied.
+__device__ __forceinline__ void fold_partial(float& M, float& L, float4& acc, float m2, float l2, float4 a2) {
+  const float mn = fmaxf(M, m2);
+  if (mn == neg_inf()) return;  // both empty
+  const float ca = exp2f(M - mn);
+  const float cb = exp2f(m2 - mn);
+  acc = make_float4(fmaf(acc.x, ca, a2.x * cb), fmaf(acc.y, ca, a2.y * cb), fmaf(acc.z, ca, a2.z * cb),
+                    fmaf(acc.w, ca, a2.w * cb));
+  L = fmaf(L, ca, l2 * cb);
+  M = mn;
+}
+
+// Merger k of `mergers`: merges its share of the group's gcount * D / 4 float4 outputs
+// over the nsplit partials and stores them normalised. out, ws_o and ws_ml point at the
+// group's first row (ws_* at split 0; o_stride / ml_stride floats between splits). J
+// threads per output (a power of two, as many as the share leaves) each fold every
+// J-th split, then combine through shuffles: the share's loads are in flight together.
+template <int THREADS, int D, typename T>
+__device__ __forceinline__ void merge_split_share(T* out, const float* ws_o, const float* ws_ml, long long o_stride,
+                                                  long long ml_stride, int nsplit, int gcount, int k,
+                                                  int mergers) {
+  constexpr int DQ = D / 4;
+  constexpr int U = 4;  // splits loaded together per thread
+  const int items = gcount * DQ;
+  const int lo = items * k / mergers;
+  const int hi = items * (k + 1) / mergers;
+  int J = 32;
+  while (J > 1 && J * (hi - lo) > THREADS) J >>= 1;
+  const int j = threadIdx.x & (J - 1);
+  for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every lane shuffles
+    const int item = base + threadIdx.x / J;
+    const bool ok = item < hi;
+    const int g = ok ? item / DQ : 0;
+    const int d = ok ? (item - g * DQ) * 4 : 0;
+    const float* po = ws_o + (long long)g * D + d;
+    const float* pml = ws_ml + (long long)g * 2;
+    float M = neg_inf(), L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = j; s0 < nsplit; s0 += U * J) {
+      float2 ml[U];
+      float4 a[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int sp = s0 + u * J;
+        const bool in = ok && sp < nsplit;
+        ml[u] = in ? __ldcg(reinterpret_cast<const float2*>(pml + sp * ml_stride)) : make_float2(neg_inf(), 0.f);
+        a[u] = in ? __ldcg(reinterpret_cast<const float4*>(po + sp * o_stride)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) fold_partial(M, L, acc, ml[u].x, ml[u].y, a[u]);
+    }
+    for (int off = 1; off < J; off <<= 1) {
+      const float m2 = __shfl_xor_sync(0xffffffffu, M, off);
+      const float l2 = __shfl_xor_sync(0xffffffffu, L, off);
+      float4 a2;
+      a2.x = __shfl_xor_sync(0xffffffffu, acc.x, off);
+      a2.y = __shfl_xor_sync(0xffffffffu, acc.y, off);
+      a2.z = __shfl_xor_sync(0xffffffffu, acc.z, off);
+      a2.w = __shfl_xor_sync(0xffffffffu, acc.w, off);
+      fold_partial(M, L, acc, m2, l2, a2);
+    }
+    if (ok && j == 0) {
+      const float inv = 1.f / L;
+      store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    }
+  }
 }
 
 }  // namespace edge

@@ -54,7 +54,7 @@ __all__ = [
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (64, 128)
-MAX_SPLITS = 128  # kMaxSplits in paged_decode.cu
+MAX_SPLITS = 128  # most splits a launch takes (bounds the partials' workspace)
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 _GROUP_TILES = (1, 2, 4, 8)
 _DECODE_THREADS = 128
@@ -81,6 +81,9 @@ DECODE_TUNING: dict[str, Any] = {
     # faster alone, but in int8 decode their 104 KB CTAs keep the next GEMV's from
     # starting beside them: 1 stage decodes 2-3.5 % faster there (docs/kernels.md).
     "tc_max_stages": 1,
+    # CTAs per KV head that merge the splits, each a share of the outputs, when the whole
+    # grid is resident at once (else 1: a merger waits for every split of its head).
+    "mergers": 8,
 }
 # EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
 # defaults of a process: a candidate tuning can run the whole GPU test suite.
@@ -426,6 +429,7 @@ class _DecodePlan:
     __slots__ = (
         "counters",
         "ctas",
+        "wave",
         "dev",
         "group",
         "kernel",
@@ -461,18 +465,26 @@ class _DecodePlan:
             self.threads = _DECODE_THREADS
             self.smem = 0
         self.ctas = kvh * ((self.group + tile - 1) // tile)
-        self.counters = self.ctas
+        self.counters = 2 * self.ctas  # arrivals and mergers per group (common.cuh)
         occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev, dynamic_smem=self.smem)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        self.wave = occ * sms
         # One full wave of CTAs: every split resident at once, each streaming its range.
         cap = min(MAX_SPLITS, int(DECODE_TUNING["max_splits"]))
-        self.max_splits = max(1, min(cap, (occ * sms) // self.ctas))
+        self.max_splits = max(1, min(cap, self.wave // self.ctas))
         self.min_rows = int(DECODE_TUNING["min_split_rows"])
 
     def splits(self, kv_len: int | None) -> int:
         if kv_len is None:
             return self.max_splits
         return max(1, min(self.max_splits, -(-kv_len // self.min_rows)))
+
+    def mergers(self, splits: int, tokens: int) -> int:
+        """CTAs per group that merge the splits: several only when the whole grid is
+        resident at once, because each waits for every split of its group."""
+        if self.ctas * splits * tokens > self.wave:
+            return 1
+        return max(1, min(splits, int(DECODE_TUNING["mergers"])))
 
 
 _plans: dict[tuple, _DecodePlan] = {}
@@ -553,6 +565,7 @@ def _launch_decode(
             np.float32(scale * _LOG2E),
             ws_ptr,
             cnt_ptr,
+            np.int32(plan.mergers(splits, tokens)),
         ),
         shmem=plan.smem,
     )

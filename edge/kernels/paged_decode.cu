@@ -14,15 +14,14 @@
 // computed. TPR threads per row, online softmax in float32 (exp2 domain), row groups
 // merged with shuffles, warps through shared memory; then the CTA either writes the
 // output (one split) or its partial (m, l, unnormalized o) to a float32 workspace, and
-// the last CTA of a (token, KV head, chunk) to finish (atomic ticket) merges all splits
-// and writes the output, then resets its ticket to 0 for the next launch. No second
-// kernel; shared memory is fixed (independent of kv_len).
+// the last `mergers` CTAs of a (token, KV head, chunk) to finish each merge a share of
+// the splits and write those outputs (common.cuh, merge_split_share). No second kernel;
+// shared memory is fixed (independent of kv_len).
 #include "common.cuh"
 
 namespace edge {
 
 constexpr int kDecodeThreads = 128;
-constexpr int kMaxSplits = 128;
 
 // Tuning knobs (defines; nvrtc.py folds them into the cache key):
 //   EDGE_DECODE_QACC_REGS  registers per thread for q + the output accumulator; sets the
@@ -66,9 +65,7 @@ struct DecodeCfg {
   // Shared memory: the pipeline, later reused for the merges.
   static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
   static constexpr int ACC_BYTES = WARPS * GT * D * 4;
-  static constexpr int SPLIT_BYTES = 2 * kMaxSplits * GT * 4;
-  static constexpr int SMEM_BYTES =
-      PIPE_BYTES > ACC_BYTES + SPLIT_BYTES ? PIPE_BYTES : ACC_BYTES + SPLIT_BYTES;
+  static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
   static_assert(NVEC % TPR == 0, "bad TPR");
   static_assert(32 % TPR == 0, "row group must not straddle warps");
   static_assert(ROWS_STAGE % NRG == 0, "stage rows must split over row groups");
@@ -88,7 +85,8 @@ __device__ __forceinline__ void paged_decode(
     int host_len,                    // kv_len of token 0 when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters) {
+    unsigned int* __restrict__ counters,  // [arrivals, mergers] per group (num_splits > 1)
+    int mergers) {                   // CTAs per group that merge the splits
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
   constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, NVEC = C::NVEC;
@@ -97,11 +95,9 @@ __device__ __forceinline__ void paged_decode(
   __shared__ __align__(16) unsigned char smem[C::SMEM_BYTES];
   __shared__ float sm_m[WARPS][GT];
   __shared__ float sm_l[WARPS][GT];
-  __shared__ int sm_last;
+  __shared__ int sm_merger;
   T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
   float(*sm_acc)[GT][D] = reinterpret_cast<float(*)[GT][D]>(smem);
-  float(*sm_sm)[GT] = reinterpret_cast<float(*)[GT]>(smem + C::ACC_BYTES);
-  float(*sm_sl)[GT] = reinterpret_cast<float(*)[GT]>(smem + C::ACC_BYTES + kMaxSplits * GT * 4);
 
   const int tid = threadIdx.x;
   const int lane = tid & 31;
@@ -265,7 +261,7 @@ __device__ __forceinline__ void paged_decode(
     }
   }
   cp_async_wait_all();
-  __syncthreads();  // the pipeline buffers become sm_acc / sm_sm / sm_sl
+  __syncthreads();  // the pipeline buffers become sm_acc
 
   // Merge the row groups of each warp (lane bits above the row-group lanes).
 #pragma unroll
@@ -322,49 +318,11 @@ __device__ __forceinline__ void paged_decode(
   }
   if (single) return;
 
-  // The last split CTA of this (token, KV head, chunk) merges the splits.
-  if (!last_split_cta(&counters[blockIdx.z * gridDim.x + blockIdx.x], nsplit, sm_last)) return;
-
-  for (int i = tid; i < nsplit * gcount; i += kDecodeThreads) {
-    const int sidx = i / gcount;
-    const int g = i - sidx * gcount;
-    const long long pidx = ((long long)tok * nsplit + sidx) * q_heads + head0 + g;
-    const float2 ml = __ldcg(reinterpret_cast<const float2*>(ws_ml + pidx * 2));
-    sm_sm[sidx][g] = ml.x;
-    sm_sl[sidx][g] = ml.y;
-  }
-  __syncthreads();
-  // Per head (one warp each): M, L, then each split's weight exp2(m - M) / L.
-  for (int g = warp; g < gcount; g += WARPS) {
-    float M = neg_inf();
-    for (int sidx = lane; sidx < nsplit; sidx += 32) M = fmaxf(M, sm_sm[sidx][g]);
-    M = warp_max(M);
-    float L = 0.f;
-    for (int sidx = lane; sidx < nsplit; sidx += 32)
-      if (sm_sl[sidx][g] > 0.f) L += sm_sl[sidx][g] * exp2f(sm_sm[sidx][g] - M);
-    const float inv = 1.f / warp_sum(L);
-    for (int sidx = lane; sidx < nsplit; sidx += 32)
-      sm_sm[sidx][g] = (sm_sl[sidx][g] > 0.f) ? exp2f(sm_sm[sidx][g] - M) * inv : 0.f;
-  }
-  __syncthreads();
-  for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
-    const int g = i / (D / 4);
-    const int d = (i - g * (D / 4)) * 4;
-    const int head = head0 + g;
-    const float* src = ws_o + (((long long)tok * nsplit) * q_heads + head) * D + d;
-    const long long sstride = (long long)q_heads * D;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-    // Every split wrote finite partials (zeros when empty), so weight 0 is exact.
-#pragma unroll 8
-    for (int sidx = 0; sidx < nsplit; ++sidx) {
-      const float w = sm_sm[sidx][g];
-      const float4 a = __ldcg(reinterpret_cast<const float4*>(src + sidx * sstride));
-      o.x = fmaf(w, a.x, o.x);
-      o.y = fmaf(w, a.y, o.y);
-      o.z = fmaf(w, a.z, o.z);
-      o.w = fmaf(w, a.w, o.w);
-    }
-    store4(out + ((long long)tok * q_heads + head) * D + d, o);
+  const int k = split_merger(counters + 2 * (blockIdx.z * gridDim.x + blockIdx.x), nsplit, mergers, sm_merger);
+  if (k >= 0) {
+    const long long row = (long long)tok * nsplit * q_heads + head0;  // split 0's partial of head0
+    merge_split_share<kDecodeThreads, D>(out + ((long long)tok * q_heads + head0) * D, ws_o + row * D, ws_ml + row * 2,
+                                         (long long)q_heads * D, (long long)q_heads * 2, nsplit, gcount, k, mergers);
   }
 }
 
@@ -381,10 +339,11 @@ __device__ __forceinline__ void paged_decode(
                         const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
                         const int* __restrict__ table, const int* __restrict__ pos,              \
                         int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
-                        float* __restrict__ ws, unsigned int* __restrict__ counters) {            \
+                        float* __restrict__ ws, unsigned int* __restrict__ counters,             \
+                        int mergers) {                                                           \
     edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
                                                  kv_heads, group, log2_page, scale_log2, ws,     \
-                                                 counters);                                      \
+                                                 counters, mergers);                             \
   }
 
 EDGE_DECODE_INST(1)

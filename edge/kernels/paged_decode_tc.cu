@@ -15,8 +15,8 @@
 // EDGE_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
 // [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
 // the warps merge through shared memory, then the CTA writes the output (one split) or
-// its partial, and the last CTA of the KV head (atomic ticket, reset after use) merges
-// the splits, as in paged_decode.cu.
+// its partial, and the last `mergers` CTAs of the KV head to finish each merge a share
+// of the splits (common.cuh, merge_split_share), as in paged_decode.cu.
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
@@ -51,8 +51,6 @@ struct TcCfg {
   static constexpr int ACC_BYTES = W * kTcRows * D * 4;
   // Dynamic shared memory the launch must pass (paged_cuda.tc_smem_bytes says the same).
   static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
-  // Stages issued before the grid-dependency wait (the pipeline's prologue).
-  static constexpr int PROLOGUE = STAGES > 1 ? STAGES - 1 : 1;
   static_assert(THREADS % CHUNKS == 0 && KEYS % ROWS_PER_PASS == 0, "stage copies must split over threads");
   static_assert(STAGES >= 1, "need a stage");
 };
@@ -68,7 +66,8 @@ __device__ __forceinline__ void paged_decode_tc(
     int host_len,                    // kv_len when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters) {
+    unsigned int* __restrict__ counters,  // [arrivals, mergers] per KV head (num_splits > 1)
+    int mergers) {                   // CTAs per KV head that merge the splits
   using C = TcCfg<T, D, W, STAGES>;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
@@ -76,7 +75,7 @@ __device__ __forceinline__ void paged_decode_tc(
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float sm_m[W][kTcRows];
   __shared__ float sm_l[W][kTcRows];
-  __shared__ int sm_last;
+  __shared__ int sm_merger;
   if (dynamic_smem_bytes() < (unsigned int)C::SMEM_BYTES) __trap();  // launched with too little
   T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
   float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
@@ -140,23 +139,24 @@ __device__ __forceinline__ void paged_decode_tc(
   };
 
   // Before the grid-dependency wait (overlapped launches, common.cuh): every K/V row but
-  // the newest (this step's, stored by the kernel before) is already in the pool, so the
-  // prologue's copies go out while the previous kernel finishes. After the wait the
-  // newest row, when a prologue stage holds it, is loaded into its place by the threads
-  // that own it (plain loads: its cp.async group is already committed); q comes after.
+  // the newest (this step's, stored by the kernel before) is already in the pool, so all
+  // STAGES stages' copies go out while the previous kernel finishes (its split merge, in
+  // an attention-after-attention graph). After the wait the newest row, when a prologue
+  // stage holds it, is loaded into its place by the threads that own it (plain loads:
+  // its cp.async group is already committed); q comes after.
   const int newest = kv_len - 1;
   int slots[PT];
 #pragma unroll
-  for (int s = 0; s < C::PROLOGUE; ++s) {
+  for (int s = 0; s < STAGES; ++s) {
     fetch_slots(s, slots);
     copy_stage(s, slots, newest);
     cp_async_commit();
   }
-  fetch_slots(C::PROLOGUE, slots);
+  fetch_slots(STAGES, slots);
   grid_dependency_wait();
   allow_dependents();
   const int new_off = newest - r0;
-  if (new_off >= 0 && newest < r1 && new_off < C::PROLOGUE * KEYS && my_r == new_off % RPP) {
+  if (new_off >= 0 && newest < r1 && new_off < STAGES * KEYS && my_r == new_off % RPP) {
     const long long off =
         paged_slot(table, newest, log2_page) * row_stride + head_off + my_cc * 8;
     T* dk = pipe + ((new_off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_off % KEYS) * LDS + my_cc * 8;
@@ -186,20 +186,13 @@ __device__ __forceinline__ void paged_decode_tc(
   float lrow[2] = {0.f, 0.f};
 
   for (int s = 0; s < nstage; ++s) {
-    if (STAGES > 1) {
-      cp_async_wait<(STAGES > 1 ? STAGES - 2 : 0)>();  // this thread's copies of stage s
-      __syncthreads();  // everyone's landed; everyone is done with stage s - 1
-      issue_stage(s + STAGES - 1, slots);  // into the buffer of stage s - 1
-      fetch_slots(s + STAGES, slots);      // lands while stage s is computed
-    } else {
-      if (s > 0) {
-        __syncthreads();  // everyone is done with the previous stage
-        issue_stage(s, slots);
-        fetch_slots(s + 1, slots);
-      }
-      cp_async_wait_all();
-      __syncthreads();
+    if (s > 0) {
+      __syncthreads();  // everyone is done with stage s - 1: its buffer takes stage s - 1 + STAGES
+      issue_stage(s + STAGES - 1, slots);
+      fetch_slots(s + STAGES, slots);  // lands while the stages in flight are computed
     }
+    cp_async_wait<STAGES - 1>();  // this thread's copies of stage s
+    __syncthreads();              // everyone's
 
     const int k0 = r0 + s * KEYS + warp * 16;
     if (k0 < r1) {  // warp-uniform: this warp's 16 keys hold at least one valid key
@@ -270,74 +263,10 @@ __device__ __forceinline__ void paged_decode_tc(
   }
   if (single) return;
 
-  if (!last_split_cta(&counters[blockIdx.x], nsplit, sm_last)) return;
-
-  // Online merge of the splits' (m, l, o), chunks of MB splits, the next chunk's loads in
-  // flight while one is merged. Empty splits (l = 0) are skipped, never multiplied.
-  constexpr int MB = 8;
-  const long long ostride = (long long)q_heads * D;
-  const long long mstride = (long long)q_heads * 2;
-  for (int i = tid; i < gcount * (D / 4); i += THREADS) {
-    const int g = i / (D / 4);
-    const int d = (i - g * (D / 4)) * 4;
-    const int head = head0 + g;
-    const float* osrc = ws_o + (long long)head * D + d;
-    const float* msrc = ws_ml + (long long)head * 2;
-    auto fetch = [&](int s0, float2 (&mlx)[MB], float4 (&ax)[MB]) {
-#pragma unroll
-      for (int k = 0; k < MB; ++k) {
-        const int sidx = s0 + k;
-        if (sidx < nsplit) {
-          mlx[k] = __ldcg(reinterpret_cast<const float2*>(msrc + sidx * mstride));
-          ax[k] = __ldcg(reinterpret_cast<const float4*>(osrc + sidx * ostride));
-        } else {
-          mlx[k] = make_float2(neg_inf(), 0.f);
-          ax[k] = make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-      }
-    };
-    float M = neg_inf(), L = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    float2 ml[MB];
-    float4 a[MB];
-    fetch(0, ml, a);
-    for (int s0 = 0; s0 < nsplit; s0 += MB) {
-      float2 ml2[MB];
-      float4 a2[MB];
-      fetch(s0 + MB, ml2, a2);
-      float mn = M;
-#pragma unroll
-      for (int k = 0; k < MB; ++k)
-        if (ml[k].y > 0.f) mn = fmaxf(mn, ml[k].x);
-      if (mn != neg_inf()) {
-        const float ca = exp2f(M - mn);  // M = -inf: 0 (acc and L are still 0)
-        acc.x *= ca;
-        acc.y *= ca;
-        acc.z *= ca;
-        acc.w *= ca;
-        L *= ca;
-#pragma unroll
-        for (int k = 0; k < MB; ++k) {
-          if (ml[k].y > 0.f) {
-            const float cb = exp2f(ml[k].x - mn);
-            acc.x = fmaf(cb, a[k].x, acc.x);
-            acc.y = fmaf(cb, a[k].y, acc.y);
-            acc.z = fmaf(cb, a[k].z, acc.z);
-            acc.w = fmaf(cb, a[k].w, acc.w);
-            L = fmaf(cb, ml[k].y, L);
-          }
-        }
-        M = mn;
-      }
-#pragma unroll
-      for (int k = 0; k < MB; ++k) {
-        ml[k] = ml2[k];
-        a[k] = a2[k];
-      }
-    }
-    const float inv = 1.f / L;
-    store4(out + (long long)head * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-  }
+  const int k = split_merger(counters + 2 * blockIdx.x, nsplit, mergers, sm_merger);
+  if (k >= 0)
+    merge_split_share<THREADS, D>(out + (long long)head0 * D, ws_o + (long long)head0 * D, ws_ml + (long long)head0 * 2,
+                                  (long long)q_heads * D, (long long)q_heads * 2, nsplit, gcount, k, mergers);
 }
 
 }  // namespace edge
@@ -354,8 +283,8 @@ extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLO
                     const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
-                    float* __restrict__ ws, unsigned int* __restrict__ counters) {
+                    float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers) {
   edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters);
+      counters, mergers);
 }
