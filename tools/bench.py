@@ -46,13 +46,13 @@ _DTYPES = {
 # split policy; `--tunings JSON` replaces the list).
 SWEEP = [
     {"impl": "simt"},
-    {"impl": "tc"},  # defaults: 4 warps, 1 stage, <= 32 splits
+    {"impl": "tc"},  # defaults: 4 warps, 2 stages, <= 32 splits, 8 merger CTAs a KV head
+    {"impl": "tc", "EDGE_TC_STAGES": 1},
     {"impl": "tc", "tc_max_stages": 3},  # as deep as 2 CTAs an SM allow (tc_stages)
-    {"impl": "tc", "EDGE_TC_STAGES": 2},
+    {"impl": "tc", "mergers": 1},
+    {"impl": "tc", "mergers": 16},
     {"impl": "tc", "max_splits": 16},
-    {"impl": "tc", "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},
     {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 4},
-    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 6, "max_splits": 64},
 ]
 
 

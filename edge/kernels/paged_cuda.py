@@ -73,16 +73,18 @@ _TC_STATIC_SMEM = 1024
 DECODE_TUNING: dict[str, Any] = {
     "impl": "tc",
     "min_split_rows": 64,  # host-length launches: no split shorter than this
-    # Cap on the one-wave split count: the last CTA's merge costs ~75 ns per split per
-    # output vector per thread (H200), so more splits stop paying (docs/kernels.md).
+    # Cap on the one-wave split count (more splits: more partials to merge; 16 and 48-64
+    # measured slower, docs/kernels.md).
     "max_splits": 32,
     # Deepest K/V pipeline of the tensor-core kernel; fewer where shared memory would
-    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). 3 stages stream 8192 keys 2 %
-    # faster alone, but in int8 decode their 104 KB CTAs keep the next GEMV's from
-    # starting beside them: 1 stage decodes 2-3.5 % faster there (docs/kernels.md).
-    "tc_max_stages": 1,
+    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). 2 stages (70 KB a CTA) stream
+    # 8192 keys 3 % faster than 1 and decode int8 as fast or 0.9 % faster; 3 stages'
+    # 104 KB CTAs keep the next (overlapped) GEMV's CTAs from starting beside them and
+    # cost int8 decode 3 % (docs/kernels.md).
+    "tc_max_stages": 2,
     # CTAs per KV head that merge the splits, each a share of the outputs, when the whole
     # grid is resident at once (else 1: a merger waits for every split of its head).
+    # 8 vs 1: 8192 keys 15.9 vs 18.3 us, decode +2-3 % (docs/kernels.md).
     "mergers": 8,
 }
 # EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
@@ -147,8 +149,8 @@ def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) ->
 def tc_stages(dev: int, dtype: torch.dtype, head_dim: int) -> int:
     """Pipeline depth of the tensor-core decode kernel on this device: ``EDGE_TC_STAGES``
     when tuned, else the most stages (at most ``tc_max_stages``) that still let
-    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (with ``tc_max_stages=3``: 3 on an H200 at
-    head_dim 128, 2 on Orin's 164 KB an SM)."""
+    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (by default 2 on an H200 and on Orin's 164 KB
+    an SM at head_dim 128; with ``tc_max_stages=3``: 3 on an H200)."""
     if "EDGE_TC_STAGES" in DECODE_TUNING:
         return int(DECODE_TUNING["EDGE_TC_STAGES"])
     warps = _tc_warps()
