@@ -217,19 +217,20 @@ def test_decode_any_split_count(pc, impl, splits):
         assert err < TOL[dtype], f"kv_len={kv_len} splits={splits}: {err:.2e}"
 
 
-@pytest.mark.parametrize("mergers", (1, 2, 3, 8, 32))
+@pytest.mark.parametrize("mergers", (1, 2, 3, 8))
 @pytest.mark.parametrize("heads", ((32, 8), (32, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
 def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
     """The last `mergers` CTAs of a KV head each merge a share of its outputs (waiting
     for every split): any count, more mergers than non-empty splits, and shares that
-    split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers)."""
+    split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers). Run
+    three times: the arrival counters reset themselves between launches."""
     dtype, d, page = torch.bfloat16, 128, 16
     qh, kvh = heads
     prev = pc.set_decode_tuning(impl=impl, mergers=mergers)
     try:
         plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
         splits = min(32, plan.wave // plan.ctas)  # the whole grid resident: mergers > 1 allowed
-        assert plan.mergers(splits, 1) == min(mergers, splits)
+        assert plan.mergers(splits, 1) == min(mergers, splits // 4)
         k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
         for kv_len in (1, 100, 2049, 8191):  # 1 and 100: most splits empty
             q = randn(qh, d, dtype=dtype)
