@@ -401,7 +401,7 @@ _retired: list[
 def _workspace(
     device: torch.device, floats: int, counters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials (float32) and self-resetting tickets (zeroed once) for the current
+    """Split partials (float32) and self-resetting arrival counters (zeroed once) for the current
     stream. Per stream, because kernels of one stream never overlap; allocated through
     torch's caching allocator, so a first use inside graph capture is capture-safe."""
     key = (device.index, nvrtc.current_stream_handle(device.index))
