@@ -196,18 +196,23 @@ def test_split_mergers_only_when_the_whole_grid_is_resident():
     resident at once: a merger waits for all splits of its head, which must be running."""
     from edge.kernels import paged_cuda
 
-    plan = object.__new__(paged_cuda._DecodePlan)
-    plan.ctas, plan.wave = 8, 264  # 8 KV heads; 2 CTAs an SM x 132 SMs
+    def _plan() -> paged_cuda._DecodePlan:  # as _DecodePlan builds it under the tuning
+        p = object.__new__(paged_cuda._DecodePlan)
+        p.ctas, p.wave = 8, 264  # 8 KV heads; 2 CTAs an SM x 132 SMs
+        p.merge_cap = int(paged_cuda.DECODE_TUNING["mergers"])
+        return p
+
     prev = paged_cuda.set_decode_tuning()
     try:
+        plan = _plan()
         assert plan.mergers(32, 1) == 8
         assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
         assert plan.mergers(16, 1) == 4  # at most one per 4 splits
         assert plan.mergers(8, 1) == 1  # short launches: one merger is faster
         assert plan.mergers(34, 1) == 1  # 272 CTAs: some would wait for a slot
         assert plan.mergers(32, 2) == 1  # tokens multiply the grid
-        paged_cuda.set_decode_tuning(mergers=1)
-        assert plan.mergers(32, 1) == 1
+        paged_cuda.set_decode_tuning(mergers=1)  # plans are rebuilt after a tuning change
+        assert _plan().mergers(32, 1) == 1
     finally:
         paged_cuda.set_decode_tuning(**prev)
 

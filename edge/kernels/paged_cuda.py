@@ -437,6 +437,7 @@ class _DecodePlan:
         "kernel",
         "kvh",
         "log2_page",
+        "merge_cap",
         "max_splits",
         "min_rows",
         "smem",
@@ -475,6 +476,7 @@ class _DecodePlan:
         cap = min(MAX_SPLITS, int(DECODE_TUNING["max_splits"]))
         self.max_splits = max(1, min(cap, self.wave // self.ctas))
         self.min_rows = int(DECODE_TUNING["min_split_rows"])
+        self.merge_cap = int(DECODE_TUNING["mergers"])
 
     def splits(self, kv_len: int | None) -> int:
         if kv_len is None:
@@ -488,7 +490,7 @@ class _DecodePlan:
         per 4 splits."""
         if self.ctas * splits * tokens > self.wave or splits < 16:
             return 1
-        return max(1, min(splits // 4, int(DECODE_TUNING["mergers"])))
+        return max(1, min(splits // 4, self.merge_cap))
 
 
 _plans: dict[tuple, _DecodePlan] = {}
