@@ -450,6 +450,12 @@ class _ScratchKV:
 
         return PagedKV(self.k[layer], self.v[layer], self.table)
 
+    def attend_rope(self, layer: int, qkv, rope):  # noqa: ANN001, ANN201
+        out = self.ops.decode_attention_rope(
+            qkv, rope, self.k[layer], self.v[layer], self.table, self.length + 1, self.scale
+        )
+        return out.unsqueeze(0)
+
     def attend(self, layer: int, q, k, v):  # noqa: ANN001, ANN201
         kp, vp = self.k[layer], self.v[layer]
         if k is not None:

@@ -149,10 +149,9 @@ class Engine:
             )
             self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, ops)
             if ops is not reference:
-                splits = ops.decode_splits(
-                    self.device, self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, None
+                self.kv.decode_options = ops.graph_decode_options(
+                    self.device, self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
                 )
-                self.kv.decode_options = {"num_splits": splits}
         # The captured step reads its position on the device: CUDA attention kernels only.
         graph_ok = self.device.type == "cuda" and self.kv is not None and self.kv.ops is not reference
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.kernels import nvrtc
-from edge.kernels.reference import PagedKV
+from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample
@@ -47,6 +47,15 @@ class GraphStepKV:
             ops.write_kv(k_pool, v_pool, d.table, k, v, 0, pos=d.pos)
         out = ops.decode_attention(
             q[0], k_pool, v_pool, d.table, d.cache.max_seq_len, d.cache.scale, pos=d.pos, out=d.attn_out[layer]
+        )
+        return out.unsqueeze(0)
+
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor:
+        d = self.d
+        pool = d.cache.pool
+        out = d.cache.ops.decode_attention_rope(
+            qkv, rope, pool.k[layer], pool.v[layer], d.table, d.cache.max_seq_len, d.cache.scale,
+            pos=d.pos, out=d.attn_out[layer],
         )
         return out.unsqueeze(0)
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from edge.config import ModelConfig, rope_inv_freq
 from edge.kernels import reference
+from edge.kernels.reference import Rope
 from edge.kv import SequenceKV
 from edge.loader import load_weights
 from edge.quant import (
@@ -121,15 +122,20 @@ class Model:
         h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)
         for i, lw in enumerate(self.layers):
             qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm, ops=ops)
-            # Qwen3's per-head q/k norms (when present) and RoPE in one op, which also
-            # stores k and v in a paged cache (one launch fewer per layer); a cache
-            # without pages gets k and v (a view) from attend.
-            pages = kv.pages(i)
-            q, k = ops.qk_norm_rope(
-                qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps, pages
-            )
-            v = None if pages is not None else qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
-            attn = kv.attend(i, q, k, v)
+            # A decode token: the paged cache's attention takes the q/k norms, RoPE and
+            # the K/V store into its own launch.
+            rope = Rope(lw["qk_norm"], self.cos, self.sin_signed, heads, kv_heads, eps)
+            attn = kv.attend_rope(i, qkv, rope) if t == 1 else None
+            if attn is None:
+                # Qwen3's per-head q/k norms (when present) and RoPE in one op, which
+                # also stores k and v in a paged cache (one launch fewer per layer); a
+                # cache without pages gets k and v (a view) from attend.
+                pages = kv.pages(i)
+                q, k = ops.qk_norm_rope(
+                    qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps, pages
+                )
+                v = None if pages is not None else qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
+                attn = kv.attend(i, q, k, v)
             h, norm = self._add_projection(x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
             act = linear(h, lw["gate_up"], norm=norm, swiglu=True, ops=ops)
             # The last layer's norm is the final one.

@@ -243,6 +243,77 @@ def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
         pc.set_decode_tuning(**prev)
 
 
+@pytest.mark.parametrize("min_rows", (64, 128))
+def test_decode_graph_launch_runs_only_the_splits_the_length_fills(pc, impl, min_rows):
+    """A device-length launch carries the most splits; with ``min_split_rows`` only
+    ceil(kv_len / min_rows) of them get keys and merge (lengths around the cut)."""
+    dtype, d, page, qh, kvh = torch.bfloat16, 128, 16, 32, 8
+    k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+    for kv_len in (1, min_rows - 1, min_rows, min_rows + 1, 200, 2049, 8191):
+        q = randn(qh, d, dtype=dtype)
+        pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
+        out = torch.full_like(q, float("nan"))
+        for _ in range(2):  # the arrival counters of fewer splits reset too
+            pc.decode_attention(q, k_pool, v_pool, table, 0, 0.09, pos=pos, out=out, num_splits=32,
+                                min_split_rows=min_rows)
+            err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
+            assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
+
+
+def rope_tables(max_pos: int, d: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64), inv)
+    emb = torch.cat((ang, ang), dim=-1)
+    sin = emb.sin()
+    signed = torch.cat((-sin[:, : d // 2], sin[:, d // 2 :]), dim=-1)
+    return emb.cos().to("cuda", dtype), signed.to("cuda", dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=str)
+@pytest.mark.parametrize("d", HEAD_DIMS)
+@pytest.mark.parametrize("heads", ((32, 8), (16, 2), (8, 8), (40, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
+@pytest.mark.parametrize("qk_norm", (True, False), ids=("qk_norm", "no_norm"))
+def test_decode_rope_matches_reference(pc, impl, dtype, d, heads, qk_norm):
+    """Attention from the qkv row (q/k norm, RoPE and the K/V store in the launch) vs
+    the float32 reference composition; the newest row starts NaN and must be written
+    (into the first stage of its split, a later one, or one that is not the first
+    CTA's: group 20 spans two head tiles), every other pool row must stay as it was,
+    and the device-pos launch equals the host-length one with the graph's options."""
+    qh, kvh = heads
+    page, scale, eps = 16, 0.09, 1e-6
+    cos, sin = rope_tables(8192, d, dtype)
+    norm = randn(qh + kvh, d, dtype=dtype) * 0.2 + 1 if qk_norm else None
+    rope = reference.Rope(norm, cos, sin, qh, kvh, eps)
+    rope32 = reference.Rope(None if norm is None else norm.float(), cos.float(), sin.float(), qh, kvh, eps)
+    k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+    graph = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
+    for kv_len in (1, 15, 16, 17, 1000, 2148, 8191):
+        slot = reference.position_slots(table, torch.tensor([kv_len - 1], device="cuda"), page)
+        kf, vf = k_pool.view(-1, kvh, d), v_pool.view(-1, kvh, d)
+        kf[slot] = float("nan")
+        vf[slot] = float("nan")
+        k_before, v_before = k_pool.clone(), v_pool.clone()
+        qkv = randn(1, (qh + 2 * kvh) * d, dtype=dtype)
+        out = torch.full((qh, d), float("nan"), dtype=dtype, device="cuda")
+        res = pc.decode_attention_rope(qkv, rope, k_pool, v_pool, table, kv_len, scale, out=out)
+        assert res is out
+        k32, v32 = k_before.float(), v_before.float()
+        ref = reference.decode_attention_rope(qkv.float(), rope32, k32, v32, table, kv_len, scale)
+        err = rel_err(out, ref)
+        assert err < TOL[dtype], f"kv_len={kv_len}: rel err {err:.2e}"
+        k_new, v_new = k_pool.view(-1, kvh, d)[slot], v_pool.view(-1, kvh, d)[slot]
+        assert rel_err(k_new, k32.view(-1, kvh, d)[slot]) < TOL[dtype], f"kv_len={kv_len}: stored key"
+        assert torch.equal(v_new, qkv.view(-1)[(qh + kvh) * d :].view(1, kvh, d)), f"kv_len={kv_len}: stored value"
+        k_before.view(-1, kvh, d)[slot] = k_new
+        v_before.view(-1, kvh, d)[slot] = v_new
+        torch.testing.assert_close(k_pool, k_before, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(v_pool, v_before, rtol=0, atol=0, equal_nan=True)
+        pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
+        eager = pc.decode_attention_rope(qkv, rope, k_pool, v_pool, table, kv_len, scale, **graph)
+        dev = pc.decode_attention_rope(qkv, rope, k_pool, v_pool, table, 8191, scale, pos=pos)
+        assert torch.equal(dev, eager), f"kv_len={kv_len}: device-pos and host-length launches differ"
+
+
 def test_decode_q_with_token_dim(pc, impl):
     k_pool, v_pool, table = make_cache(100, 16, 8, 128, torch.bfloat16)
     q = randn(1, 32, 128, dtype=torch.bfloat16)
@@ -255,16 +326,14 @@ def test_decode_q_with_token_dim(pc, impl):
 def test_decode_device_pos_equals_host_len(pc, impl, dtype):
     d, page, qh, kvh = 128, 16, 32, 8
     k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
-    graph_splits = pc.decode_splits("cuda", dtype, d, qh, kvh, None)
+    graph = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
     for kv_len in (1, 15, 16, 17, 1000, 8191):
         q = randn(qh, d, dtype=dtype)
         pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
         a = pc.decode_attention(
             q, k_pool, v_pool, table, 8191, 0.1, pos=pos
         )  # host len ignored
-        b = pc.decode_attention(
-            q, k_pool, v_pool, table, kv_len, 0.1, num_splits=graph_splits
-        )
+        b = pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.1, **graph)
         assert torch.equal(a, b), (
             f"kv_len={kv_len}: device-pos and host-length launches differ"
         )
@@ -294,7 +363,7 @@ def test_decode_cuda_graph_replay(pc, impl, dtype):
     v_s = randn(1, kvh, d, dtype=dtype)
     out_s = torch.full_like(q_s, float("nan"))
     pos = torch.tensor([prefix - 1], dtype=torch.int32, device="cuda")
-    splits = pc.decode_splits("cuda", dtype, d, qh, kvh, None)
+    graph_options = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
 
     # Warm up on a side stream, as torch recommends before capture.
     scratch_k, scratch_v = k_pool.clone(), v_pool.clone()
@@ -324,9 +393,7 @@ def test_decode_cuda_graph_replay(pc, impl, dtype):
         out_s.fill_(float("nan"))
         graph.replay()
         pc.write_kv(k_eager, v_eager, table, k_s, v_s, p)
-        eager = pc.decode_attention(
-            q_s, k_eager, v_eager, table, p + 1, 0.1, num_splits=splits
-        )
+        eager = pc.decode_attention(q_s, k_eager, v_eager, table, p + 1, 0.1, **graph_options)
         torch.cuda.synchronize()
         assert pos.item() == p + 1
         assert torch.equal(out_s, eager), f"step {i}: graph replay differs from eager"

@@ -116,11 +116,6 @@ __device__ __forceinline__ void silu_mul_vec(T* __restrict__ out, const T* __res
 // One warp per (token, head) of the q and k parts of a qkv row; lane l holds elements
 // [l * E, l * E + E) (E = D / 32), so the rotate_half partner of element i (i +- D/2)
 // is the same slot of lane l ^ 16. Grid: (ceil((heads + kv_heads) / warps), T).
-template <typename T, int E>
-struct alignas(sizeof(T) * E) Pack {
-  T v[E];
-};
-
 template <typename T, int D>
 __device__ __forceinline__ void qk_norm_rope_head(
     T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,
@@ -129,7 +124,7 @@ __device__ __forceinline__ void qk_norm_rope_head(
     long long row_stride, int max_pos, float eps, T* __restrict__ k_pool, T* __restrict__ v_pool,
     const int* __restrict__ table, int log2_page) {
   constexpr int E = D / 32;
-  typedef Pack<T, E> P;
+  using P = edge::Pack<T, E>;
   const int lane = threadIdx.x & 31;
   const int head = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
   // With a pool, kv_heads more warps copy the v heads into it.
@@ -152,27 +147,9 @@ __device__ __forceinline__ void qk_norm_rope_head(
       return;
     }
   }
-  float x[E];
-#pragma unroll
-  for (int j = 0; j < E; ++j) x[j] = edge::to_float(xin.v[j]);
-  if (weight != nullptr) {
-    float ss = 0.f;
-#pragma unroll
-    for (int j = 0; j < E; ++j) ss = fmaf(x[j], x[j], ss);
-    const float rstd = rsqrtf(warp_sum(ss) / static_cast<float>(D) + eps);
-    const P wv = *reinterpret_cast<const P*>(weight + head * D + lane * E);
-    // HF order: normalise in float32, cast to T, multiply by the weight in T.
-#pragma unroll
-    for (int j = 0; j < E; ++j) x[j] = edge::round_to<T>(edge::round_to<T>(x[j] * rstd) * edge::to_float(wv.v[j]));
-  }
   const P cv = *reinterpret_cast<const P*>(cos_tab + p * D + lane * E);
   const P sv = *reinterpret_cast<const P*>(sin_tab + p * D + lane * E);
-  P o;
-#pragma unroll
-  for (int j = 0; j < E; ++j) {
-    const float partner = __shfl_xor_sync(0xffffffffu, x[j], 16);
-    o.v[j] = edge::from_float<T>(x[j] * edge::to_float(cv.v[j]) + partner * edge::to_float(sv.v[j]));
-  }
+  const P o = edge::norm_rope_lane<T, D>(xin, weight != nullptr ? weight + head * D : nullptr, cv, sv, eps, lane);
   T* dst = pool_row != nullptr ? pool_row
            : head < heads     ? q_out + (static_cast<long long>(t) * heads + head) * D
                               : k_out + (static_cast<long long>(t) * kv_heads + (head - heads)) * D;

@@ -11,6 +11,9 @@ them in when :func:`available` says so):
 - :func:`decode_attention` -- one query token ``q [q_heads, D]`` against ``[0, kv_len)``;
   with ``pos`` the length ``*pos + 1`` is read on the device, the launch does not depend
   on it, and ``out=`` lets a CUDA graph write to a static buffer.
+- :func:`decode_attention_rope` -- the same from the qkv projection's row: the step's
+  q/k norm + RoPE and K/V store run inside the attention launch (one launch per layer
+  fewer than ``qk_norm_rope`` + :func:`decode_attention`).
 
 Layouts: per-layer pools ``[num_blocks, page_size, kv_heads, head_dim]`` (contiguous;
 a layer slice of ``[layers, num_blocks, page, kv_heads, D]`` is fine), ``page_size`` a
@@ -36,6 +39,7 @@ import torch
 
 from edge.kernels import nvrtc
 from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
+from edge.kernels.reference import PagedKV, Rope
 
 __all__ = [
     "DTYPES",
@@ -45,7 +49,9 @@ __all__ = [
     "KernelsUnavailable",
     "available",
     "decode_attention",
+    "decode_attention_rope",
     "decode_splits",
+    "graph_decode_options",
     "set_decode_tuning",
     "load",
     "prefill_attention",
@@ -63,8 +69,9 @@ _PREFILL_ROWS = 64
 _KV_THREADS = 256
 _LOG2E = 1.4426950408889634
 # Static shared memory of paged_decode_tc.cu beside its dynamic pipeline (row maxima and
-# sums of 4 warps, a flag), rounded up.
-_TC_STATIC_SMEM = 1024
+# sums of 4 warps, a flag, and in the RoPE variant 16 rotated query heads of head_dim
+# 128), rounded up.
+_TC_STATIC_SMEM = 5 * 1024
 
 # Decode implementation for float16/bfloat16: "tc" (tensor cores, paged_decode_tc.cu)
 # or "simt" (CUDA cores, paged_decode.cu; float32 always uses it). Compile-time knobs of
@@ -86,6 +93,12 @@ DECODE_TUNING: dict[str, Any] = {
     # grid is resident at once (else 1: a merger waits for every split of its head).
     # 8 vs 1: 8192 keys 15.9 vs 18.3 us, decode +2-3 % (docs/kernels.md).
     "mergers": 8,
+    # Device-length (graph) launches: fewest keys per active split; the launch carries
+    # max_splits and the kernel runs only as many as the length fills (active_splits).
+    "graph_min_split_rows": 64,
+    # decode_attention_rope: the q/k norm + RoPE + K/V store inside the attention launch
+    # (False: qk_norm_rope's launch, then decode_attention).
+    "rope_in_attention": True,
 }
 # EDGE_DECODE_TUNING='{"max_splits": 16, "EDGE_TC_WARPS": 2}' (JSON) changes the
 # defaults of a process: a candidate tuning can run the whole GPU test suite.
@@ -164,16 +177,19 @@ def tc_stages(dev: int, dtype: torch.dtype, head_dim: int) -> int:
     return stages
 
 
-def _decode_tc_kernel(dev: int, dtype: torch.dtype, head_dim: int) -> tuple[Any, int]:
-    """The tensor-core decode kernel for this device and the dynamic shared memory its
-    launches pass."""
+def _decode_tc_kernel(
+    dev: int, dtype: torch.dtype, head_dim: int, rope: bool = False
+) -> tuple[Any, int]:
+    """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE) for
+    this device and the dynamic shared memory its launches pass."""
     stages = tc_stages(dev, dtype, head_dim)
     defines = {
         **_variant(dtype, head_dim),
         **_defines("EDGE_TC_"),
         "EDGE_TC_STAGES": stages,
     }
-    kernel = nvrtc.get_kernel(dev, "paged_decode_tc.cu", "paged_decode_tc", defines)
+    name = "paged_decode_tc_rope" if rope else "paged_decode_tc"
+    kernel = nvrtc.get_kernel(dev, "paged_decode_tc.cu", name, defines)
     smem = tc_smem_bytes(dtype, head_dim, _tc_warps(), stages)
     nvrtc.allow_dynamic_smem(kernel, dev, smem)
     return kernel, smem
@@ -210,6 +226,7 @@ def load(
                 _decode_kernel(dev, dtype, hd, gt)
             if dtype != torch.float32:
                 _decode_tc_kernel(dev, dtype, hd)
+                _decode_tc_kernel(dev, dtype, hd, rope=True)
                 _prefill_kernel(dev, dtype, hd)
 
 
@@ -438,8 +455,10 @@ class _DecodePlan:
         "kvh",
         "log2_page",
         "merge_cap",
+        "graph_min_rows",
         "max_splits",
         "min_rows",
+        "rope",
         "smem",
         "threads",
     )
@@ -453,14 +472,16 @@ class _DecodePlan:
         kvh: int,
         page: int,
         multi: bool,
+        rope: bool,
     ) -> None:
         self.dev = dev
         self.kvh = kvh
         self.group = q_heads // kvh
         self.log2_page = page.bit_length() - 1
-        if dtype != torch.float32 and not multi and DECODE_TUNING["impl"] == "tc":
+        self.rope = rope and _tc_path(dtype, multi) and bool(DECODE_TUNING["rope_in_attention"])
+        if _tc_path(dtype, multi):
             tile = 16  # query heads per m16 tile
-            self.kernel, self.smem = _decode_tc_kernel(dev, dtype, d)
+            self.kernel, self.smem = _decode_tc_kernel(dev, dtype, d, self.rope)
             self.threads = 32 * _tc_warps()
         else:
             tile = _group_tile(self.group)
@@ -477,6 +498,7 @@ class _DecodePlan:
         self.max_splits = max(1, min(cap, self.wave // self.ctas))
         self.min_rows = int(DECODE_TUNING["min_split_rows"])
         self.merge_cap = int(DECODE_TUNING["mergers"])
+        self.graph_min_rows = int(DECODE_TUNING["graph_min_split_rows"])
 
     def splits(self, kv_len: int | None) -> int:
         if kv_len is None:
@@ -493,6 +515,11 @@ class _DecodePlan:
         return max(1, min(splits // 4, self.merge_cap))
 
 
+def _tc_path(dtype: torch.dtype, multi: bool) -> bool:
+    """Whether decode runs the tensor-core kernel (the only one with the RoPE variant)."""
+    return dtype != torch.float32 and not multi and DECODE_TUNING["impl"] == "tc"
+
+
 _plans: dict[tuple, _DecodePlan] = {}
 
 
@@ -504,11 +531,12 @@ def _plan(
     kvh: int,
     page: int,
     multi: bool = False,
+    rope: bool = False,
 ) -> _DecodePlan:
-    key = (dev, dtype, d, q_heads, kvh, page, multi)
+    key = (dev, dtype, d, q_heads, kvh, page, multi, rope)
     plan = _plans.get(key)
     if plan is None:
-        plan = _plans[key] = _DecodePlan(dev, dtype, d, q_heads, kvh, page, multi)
+        plan = _plans[key] = _DecodePlan(dev, dtype, d, q_heads, kvh, page, multi, rope)
     return plan
 
 
@@ -530,6 +558,17 @@ def decode_splits(
     ).splits(kv_len)
 
 
+def graph_decode_options(
+    device: Any, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, page_size: int = 16
+) -> dict[str, int]:
+    """Keyword arguments of :func:`decode_attention` / :func:`decode_attention_rope` that
+    make a host-length launch identical to a device-length (graph) one: its split count
+    and its fewest keys per active split. Eager decode passes them so that it produces
+    the graph's tokens."""
+    plan = _plan(nvrtc.device_index(device, "the CUDA kernels"), dtype, head_dim, q_heads, kv_heads, page_size)
+    return {"num_splits": plan.splits(None), "min_split_rows": plan.graph_min_rows}
+
+
 def _launch_decode(
     plan: _DecodePlan,
     out: torch.Tensor,
@@ -542,6 +581,8 @@ def _launch_decode(
     tokens: int,
     splits: int,
     scale: float,
+    min_rows: int,
+    rope_args: tuple = (),
 ) -> None:
     ws_ptr = cnt_ptr = 0
     if splits > 1:
@@ -572,6 +613,8 @@ def _launch_decode(
             ws_ptr,
             cnt_ptr,
             np.int32(plan.mergers(splits, tokens)),
+            np.int32(min_rows),
+            *rope_args,
         ),
         shmem=plan.smem,
     )
@@ -613,6 +656,7 @@ def decode_attention(
     out: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
+    min_split_rows: int | None = None,
 ) -> torch.Tensor:
     """One query token ``q [q_heads, D]`` (or ``[1, q_heads, D]``) against positions
     [0, kv_len) -> same shape as q.
@@ -621,31 +665,127 @@ def decode_attention(
     host ``kv_len`` is ignored) and the launch configuration is fixed, so the call can be
     captured in a CUDA graph and replayed as ``pos`` advances. ``out`` is an optional
     preallocated output (static buffer for graphs). ``num_splits`` overrides the
-    flash-decoding split count (1..MAX_SPLITS; tests use it to compare launches)."""
+    flash-decoding split count (1..MAX_SPLITS; tests use it to compare launches);
+    ``min_split_rows`` (default: the graph's with ``pos``, else 1) makes the kernel run
+    only the splits the length fills with that many keys each (graph_decode_options)."""
     _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
     if q.dim() not in (2, 3) or (q.dim() == 3 and q.shape[0] != 1):
         raise ValueError(
             f"q must be [q_heads, D] or [1, q_heads, D], got {tuple(q.shape)}"
         )
     _check_q(q, k_pool, kvh, d, "decode")
-    q = _dense(q)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    else:
+        _check_out(out, q)
+    plan = _plan(k_pool.device.index, k_pool.dtype, d, q.shape[-2], kvh, page)
+    _decode(plan, out, _dense(q), k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows)
+    return out
+
+
+def decode_attention_rope(
+    qkv: torch.Tensor,
+    rope: Rope,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+    pos: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    num_splits: int | None = None,
+    min_split_rows: int | None = None,
+) -> torch.Tensor:
+    """:func:`edge.kernels.reference.decode_attention_rope` on CUDA: the decode token's
+    qkv row ``[1, (heads + 2 kv_heads) * D]`` -> attention ``[heads, D]``, its key
+    (normalised, rotated) and value stored at position kv_len - 1 on the way. One launch
+    of the tensor-core kernel; where that kernel does not run (float32, ``impl="simt"``,
+    rows it cannot read in place) ``qk_norm_rope`` and :func:`decode_attention`.
+    ``pos``, ``out``, ``num_splits`` and ``min_split_rows`` as in :func:`decode_attention`."""
+    _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+    heads = rope.heads
+    if rope.kv_heads != kvh or heads % kvh:
+        raise ValueError(f"rope is for {heads} / {rope.kv_heads} heads, pools hold {kvh} KV heads")
+    width = (heads + 2 * kvh) * d
+    if qkv.dim() != 2 or qkv.shape[0] != 1 or qkv.shape[1] < width:
+        raise ValueError(f"qkv must be [1, >= {width}] (one token), got {tuple(qkv.shape)}")
+    if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
+        raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+    shape = (heads, d)
+    if out is None:
+        out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    elif (
+        tuple(out.shape) != shape
+        or out.dtype != qkv.dtype
+        or out.device != qkv.device
+        or not out.is_contiguous()
+        or out.data_ptr() % 16
+    ):
+        raise ValueError(f"out must be a contiguous 16-byte aligned {shape} {qkv.dtype} tensor on {qkv.device}")
+    plan = _plan(k_pool.device.index, k_pool.dtype, d, heads, kvh, page, rope=True)
+    options = {"num_splits": num_splits, "min_split_rows": min_split_rows}
+    tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
+    in_place = plan.rope and qkv.is_contiguous() and qkv.data_ptr() % 16 == 0
+    if not (in_place and all(_fits_rope(t, qkv, d) for t in tables)):
+        from edge.kernels import fused_cuda  # fused_cuda's own fallbacks need this module's ops
+
+        positions = pos if pos is not None else torch.tensor([int(kv_len) - 1], device=qkv.device)
+        q, _ = fused_cuda.qk_norm_rope(
+            qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
+            PagedKV(k_pool, v_pool, block_table),
+        )
+        return decode_attention(q[0], k_pool, v_pool, block_table, kv_len, scale, pos, out, **options)
+    norm_ptr = 0 if rope.qk_norm is None else rope.qk_norm.data_ptr()
+    rope_args = (norm_ptr, rope.cos.data_ptr(), rope.sin_signed.data_ptr(), np.int32(rope.cos.shape[0]), np.float32(rope.eps))
+    _decode(plan, out, qkv, k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows, rope_args)
+    return out
+
+
+def _fits_rope(t: torch.Tensor, qkv: torch.Tensor, d: int) -> bool:
+    """A table the RoPE kernel reads in place: contiguous rows of head_dim, qkv's dtype."""
+    return (
+        t.dtype == qkv.dtype
+        and t.device == qkv.device
+        and t.dim() == 2
+        and t.shape[1] == d
+        and t.is_contiguous()
+        and t.data_ptr() % 16 == 0
+    )
+
+
+def _decode(
+    plan: _DecodePlan,
+    out: torch.Tensor,
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+    pos: torch.Tensor | None,
+    num_splits: int | None,
+    min_split_rows: int | None,
+    rope_args: tuple = (),
+) -> None:
+    """The one-token decode launch of :func:`decode_attention` (and its RoPE variant)."""
+    page = k_pool.shape[1]
     pos_ptr = _check_pos(pos, k_pool.device)
     if pos is None:
         kv_len = int(kv_len)
         if kv_len < 1:
             raise ValueError(f"kv_len must be >= 1, got {kv_len}")
         _check_len("kv_len", kv_len, page, block_table)
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    else:
-        _check_out(out, q)
-    plan = _plan(k_pool.device.index, k_pool.dtype, d, q.shape[-2], kvh, page)
     if num_splits is None:
         splits = plan.splits(None if pos is not None else kv_len)
     else:
         splits = int(num_splits)
         if not 1 <= splits <= MAX_SPLITS:
             raise ValueError(f"num_splits must be in [1, {MAX_SPLITS}], got {splits}")
+    if min_split_rows is None:
+        min_split_rows = plan.graph_min_rows if pos is not None else 1
+    elif int(min_split_rows) < 1:
+        raise ValueError(f"min_split_rows must be >= 1, got {min_split_rows}")
     _launch_decode(
         plan,
         out,
@@ -658,8 +798,9 @@ def decode_attention(
         1,
         splits,
         float(scale),
+        int(min_split_rows),
+        rope_args,
     )
-    return out
 
 
 # ---------------------------------------------------------------------------------------
@@ -703,7 +844,7 @@ def prefill_attention(
             k_pool.device.index, k_pool.dtype, d, q_heads, kvh, page, multi=True
         )
         _launch_decode(
-            plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale)
+            plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale), 1
         )
         return out
     dev = k_pool.device.index

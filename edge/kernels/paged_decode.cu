@@ -86,7 +86,8 @@ __device__ __forceinline__ void paged_decode(
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
     unsigned int* __restrict__ counters,  // [arrivals, mergers] per group (num_splits > 1)
-    int mergers) {                   // CTAs per group that merge the splits
+    int mergers,                     // most CTAs per group that merge the splits
+    int min_rows) {                  // fewest keys per active split (active_splits)
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
   constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, NVEC = C::NVEC;
@@ -112,10 +113,13 @@ __device__ __forceinline__ void paged_decode(
   const int head0 = kvh * group + chunk * GT;
   const int tok = blockIdx.z;
   const int split = blockIdx.y;
-  const int nsplit = gridDim.y;
+  const int grid_splits = gridDim.y;  // the workspace layout
 
   await_inputs();
   const int kv_len = (pos != nullptr ? __ldg(pos) + 1 : host_len) + tok;
+  const int nsplit = active_splits(kv_len, grid_splits, min_rows);
+  if (split >= nsplit) return;
+  mergers = split_mergers(nsplit, mergers);
 
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the
   // launch does not depend on it.
@@ -306,21 +310,21 @@ __device__ __forceinline__ void paged_decode(
   // for an empty split: m = -inf, l = 0, o = 0).
   const bool single = (nsplit == 1);
   float* ws_o = ws;
-  float* ws_ml = ws + (long long)gridDim.z * nsplit * q_heads * D;
+  float* ws_ml = ws + (long long)gridDim.z * grid_splits * q_heads * D;
   for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
     float M, L;
     const float4 o = merge_warp_partials<WARPS>(sm_m, sm_l, sm_acc, g, d, M, L);
     const int head = head0 + g;
-    const long long pidx = ((long long)tok * nsplit + split) * q_heads + head;
+    const long long pidx = ((long long)tok * grid_splits + split) * q_heads + head;
     store_split(single, out + ((long long)tok * q_heads + head) * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
   }
   if (single) return;
 
   const int k = split_merger(counters + 2 * (blockIdx.z * gridDim.x + blockIdx.x), nsplit, mergers, sm_merger);
   if (k >= 0) {
-    const long long row = (long long)tok * nsplit * q_heads + head0;  // split 0's partial of head0
+    const long long row = (long long)tok * grid_splits * q_heads + head0;  // split 0's partial of head0
     merge_split_share<kDecodeThreads, D>(out + ((long long)tok * q_heads + head0) * D, ws_o + row * D, ws_ml + row * 2,
                                          (long long)q_heads * D, (long long)q_heads * 2, nsplit, gcount, k, mergers);
   }
@@ -340,10 +344,10 @@ __device__ __forceinline__ void paged_decode(
                         const int* __restrict__ table, const int* __restrict__ pos,              \
                         int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
                         float* __restrict__ ws, unsigned int* __restrict__ counters,             \
-                        int mergers) {                                                           \
+                        int mergers, int min_rows) {                                             \
     edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
                                                  kv_heads, group, log2_page, scale_log2, ws,     \
-                                                 counters, mergers);                             \
+                                                 counters, mergers, min_rows);                   \
   }
 
 EDGE_DECODE_INST(1)

@@ -55,19 +55,35 @@ struct TcCfg {
   static_assert(STAGES >= 1, "need a stage");
 };
 
-template <typename T, int D, int W, int STAGES>
+// With ROPE the kernel also does the step's q/k norm + RoPE and K/V store (the
+// qk_norm_rope launch before it, fused.cu): q is then the qkv projection's row
+// [(q_heads + 2 kv_heads) * D]; after the grid-dependency wait each CTA normalises and
+// rotates its query heads into shared memory, and the CTAs whose split holds the newest
+// row rotate its key, store key and value into the pools and into the stage that holds
+// the row.
+struct RopeArgs {
+  const void* qk_norm;  // [q_heads + kv_heads, D] per-head norm weights, or null
+  const void* cos_tab;  // [max_pos, D]
+  const void* sin_tab;  // [max_pos, D], rotate_half's sign folded in
+  int max_pos;
+  float eps;
+};
+
+template <typename T, int D, int W, int STAGES, bool ROPE>
 __device__ __forceinline__ void paged_decode_tc(
     T* __restrict__ out,             // [q_heads, D]
-    const T* __restrict__ q,         // [q_heads, D]
-    const T* __restrict__ k_pool,    // [num_blocks, page, kv_heads, D]
-    const T* __restrict__ v_pool,    // [num_blocks, page, kv_heads, D]
+    const T* __restrict__ q,         // [q_heads, D] (ROPE: the qkv row)
+    T* __restrict__ k_pool,          // [num_blocks, page, kv_heads, D] (written with ROPE)
+    T* __restrict__ v_pool,          // [num_blocks, page, kv_heads, D]
     const int* __restrict__ table,   // [max_blocks]
     const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
     int host_len,                    // kv_len when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
     unsigned int* __restrict__ counters,  // [arrivals, mergers] per KV head (num_splits > 1)
-    int mergers) {                   // CTAs per KV head that merge the splits
+    int mergers,                     // most CTAs per KV head that merge the splits
+    int min_rows,                    // fewest keys per active split (active_splits)
+    RopeArgs rope) {
   using C = TcCfg<T, D, W, STAGES>;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
@@ -76,6 +92,7 @@ __device__ __forceinline__ void paged_decode_tc(
   __shared__ float sm_m[W][kTcRows];
   __shared__ float sm_l[W][kTcRows];
   __shared__ int sm_merger;
+  __shared__ __align__(16) T sm_q[ROPE ? kTcRows : 1][D];  // ROPE: the rotated query heads
   if (dynamic_smem_bytes() < (unsigned int)C::SMEM_BYTES) __trap();  // launched with too little
   T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
   float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
@@ -92,9 +109,10 @@ __device__ __forceinline__ void paged_decode_tc(
   const int q_heads = kv_heads * group;
   const int head0 = kvh * group + chunk * kTcRows;
   const int split = blockIdx.y;
-  const int nsplit = gridDim.y;
-
   const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
+  const int nsplit = active_splits(kv_len, gridDim.y, min_rows);
+  if (split >= nsplit) return;
+  mergers = split_mergers(nsplit, mergers);
   int r0, r1;
   split_range(kv_len, split, nsplit, KEYS, r0, r1);
   const int nstage = (r1 - r0 + KEYS - 1) / KEYS;
@@ -133,8 +151,10 @@ __device__ __forceinline__ void paged_decode_tc(
       }
     }
   };
+  // ROPE: the newest row's K/V come from registers (put_newest), never from the pool.
+  const int newest = kv_len - 1;
   auto issue_stage = [&](int s, const int (&slot)[PT]) {
-    copy_stage(s, slot, -1);
+    copy_stage(s, slot, ROPE ? newest : -1);
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
   };
 
@@ -144,7 +164,15 @@ __device__ __forceinline__ void paged_decode_tc(
   // an attention-after-attention graph). After the wait the newest row, when a prologue
   // stage holds it, is loaded into its place by the threads that own it (plain loads:
   // its cp.async group is already committed); q comes after.
-  const int newest = kv_len - 1;
+  constexpr int E = D / 32;
+  using Rp = Pack<T, E>;
+  const T* norm_w = static_cast<const T*>(rope.qk_norm);
+  Rp rcos, rsin, knew, vnew;  // ROPE: this lane's slots of the position's tables, the newest K/V
+  if constexpr (ROPE) {
+    const long long p = min(newest, rope.max_pos - 1);  // never read outside the tables
+    rcos = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.cos_tab) + p * D + lane * E);
+    rsin = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.sin_tab) + p * D + lane * E);
+  }
   int slots[PT];
 #pragma unroll
   for (int s = 0; s < STAGES; ++s) {
@@ -156,19 +184,55 @@ __device__ __forceinline__ void paged_decode_tc(
   grid_dependency_wait();
   allow_dependents();
   const int new_off = newest - r0;
-  if (new_off >= 0 && newest < r1 && new_off < STAGES * KEYS && my_r == new_off % RPP) {
+  const bool holds_newest = new_off >= 0 && newest < r1;
+  T* const new_stage = pipe + ((new_off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_off % KEYS) * LDS;
+  auto put_newest = [&]() {  // ROPE, last warp: the newest row into its stage's buffer
+    *reinterpret_cast<Rp*>(new_stage + lane * E) = knew;
+    *reinterpret_cast<Rp*>(new_stage + C::STAGE_ELEMS + lane * E) = vnew;
+  };
+  if constexpr (ROPE) {
+    // Loads first (q heads, and the newest row's k and v in the last warp), then the
+    // math: one round trip after the wait, as without ROPE.
+    const bool new_warp = holds_newest && warp == W - 1;
+    const T* kx = q + (long long)(q_heads + kvh) * D + lane * E;
+    Rp kin, vin;
+    if (new_warp) {
+      kin = *reinterpret_cast<const Rp*>(kx);
+      vin = *reinterpret_cast<const Rp*>(kx + (long long)kv_heads * D);
+    }
+    for (int g = warp; g < gcount; g += W) {
+      const int head = head0 + g;
+      const Rp x = *reinterpret_cast<const Rp*>(q + (long long)head * D + lane * E);
+      *reinterpret_cast<Rp*>(&sm_q[g][lane * E]) = norm_rope_lane<T, D>(
+          x, norm_w != nullptr ? norm_w + (long long)head * D : nullptr, rcos, rsin, rope.eps, lane);
+    }
+    if (new_warp) {
+      // Every CTA holding the row computes it; the chunks of one KV head store the same
+      // bytes. Its stage gets it from these registers (issue_stage skips the row), so
+      // nothing here waits for the pool store.
+      knew = norm_rope_lane<T, D>(kin, norm_w != nullptr ? norm_w + (long long)(q_heads + kvh) * D : nullptr,
+                                  rcos, rsin, rope.eps, lane);
+      vnew = vin;
+      const long long off = paged_slot(table, newest, log2_page) * row_stride + head_off + lane * E;
+      *reinterpret_cast<Rp*>(k_pool + off) = knew;
+      *reinterpret_cast<Rp*>(v_pool + off) = vnew;
+      if (new_off < STAGES * KEYS) put_newest();
+    }
+    __syncthreads();
+  } else if (holds_newest && new_off < STAGES * KEYS && my_r == new_off % RPP) {
     const long long off =
         paged_slot(table, newest, log2_page) * row_stride + head_off + my_cc * 8;
-    T* dk = pipe + ((new_off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_off % KEYS) * LDS + my_cc * 8;
-    *reinterpret_cast<uint4*>(dk) = __ldcg(reinterpret_cast<const uint4*>(k_pool + off));
-    *reinterpret_cast<uint4*>(dk + C::STAGE_ELEMS) = __ldcg(reinterpret_cast<const uint4*>(v_pool + off));
+    *reinterpret_cast<uint4*>(new_stage + my_cc * 8) = __ldcg(reinterpret_cast<const uint4*>(k_pool + off));
+    *reinterpret_cast<uint4*>(new_stage + C::STAGE_ELEMS + my_cc * 8) =
+        __ldcg(reinterpret_cast<const uint4*>(v_pool + off));
   }
 
   // Q fragments (A operand): rows gid and gid + 8 of the head tile.
   const bool qv0 = gid < gcount;
   const bool qv1 = gid + 8 < gcount;
-  const T* q0 = q + (long long)(head0 + gid) * D;
-  const T* q1 = q + (long long)(head0 + gid + 8) * D;
+  const T* qtile = ROPE ? &sm_q[0][0] : q + (long long)head0 * D;
+  const T* q0 = qtile + gid * D;
+  const T* q1 = qtile + (gid + 8) * D;
   unsigned int qa[KSTEPS][4];
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -189,6 +253,7 @@ __device__ __forceinline__ void paged_decode_tc(
     if (s > 0) {
       __syncthreads();  // everyone is done with stage s - 1: its buffer takes stage s - 1 + STAGES
       issue_stage(s + STAGES - 1, slots);
+      if (ROPE && holds_newest && warp == W - 1 && new_off / KEYS == s + STAGES - 1) put_newest();
       fetch_slots(s + STAGES, slots);  // lands while the stages in flight are computed
     }
     cp_async_wait<STAGES - 1>();  // this thread's copies of stage s
@@ -251,7 +316,7 @@ __device__ __forceinline__ void paged_decode_tc(
   // for an empty split: m = -inf, l = 0, o = 0).
   const bool single = (nsplit == 1);
   float* ws_o = ws;
-  float* ws_ml = ws + (long long)nsplit * q_heads * D;
+  float* ws_ml = ws + (long long)gridDim.y * q_heads * D;  // the launch's layout
   for (int i = tid; i < gcount * (D / 4); i += THREADS) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
@@ -280,11 +345,27 @@ __device__ __forceinline__ void paged_decode_tc(
 
 extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
     paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
-                    const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,
+                    edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
-                    float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers) {
-  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES>(
+                    float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
+                    int min_rows) {
+  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES, false>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers);
+      counters, mergers, min_rows, edge::RopeArgs{});
+}
+
+// The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
+extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
+    paged_decode_tc_rope(edge_t* __restrict__ out, const edge_t* __restrict__ qkv,
+                         edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
+                         const int* __restrict__ table, const int* __restrict__ pos, int host_len,
+                         int kv_heads, int group, int log2_page, float scale_log2,
+                         float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
+                         int min_rows, const edge_t* __restrict__ qk_norm,
+                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
+                         int max_pos, float eps) {
+  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES, true>(
+      out, qkv, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
+      counters, mergers, min_rows, edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps});
 }

@@ -26,6 +26,19 @@ class PagedKV(NamedTuple):
     table: torch.Tensor
 
 
+class Rope(NamedTuple):
+    """What a layer's ``qk_norm_rope`` needs beside qkv and positions: the per-head
+    q/k norm weights ``[heads + kv_heads, D]`` (Qwen3) or None, the whole cos and
+    signed-sin tables ``[max_seq_len, D]``, the head counts and the norm's epsilon."""
+
+    qk_norm: torch.Tensor | None
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
+    heads: int
+    kv_heads: int
+    eps: float
+
+
 def slot_indices(block_table: torch.Tensor, start: int, count: int, page_size: int) -> torch.Tensor:
     """Flat row indices (block * page_size + offset) of positions [start, start + count)."""
     pos = torch.arange(start, start + count, device=block_table.device, dtype=torch.long)
@@ -190,3 +203,25 @@ def qk_norm_rope(
     slots = position_slots(cache.table, positions, cache.k_pool.shape[1])
     scatter_kv(cache.k_pool, cache.v_pool, slots, k, v)
     return q, None
+
+
+def decode_attention_rope(
+    qkv: torch.Tensor,
+    rope: Rope,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    kv_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """The decode token at position kv_len - 1 straight from its qkv projection row
+    ``[1, (heads + 2 kv_heads) * D]``: ``qk_norm_rope`` storing its key and value into the
+    pools, then :func:`decode_attention` -> ``[heads, D]`` (what the CUDA kernel does in
+    one launch)."""
+    positions = torch.tensor([kv_len - 1], device=qkv.device)
+    d = rope.cos.shape[1]
+    q, _ = qk_norm_rope(
+        qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, rope.heads, rope.kv_heads, d, rope.eps,
+        PagedKV(k_pool, v_pool, block_table),
+    )
+    return decode_attention(q[0], k_pool, v_pool, block_table, kv_len, scale)

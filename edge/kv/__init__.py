@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from edge.kernels.reference import PagedKV
+from edge.kernels.reference import PagedKV, Rope
 
 
 class KVOutOfMemory(RuntimeError):
@@ -33,6 +33,12 @@ class SequenceKV(Protocol):
         """Store k/v ``[T, kv_heads, D]`` at positions [length, length+T) (None: already
         stored through ``pages``) and return causal attention of q ``[T, q_heads, D]``
         over positions [0, length+T)."""
+
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor | None:
+        """Attention ``[1, heads, D]`` of one decode token straight from its qkv
+        projection row ``[1, (heads + 2 kv_heads) * D]``, the q/k norm, RoPE and K/V store
+        included (one kernel on CUDA), or None when this cache does not do that: the
+        caller then runs ``qk_norm_rope`` and :meth:`attend`."""
 
     def advance(self, n: int) -> None:
         """Commit ``n`` tokens written by the last forward pass."""

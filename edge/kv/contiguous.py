@@ -36,6 +36,9 @@ class ContiguousKV:
         self.v[layer, start:end] = v
         return causal_attention(q, self.k[layer, :end], self.v[layer, :end], start, self.scale)
 
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: object) -> None:
+        return None  # the baseline keeps the separate qk_norm_rope
+
     def advance(self, n: int) -> None:
         self.length += n
 

@@ -18,7 +18,7 @@ import torch
 
 from edge.config import ModelConfig
 from edge.kernels import reference
-from edge.kernels.reference import PagedKV
+from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 
 Reclaimer = Callable[[int], int]
@@ -214,6 +214,16 @@ class PagedSequence:
             )
             return out.unsqueeze(0)
         return ops.prefill_attention(q, k_pool, v_pool, self.table.device, start, self.cache.scale)
+
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor | None:
+        if qkv.shape[0] != 1:
+            return None  # prefill chunks: qk_norm_rope, then attend
+        pool, ops = self.pool, self.cache.ops
+        out = ops.decode_attention_rope(
+            qkv, rope, pool.k[layer], pool.v[layer], self.table.device, self.length + 1, self.cache.scale,
+            **self.cache.decode_options,
+        )
+        return out.unsqueeze(0)
 
     def advance(self, n: int) -> None:
         self.length += n
