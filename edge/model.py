@@ -7,7 +7,10 @@ dtype, attention softmax in float32.
 
 The norms, q/k norm + RoPE and the SwiGLU activation go through ``self.ops``: the torch
 reference (:mod:`edge.kernels.reference`) by default, the fused CUDA kernels
-(:mod:`edge.kernels.fused_cuda`) once ``edge.engine.kernel_ops`` has loaded them.
+(:mod:`edge.kernels.fused_cuda`) once ``edge.engine.kernel_ops`` has loaded them. A
+decode token on a paged cache hands its qkv row to the cache instead
+(``SequenceKV.attend_rope``), whose attention kernel does the q/k norm, RoPE and K/V
+store itself.
 Decode at batch 1 is launch-bound on small models, so kernel count is speed: one
 kernel per residual add + norm, one for q/k norm + RoPE, one for silu * mul. With int8
 projections the decode GEMV takes the norms, residual adds and SwiGLU into its own
