@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge.kernels import nvrtc
+from edge.kernels import fused_cuda, nvrtc
 from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
 from edge.kernels.reference import PagedKV, Rope
 
@@ -636,10 +636,10 @@ def _check_q(
         raise ValueError(f"q_heads {qh} is not a multiple of kv_heads {kvh}")
 
 
-def _check_out(out: torch.Tensor, q: torch.Tensor) -> None:
-    if out.shape != q.shape or out.dtype != q.dtype or out.device != q.device:
+def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device:
         raise ValueError(
-            f"out must be {tuple(q.shape)} {q.dtype} on {q.device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
+            f"out must be {shape} {dtype} on {device}, got {tuple(out.shape)} {out.dtype} on {out.device}"
         )
     if not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError("out must be contiguous and 16-byte aligned")
@@ -677,7 +677,7 @@ def decode_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
-        _check_out(out, q)
+        _check_out(out, tuple(q.shape), q.dtype, q.device)
     plan = _plan(k_pool.device.index, k_pool.dtype, d, q.shape[-2], kvh, page)
     _decode(plan, out, _dense(q), k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows)
     return out
@@ -715,21 +715,13 @@ def decode_attention_rope(
     shape = (heads, d)
     if out is None:
         out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
-    elif (
-        tuple(out.shape) != shape
-        or out.dtype != qkv.dtype
-        or out.device != qkv.device
-        or not out.is_contiguous()
-        or out.data_ptr() % 16
-    ):
-        raise ValueError(f"out must be a contiguous 16-byte aligned {shape} {qkv.dtype} tensor on {qkv.device}")
+    else:
+        _check_out(out, shape, qkv.dtype, qkv.device)
     plan = _plan(k_pool.device.index, k_pool.dtype, d, heads, kvh, page, rope=True)
     options = {"num_splits": num_splits, "min_split_rows": min_split_rows}
     tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
     in_place = plan.rope and qkv.is_contiguous() and qkv.data_ptr() % 16 == 0
     if not (in_place and all(_fits_rope(t, qkv, d) for t in tables)):
-        from edge.kernels import fused_cuda  # fused_cuda's own fallbacks need this module's ops
-
         positions = pos if pos is not None else torch.tensor([int(kv_len) - 1], device=qkv.device)
         q, _ = fused_cuda.qk_norm_rope(
             qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
@@ -833,7 +825,7 @@ def prefill_attention(
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
-        _check_out(out, q)
+        _check_out(out, tuple(q.shape), q.dtype, q.device)
     if t == 0:
         return out
     if k_pool.dtype == torch.float32:

@@ -185,7 +185,8 @@ __device__ __forceinline__ void paged_decode_tc(
   allow_dependents();
   const int new_off = newest - r0;
   const bool holds_newest = new_off >= 0 && newest < r1;
-  T* const new_stage = pipe + ((new_off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_off % KEYS) * LDS;
+  const int new_at = holds_newest ? new_off : 0;  // the row's place in its stage's buffer
+  T* const new_stage = pipe + ((new_at / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_at % KEYS) * LDS;
   auto put_newest = [&]() {  // ROPE, last warp: the newest row into its stage's buffer
     *reinterpret_cast<Rp*>(new_stage + lane * E) = knew;
     *reinterpret_cast<Rp*>(new_stage + C::STAGE_ELEMS + lane * E) = vnew;
