@@ -116,10 +116,11 @@ class Model:
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = F.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
-        # Two plans with the same numerics. The int8 decode GEMV folds each RMSNorm into
-        # the projection that reads it and each residual add into the projection that
-        # produces it (7 kernels per layer). Otherwise (float weights, prefill chunks,
-        # CPU) one add_rms_norm kernel does add + norm (10 kernels).
+        # Two plans. The int8 decode GEMV folds each RMSNorm into the projection that
+        # reads it (scaling its dot product by 1/rms: the normalised row is never
+        # rounded to bf16) and each residual add into the projection that produces it.
+        # Otherwise (float weights, prefill chunks, CPU) one add_rms_norm kernel does
+        # add + norm.
         fused = self.int8_projections and fuses(x, self.layers[0]["qkv"])
         # What the next projection reads, and the norm it still applies to it.
         h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)

@@ -332,13 +332,6 @@ def test_engine_enables_the_gemv_for_int8_models(ic, registry) -> None:
 # ---------------------------------------------------------------------------------------
 
 EPS = 1e-6
-# Mantissa bits: one ulp of v is 2^(floor(log2 |v|) - bits).
-_MANTISSA = {torch.float16: 10, torch.bfloat16: 7}
-# The kernel's 1/rms (warp sum) and the reference's (torch's reduction) may differ in
-# the last bits of float32, which flips the rounding of an element of the normalised
-# input h once in ~2^13 (bf16) / ~2^10 (fp16): the bounds let up to this many elements
-# of each h row be one ulp off (|dy| <= FLIPS * ulp(max |h|) * max_k |w[row, k]|).
-FLIPS = 8
 # (mode, weight rows, in, group): Qwen3-8B's qkv, o, down and gate_up, and small odd
 # shapes (a short last warp, rows shorter than one warp-wide load, group 16).
 FUSED_CASES = [
@@ -353,18 +346,6 @@ FUSED_CASES = [
     ("norm_swiglu", 2 * 1027, 1024, 64),
     ("norm_swiglu", 2 * 5, 48, 16),
 ]
-
-
-def _ulp(v: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.exp2(torch.floor(torch.log2(v.abs().float().clamp_min(1e-30))) - _MANTISSA[dtype])
-
-
-def _row_absmax(w: Int8Weight) -> torch.Tensor:
-    """max_k |dequant(w)[row, k]| per row (float32)."""
-    rows, cols = w.weight.shape
-    groups = w.scale.shape[1]
-    qmax = w.weight.view(rows, groups, cols // groups).abs().amax(-1).float()
-    return (qmax * w.scale.float()).amax(-1)
 
 
 def fused_inputs(mode: str, rows: int, inp: int, group: int, dtype: torch.dtype, tokens: int, bias: bool) -> dict:
@@ -413,12 +394,11 @@ def check_fused(ic, case: dict, label: str) -> None:
         assert y.data_ptr() == case["out"].data_ptr()
     assert torch.isfinite(y).all(), f"{label}: non-finite outputs (unwritten NaN poison?)"
 
-    h = reference.rms_norm(x, *kw["norm"]) if "norm" in kw else x
+    # The norm modes scale the dot product with x * norm_w by 1/rms (int8_gemv.cu): the
+    # oracle is the linear of the unrounded float32 normalised row.
+    h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), kw["norm"][0].float(), EPS) if "norm" in kw else x
     o = oracle(h, w, bias)
-    slack = 1e-5 * o.abs().max()
-    if "norm" in kw:
-        slack = slack + FLIPS * _ulp(h.abs().max(), dtype) * _row_absmax(w)
-    err_lin = rtol * o.abs() + slack  # bound on |round(dot) - o| per output row
+    err_lin = rtol * o.abs() + 1e-5 * o.abs().max()  # bound on |round(dot) - o| per output row
     if "swiglu" in kw:
         half = w.out_features // 2
         gate, up = o[:, :half], o[:, half:]
@@ -470,30 +450,6 @@ def test_fused_modes_every_variant(ic, mode, rows_per_warp) -> None:
                     check_fused(ic, c, f"{mode} r{rows_per_warp} {rows}x{inp} g{group} {dtype} T{tokens}")
     finally:
         ic.set_tuning(prev[1], **prev[0])
-
-
-@pytest.mark.parametrize("wave", [1, 5])
-def test_a_grid_smaller_than_the_matrix_loops_over_its_row_blocks(ic, monkeypatch, wave) -> None:
-    """The norm modes launch one wave of resident CTAs, each looping over row blocks (on
-    an Orin's 16 SMs that is most matrices). Forced down to ``wave`` CTAs per token in
-    every mode, the kernel must give bit for bit what one CTA per block gives."""
-    resident = {"ctas": None}  # None: the device's real wave (>= the blocks here)
-    real_wave = ic._wave
-    monkeypatch.setattr(ic, "ONE_WAVE_INFIXES", frozenset({"", "norm_", "residual_", "norm_swiglu_"}))
-    monkeypatch.setattr(ic, "_wave", lambda *a: resident["ctas"] or real_wave(*a))
-    for mode, rows in (("plain", 300), ("norm", 1027), ("residual", 66), ("norm_swiglu", 2 * 301)):
-        for dtype in DTYPES16:
-            for tokens in (1, 3):
-                c = fused_inputs(mode, rows, 512, 32, dtype, tokens, bias=True)
-                kw = c["kw"]
-                resident["ctas"] = None
-                if "residual" in kw:
-                    full = ic.int8_linear(c["x"], c["w"], c["bias"], **{**kw, "residual": kw["residual"].clone()})
-                else:
-                    full = ic.int8_linear(c["x"], c["w"], c["bias"], **kw)
-                resident["ctas"] = wave * tokens
-                y = ic.int8_linear(c["x"], c["w"], c["bias"], out=c["out"], **kw)
-                assert torch.isfinite(y).all() and torch.equal(y, full), f"{mode} {dtype} T{tokens} wave {wave}"
 
 
 def test_fused_fallbacks_compose(ic) -> None:
@@ -572,25 +528,28 @@ def _unfused(ic) -> None:
     quant.register_int8_linear("cuda", ic.int8_linear)
 
 
-def _decode(engine, ids: list[int], steps: int) -> tuple[list[int], torch.Tensor]:
-    """Greedy tokens and the float32 logits of ``steps`` eager decode steps."""
+def _decode(engine, ids: list[int], steps: int, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
+    """Greedy tokens and the float32 logits of ``steps`` eager decode steps; with
+    ``forced``, those tokens are fed instead of the greedy ones (teacher forcing)."""
     seq = engine.new_sequence()
     try:
         logits = [engine.prefill(seq, ids)]
         tokens = []
-        for _ in range(steps):
+        for i in range(steps):
             tokens.append(int(torch.argmax(logits[-1])))
-            logits.append(engine.forward(seq, [tokens[-1]]))
-        return tokens, torch.stack(logits[1:])
+            logits.append(engine.forward(seq, [tokens[-1] if forced is None else forced[i]]))
+        return tokens, torch.stack(logits[:-1])
     finally:
         seq.release()
 
 
 def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint) -> None:
     """A random int8 model (non-flat logits: initializer_range 0.1; llama, qwen2 with
-    qkv bias, qwen3 with an untied int8 lm_head), bf16: eager decode with the fused plan
-    vs the unfused plan gives the same greedy tokens and close logits, and graph decode
-    with the fused plan gives the same tokens too."""
+    qkv bias, qwen3 with an untied int8 lm_head), bf16. The fused plan's norm GEMVs skip
+    one rounding of the unfused plan (the normalised row in bf16), so teacher-forced on
+    the unfused plan's greedy tokens its logits stay within a bf16-rounding bound and
+    pick the same token wherever the choice is not a near-tie; graph decode with the
+    fused plan gives exactly the eager fused plan's tokens."""
     from edge.engine import Engine
     from edge.sampling import SamplingParams
 
@@ -605,16 +564,23 @@ def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint)
     ids = list(range(3, 30))
     x = torch.zeros(1, graph.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
     assert quant.fuses(x, graph.model.layers[0]["qkv"]), "decode should take the fused plan"
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
-    fused_tokens, fused_logits = _decode(eager, ids, 24)
-    graph_tokens = graph.generate(ids, params).token_ids
+    steps = 24
+    fused_free, _ = _decode(eager, ids, steps)
+    graph_tokens = graph.generate(ids, SamplingParams(max_tokens=steps, ignore_eos=True)).token_ids
+    assert graph_tokens == fused_free, name
     _unfused(ic)
     assert not quant.fuses(x, graph.model.layers[0]["qkv"])
-    tokens, logits = _decode(eager, ids, 24)
-    assert fused_tokens == tokens, name
-    assert graph_tokens == tokens, name
+    tokens, logits = _decode(eager, ids, steps)
+    quant.register_int8_linear("cuda", ic.int8_linear, fuses=ic.supports)  # the fused plan again
+    assert quant.fuses(x, graph.model.layers[0]["qkv"])
+    fused_picks, fused_logits = _decode(eager, ids, steps, forced=tokens)
     rel = ((fused_logits - logits).norm() / logits.norm()).item()
-    assert rel < 5e-3, f"{name}: fused vs unfused plan logits rel err {rel:.3g}"
+    assert rel < 1e-2, f"{name}: fused vs unfused plan logits rel err {rel:.3g}"
+    for i, (a, b) in enumerate(zip(fused_picks, tokens)):
+        if a != b:  # a near-tie: the two candidates closer than the plans' difference
+            gap = (logits[i, b] - logits[i, a]).abs()
+            assert gap <= 2 * (fused_logits[i] - logits[i]).abs().max(), f"{name}: step {i} picks {a}, not {b}"
+    assert sum(a == b for a, b in zip(fused_picks, tokens)) >= steps - 2, name
 
 
 def test_int8_decode_runs_the_fused_kernels(ic, registry, monkeypatch) -> None:

@@ -11,8 +11,8 @@ which dequantizes and multiplies.
 It also takes the fusions of :func:`edge.quant.linear` (meaning:
 :func:`edge.quant.fused_linear_reference`) and runs these combinations in the kernel
 (:data:`MODES`), which is what lets an int8 decoder layer run 7 launches instead of 10:
-``norm`` (qkv: RMSNorm prologue on the residual stream), ``residual`` (o and down:
-``x += y`` in place), ``norm`` + ``swiglu`` (gate_up: norm prologue, SwiGLU epilogue).
+``norm`` (qkv: RMSNorm of the residual stream folded in), ``residual`` (o and down:
+``x += y`` in place), ``norm`` + ``swiglu`` (gate_up: norm, SwiGLU epilogue).
 Other combinations, and whatever the plain kernel would not take, compose the
 unfused ops (the caller's ``ops``) around the plain linear.
 
@@ -79,10 +79,6 @@ _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting i
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
 _MIN_CTAS_PER_SM = 2
-# Modes whose grid is one wave of resident CTAs looping over row blocks (int8_gemv.cu):
-# their CTAs normalise the input row once for all of their blocks instead of once per
-# block (8B gate_up has ~3 waves of blocks).
-ONE_WAVE_INFIXES = frozenset({"norm_", "norm_swiglu_"})
 
 # Compile-time knobs of int8_gemv.cu (defaults there); set_tuning() changes them.
 TUNING: dict[str, int] = {
@@ -217,8 +213,8 @@ def supports(
 
 
 def _norm_smem(x: torch.Tensor, cols: int) -> int:
-    """Dynamic shared memory of a norm-mode launch: the row and the norm weight."""
-    return 2 * cols * x.element_size()
+    """Dynamic shared memory of a norm-mode launch: the norm weight."""
+    return cols * x.element_size()
 
 
 def _is_vector(
@@ -257,21 +253,6 @@ def plan(
                 break
     r = max(r, min_rows)
     return r, -(-out_features // (warps * r)) * tokens
-
-
-_waves: dict[tuple[int, int], int] = {}  # (id of a loaded kernel, dynamic smem) -> CTAs
-
-
-def _wave(kernel: Any, dev: int, smem: int) -> int:
-    """CTAs of ``kernel`` the device holds at once, launched with ``smem`` bytes of
-    dynamic shared memory (loaded kernels live for the process, so their ids stay
-    unique)."""
-    key = (id(kernel), smem)
-    n = _waves.get(key)
-    if n is None:
-        threads = 32 * TUNING["EDGE_INT8_WARPS"]
-        n = _waves[key] = nvrtc.max_active_blocks(kernel, threads, dev, dynamic_smem=smem) * _sm_count(dev)
-    return n
 
 
 def int8_linear(
@@ -330,8 +311,6 @@ def int8_linear(
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
     kernel = _kernel(dev, x.dtype, r, infix)
-    if infix in ONE_WAVE_INFIXES:  # at most the resident CTAs (a multiple of tokens) loop
-        ctas = min(ctas, max(1, _wave(kernel, dev, smem) // tokens) * tokens)
     nvrtc.launch(
         dev,
         kernel,

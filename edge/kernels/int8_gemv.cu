@@ -20,8 +20,6 @@
 // in flight per lane). The warp's R sums are reduced with shuffles; lane r writes row
 // r. The wrapper picks R per matrix: the most rows per warp that still give every SM
 // two CTAs, so small matrices get more, shorter warps.
-// In the norm modes the grid is one wave of resident CTAs, each looping over row blocks
-// (normalising the row once): 8B gate_up + norm + SwiGLU 31.2 -> 29.1 us on an H200.
 //
 // int8 -> float32 without the low-throughput I2F conversion: with u = b ^ 0x80 (the
 // byte biased to 0..255), the float whose bits are 0x4B0000uu is 2^23 + u, so
@@ -75,14 +73,17 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 // What a launch does around the dot products (the fused decoder-layer modes; the
 // wrapper's supports() says which arguments each mode takes).
 //
-//   kNorm       RMSNorm prologue: the input is the residual stream, every element used
-//               is rms_norm(x)[k] = T(x[k] * inv_rms * norm_w[k]) (float32 math, one
-//               rounding: fused.cu's rms_norm and reference.rms_norm), so the norm
-//               kernel before the GEMV and its [T, in] output disappear. The CTA
-//               normalises its token's row once into shared memory (dynamic, 2 * in
-//               elements: x then the norm weight) while its warps' first weight chunks
-//               are being prefetched into L2; the dot products then read x from there.
-//               (A per-warp norm made gate_up 26 % slower: every warp re-read the row.)
+//   kNorm       RMSNorm of the input folded in: the input is the residual stream x and
+//               the linear reads rms_norm(x) = x * inv_rms * norm_w. Since inv_rms is
+//               one number per token, the dot product runs on x * norm_w (float32)
+//               and is scaled by inv_rms at the end; every warp reads the whole row in
+//               its loop anyway, so it sums the squares there too, and nothing waits
+//               for the statistic: after the grid-dependency wait the weights stream
+//               at once, as in the plain mode. (The first version normalised the row
+//               into shared memory after the wait, a CTA-wide reduction on every norm
+//               GEMV's critical path.) The norm weight, a constant of the step, is
+//               staged in shared memory before the wait. One rounding fewer than the
+//               composition rms_norm -> linear, whose normalised row is rounded to T.
 //   kResidual   residual-add epilogue, in place: y[row] = T(y[row] + T(dot + bias)),
 //               what `y += linear(...)` gives. One lane reads and writes each output,
 //               so in place is race-free (y must not alias x).
@@ -91,44 +92,13 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //               the linear outputs rounded to T (reference.silu_mul after the linear).
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2 };
 
-// rms_norm(x) * norm_w of one row (in elements, a multiple of 16) into sx[0, in), by
-// the whole CTA: x and the weight land in sx / sx + in (one round trip of 16-byte
-// loads), the sum of squares is reduced over the CTA, then each vector is scaled in
-// place. Every thread of the CTA must call it (it synchronises).
+// The norm weight [in] into sw, by the whole CTA (it synchronises): read before the
+// grid-dependency wait (no kernel of the step writes it).
 template <typename T>
-__device__ __forceinline__ void stage_rms_norm(T* __restrict__ sx, const T* __restrict__ x,
-                                               const T* __restrict__ norm_w, int in, float eps) {
-  __shared__ float partial[kWarps];
-  uint4* sv = reinterpret_cast<uint4*>(sx);
-  uint4* sw = reinterpret_cast<uint4*>(sx + in);
+__device__ __forceinline__ void stage_norm_weight(T* __restrict__ sw, const T* __restrict__ norm_w, int in) {
   const int nvec = in >> 3;
-  float ss = 0.f;
-#pragma unroll 4
-  for (int v = threadIdx.x; v < nvec; v += kThreads) {
-    const uint4 xv = ld_x(x + 8 * v);
-    sw[v] = ld_x(norm_w + 8 * v);
-    sv[v] = xv;
-    float f[8];
-    edge::Vec<T>::to_float(xv, f);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) ss = fmaf(f[j], f[j], ss);
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-  if ((threadIdx.x & 31) == 0) partial[threadIdx.x >> 5] = ss;
-  __syncthreads();
-  ss = 0.f;
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) ss += partial[w];
-  const float inv_rms = rsqrtf(ss / static_cast<float>(in) + eps);
-  for (int v = threadIdx.x; v < nvec; v += kThreads) {
-    float f[8], g[8], h[8];
-    edge::Vec<T>::to_float(sv[v], f);
-    edge::Vec<T>::to_float(sw[v], g);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) h[j] = f[j] * inv_rms * g[j];
-    sv[v] = edge::Vec<T>::from_float(h);
-  }
+  for (int v = threadIdx.x; v < nvec; v += kThreads)
+    reinterpret_cast<uint4*>(sw)[v] = ld_x(norm_w + 8 * v);
   __syncthreads();
 }
 
@@ -158,11 +128,9 @@ __device__ __forceinline__ void prefetch_rows(const signed char* const (&qrow)[R
 }
 
 // R weight rows per warp, U chunks per lane and row in flight per iteration. `out` is
-// the number of outputs per token (kSwiglu: half the weight's rows). The CTAs of a
-// token take row blocks (kWarps * outputs per warp) blockIdx.x / num_tokens,
-// + gridDim.x / num_tokens, ...: one each when the grid covers the matrix, several in
-// the norm modes, whose grid is one wave of resident CTAs so that each CTA normalises
-// the row once for all of its blocks (int8_cuda.plan).
+// the number of outputs per token (kSwiglu: half the weight's rows). A CTA takes row
+// block (kWarps * outputs per warp) blockIdx.x / num_tokens of token
+// blockIdx.x % num_tokens (int8_cuda.plan).
 template <typename T, int R, int U, bool kNorm, int kEpi>
 __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const signed char* __restrict__ q,
@@ -175,112 +143,113 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int tok = blockIdx.x % num_tokens;
-  const int block_stride = gridDim.x / num_tokens;
   x += (long long)tok * in;
   y += (long long)tok * out;
   const int nchunks = in >> 4;
   const int groups = in >> log2_group;
   const int chunk_shift = log2_group - 4;  // chunks per group = 1 << chunk_shift
 
-  int block = blockIdx.x / num_tokens;
-  int row0 = (block * kWarps + warp) * kOuts;
+  const int row0 = (blockIdx.x / num_tokens * kWarps + warp) * kOuts;
   const signed char* qrow[R];
   const float* srow[R];
   warp_rows<R, kOuts>(q, scale, row0, out, in, groups, qrow, srow);
   // Weights are constants of the step: the lines of the first iteration are prefetched
   // into L2 before the grid-dependency wait, so with overlapped launches (common.cuh)
-  // they stream in under the previous kernel's tail, and in the norm modes while the
-  // row is normalised. (Holding them in registers across the wait, or prefetching more
-  // than one iteration, measured slower on an H200: docs/kernels.md.)
+  // they stream in under the previous kernel's tail. (Holding them in registers across
+  // the wait, or prefetching more than one iteration, measured slower on an H200:
+  // docs/kernels.md.)
   if (row0 < out) prefetch_rows<R, U>(qrow, lane, in);
+  extern __shared__ __align__(16) unsigned char smem_w[];
+  const uint4* sw = reinterpret_cast<const uint4*>(smem_w);
+  if (kNorm) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
   edge::await_inputs();
-  extern __shared__ __align__(16) unsigned char smem_x[];
-  if (kNorm) {
-    stage_rms_norm<T>(reinterpret_cast<T*>(smem_x), x, norm_w, in, eps);
-    x = reinterpret_cast<const T*>(smem_x);
-  }
 
-  // Whole warps leave the loop together; nothing in it synchronises the CTA.
-  while (row0 < out) {
-    const int next_row0 = ((block + block_stride) * kWarps + warp) * kOuts;
-    float acc[R];
+  if (row0 >= out) return;  // a short last CTA's idle warps (nothing synchronises below)
+  float acc[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  for (int r = 0; r < R; ++r) acc[r] = 0.f;
+  float ss = 0.f;  // kNorm: this lane's share of sum(x^2)
 
-    for (int base = lane; base < nchunks; base += 32 * U) {
-      uint4 w[U][R];
-      uint4 xa[U], xb[U];
-      float s[U][R];
+  for (int base = lane; base < nchunks; base += 32 * U) {
+    uint4 w[U][R];
+    uint4 xa[U], xb[U], wa[U], wb[U];
+    float s[U][R];
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = base + 32 * u;
-        if (c < nchunks) {
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
 #pragma unroll
-          for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
-        }
+        for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
       }
+    }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = base + 32 * u;
-        if (c < nchunks) {
-          if (kNorm) {  // the normalised row in shared memory
-            xa[u] = reinterpret_cast<const uint4*>(x)[2 * c];
-            xb[u] = reinterpret_cast<const uint4*>(x)[2 * c + 1];
-          } else {
-            xa[u] = ld_x(x + 16 * c);
-            xb[u] = ld_x(x + 16 * c + 8);
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
+        xa[u] = ld_x(x + 16 * c);
+        xb[u] = ld_x(x + 16 * c + 8);
+        if (kNorm) {
+          wa[u] = sw[2 * c];
+          wb[u] = sw[2 * c + 1];
+        }
+#pragma unroll
+        for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + 32 * u;
+      if (c < nchunks) {
+        float xf[16];
+        edge::Vec<T>::to_float(xa[u], xf);
+        edge::Vec<T>::to_float(xb[u], xf + 8);
+        if (kNorm) {
+          float wf[16];
+          edge::Vec<T>::to_float(wa[u], wf);
+          edge::Vec<T>::to_float(wb[u], wf + 8);
+#pragma unroll
+          for (int j = 0; j < 16; ++j) {
+            ss = fmaf(xf[j], xf[j], ss);
+            xf[j] *= wf[j];
           }
-#pragma unroll
-          for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
         }
-      }
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int c = base + 32 * u;
-        if (c < nchunks) {
-          float xf[16];
-          edge::Vec<T>::to_float(xa[u], xf);
-          edge::Vec<T>::to_float(xb[u], xf + 8);
-#pragma unroll
-          for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
-        }
+        for (int r = 0; r < R; ++r) acc[r] = fmaf(s[u][r], dot16(w[u][r], xf), acc[r]);
       }
     }
-    // The next block's first lines stream in while this one is reduced and stored.
-    if (next_row0 < out) {
-      warp_rows<R, kOuts>(q, scale, next_row0, out, in, groups, qrow, srow);
-      prefetch_rows<R, U>(qrow, lane, in);
-    }
-
-    // Butterfly reduction: every lane ends with all R sums; lane o writes output o.
+  }
+  // Butterfly reduction: every lane ends with all R sums; lane o writes output o.
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
+  for (int off = 16; off > 0; off >>= 1) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-    }
-    float v = acc[0];
-    float up = acc[kOuts % R];  // kSwiglu: the up row of the lane's pair
+    for (int r = 0; r < R; ++r) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+    if (kNorm) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  }
+  if (kNorm) {  // the row's 1/rms, as fused.cu's rms_norm computes it
+    const float inv_rms = rsqrtf(ss / static_cast<float>(in) + eps);
 #pragma unroll
-    for (int o = 1; o < kOuts; ++o) {
-      if (lane == o) {
-        v = acc[o];
-        up = acc[(o + kOuts) % R];
-      }
+    for (int r = 0; r < R; ++r) acc[r] *= inv_rms;
+  }
+  float v = acc[0];
+  float up = acc[kOuts % R];  // kSwiglu: the up row of the lane's pair
+#pragma unroll
+  for (int o = 1; o < kOuts; ++o) {
+    if (lane == o) {
+      v = acc[o];
+      up = acc[(o + kOuts) % R];
     }
-    const int row = row0 + lane;
-    if (lane < kOuts && row < out) {
-      if (bias != nullptr) v += edge::to_float(bias[row]);
-      if (kEpi == kSwiglu) {
-        if (bias != nullptr) up += edge::to_float(bias[out + row]);
-        const float g = edge::round_to<T>(v);
-        v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
-      } else if (kEpi == kResidual) {
-        v = edge::to_float(y[row]) + edge::round_to<T>(v);
-      }
-      y[row] = edge::from_float<T>(v);
+  }
+  const int row = row0 + lane;
+  if (lane < kOuts && row < out) {
+    if (bias != nullptr) v += edge::to_float(bias[row]);
+    if (kEpi == kSwiglu) {
+      if (bias != nullptr) up += edge::to_float(bias[out + row]);
+      const float g = edge::round_to<T>(v);
+      v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
+    } else if (kEpi == kResidual) {
+      v = edge::to_float(y[row]) + edge::round_to<T>(v);
     }
-    block += block_stride;
-    row0 = next_row0;
+    y[row] = edge::from_float<T>(v);
   }
 }
 
@@ -309,7 +278,7 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 #define EDGE_INT8_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-// One signature for every mode (norm_w / eps unused without the norm prologue).
+// One signature for every mode (norm_w / eps unused without the norm).
 #define EDGE_INT8_GEMV(NAME, T, R, U, NORM, EPI)                                            \
   extern "C" __global__ void EDGE_INT8_BOUNDS                                              \
       NAME(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,  \
@@ -320,8 +289,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
                                   num_tokens);                                              \
   }
 
-// The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm prologue (qkv),
-// residual epilogue (o, down), norm prologue + SwiGLU epilogue (gate_up; even R only).
+// The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm (qkv),
+// residual epilogue (o, down), norm + SwiGLU epilogue (gate_up; even R only).
 #define EDGE_INT8_MODES(DT, T)                                                                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kStore)                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kStore)                \
