@@ -24,7 +24,7 @@ from edge.kernels import nvrtc
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
-from edge.sampling import SamplerState, sample
+from edge.sampling import SamplerState, advance, sample
 
 if TYPE_CHECKING:
     from edge.engine import Engine
@@ -84,6 +84,9 @@ class SlotDecoder:
         self.bound: PagedSequence | None = None
         self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
         self.kv = GraphStepKV(self)
+        # Every graph of the slot is captured on this stream: its kernel workspaces are
+        # the slot's own, and never another slot's.
+        self.capture_stream = torch.cuda.Stream(dev)
 
     # -- binding a request -----------------------------------------------------------
 
@@ -106,9 +109,12 @@ class SlotDecoder:
     # -- one step --------------------------------------------------------------------
 
     def _body(self, greedy: bool) -> None:
-        positions = self.pos.long()
-        hidden = self.model.forward(self.token, positions, self.kv)
-        self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
+        hidden = self.model.forward(self.token, self.pos, self.kv)  # int32 positions
+        if greedy and not self.sampler.use_penalty:
+            # The token straight from the lm_head (an int8 one's kernel skips the logits).
+            advance(self.sampler, self.model.greedy_token(hidden, out=self.token))
+        else:
+            self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
         self.pos.add_(1)
 
     def _graph(self, greedy: bool) -> torch.cuda.CUDAGraph:
@@ -117,11 +123,13 @@ class SlotDecoder:
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
-        # Warm up once on a side stream (lazy cuBLAS/kernel init must not happen during
-        # capture), at the bound position whose block is already reserved, then undo
-        # the state the warm-up advanced.
+        # Warm up once on the capture stream (lazy cuBLAS/kernel init must not happen
+        # during capture, and the kernels' per-stream workspaces, zeroed when made,
+        # must exist before it, or their zeroing would be replayed every step), at the
+        # bound position whose block is already reserved, then undo the state the
+        # warm-up advanced.
         saved = [t.clone() for t in (self.token, self.pos, self.sampler.step, self.sampler.seen)]
-        side = torch.cuda.Stream()
+        side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._body(greedy)
@@ -129,7 +137,7 @@ class SlotDecoder:
         for t, s in zip((self.token, self.pos, self.sampler.step, self.sampler.seen), saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool), nvrtc.overlapped(overlap):
+        with torch.cuda.graph(graph, pool=self.mempool, stream=side), nvrtc.overlapped(overlap):
             self._body(greedy)
         self.graphs[key] = graph
         return graph

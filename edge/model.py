@@ -36,6 +36,7 @@ from edge.quant import (
     Weight,
     checkpoint_quantization,
     fuses,
+    greedy_token,
     linear,
     load_quantized_weights,
     parse_quantize,
@@ -111,7 +112,8 @@ class Model:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> torch.Tensor:
         """Hidden states after the final norm, ``[T, hidden]``, for tokens ``ids`` at
-        ``positions`` (both device tensors of length T). Writes their K/V through ``kv``."""
+        ``positions`` (device tensors of length T; positions int64 or int32). Writes
+        their K/V through ``kv``."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -160,6 +162,11 @@ class Model:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits ``[T, vocab]``."""
         return linear(hidden, self.lm_head).float()
+
+    def greedy_token(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Greedy token ids ``[T]`` (int64), the argmax of :meth:`logits`; an int8 lm_head's
+        kernel finds it without writing the logits (``out`` receives the ids)."""
+        return greedy_token(hidden, self.lm_head, out)
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

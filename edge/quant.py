@@ -276,11 +276,16 @@ Weight = torch.Tensor | Int8Weight
 # norm, residual, swiglu and ops of linear().
 Int8Linear = Callable[..., torch.Tensor]
 Fuses = Callable[[torch.Tensor, Int8Weight], bool]
+# fn(x, w, bias, out) -> token ids, or None where it does not take the arguments.
+Int8Argmax = Callable[..., torch.Tensor | None]
 _INT8_LINEAR: dict[str, Int8Linear] = {}
 _INT8_FUSES: dict[str, Fuses] = {}
+_INT8_ARGMAX: dict[str, Int8Argmax] = {}
 
 
-def register_int8_linear(device_type: str, fn: Int8Linear | None, fuses: Fuses | None = None) -> None:
+def register_int8_linear(
+    device_type: str, fn: Int8Linear | None, fuses: Fuses | None = None, argmax: Int8Argmax | None = None
+) -> None:
     """Route ``Int8Weight.linear`` on ``device_type`` ("cuda", "cpu") to ``fn(x, w,
     bias)`` (None restores the torch reference). A kernel that only covers some shapes
     (say, the decode GEMV with one token) calls ``int8_linear_reference`` for the rest.
@@ -288,14 +293,19 @@ def register_int8_linear(device_type: str, fn: Int8Linear | None, fuses: Fuses |
     With ``fuses``, ``fn`` also takes :func:`linear`'s keyword arguments (``norm``,
     ``residual``, ``swiglu``, ``ops``) and runs them inside its kernel wherever
     ``fuses(x, w)`` is true (else it composes them, :func:`fused_linear_reference`);
-    without, those calls compose the fusions around ``fn``."""
+    without, those calls compose the fusions around ``fn``. With ``argmax``,
+    :func:`greedy_token` asks it first (``argmax(x, w, bias, out)``: the token ids
+    without the logits, or None)."""
     _INT8_FUSES.pop(device_type, None)
+    _INT8_ARGMAX.pop(device_type, None)
     if fn is None:
         _INT8_LINEAR.pop(device_type, None)
         return
     _INT8_LINEAR[device_type] = fn
     if fuses is not None:
         _INT8_FUSES[device_type] = fuses
+    if argmax is not None:
+        _INT8_ARGMAX[device_type] = argmax
 
 
 def fuses(x: torch.Tensor, w: Weight) -> bool:
@@ -306,6 +316,20 @@ def fuses(x: torch.Tensor, w: Weight) -> bool:
     than the fused add + norm kernel."""
     f = _INT8_FUSES.get(x.device.type)
     return f is not None and isinstance(w, Int8Weight) and f(x, w)
+
+
+def greedy_token(x: torch.Tensor, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Greedy decoding's token ids ``[T]`` (int64) for hidden states ``x [T, in]`` and
+    the lm_head ``w``: ``argmax(linear(x, w))`` over the vocabulary, the first of equal
+    maxima. An int8 lm_head's registered kernel finds it without writing the logits;
+    otherwise the logits are computed. ``out`` (int64 ``[T]``) receives the ids."""
+    impl = _INT8_ARGMAX.get(x.device.type)
+    if impl is not None and isinstance(w, Int8Weight):
+        ids = impl(x, w, None, out)
+        if ids is not None:
+            return ids
+    ids = torch.argmax(linear(x, w), dim=-1)
+    return ids if out is None else out.copy_(ids)
 
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

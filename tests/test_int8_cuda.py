@@ -845,3 +845,67 @@ if __name__ == "__main__":
     ap.add_argument("--group", type=int, default=128)
     a = ap.parse_args()
     bench(a.sweep, getattr(torch, a.dtype), a.group)
+
+
+# ---- the greedy lm_head: argmax in the GEMV's epilogue ---------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("rows, inp, group", [(32003, 1024, 128), (1027, 512, 32), (5, 48, 16)])
+def test_argmax_matches_torch_argmax_of_the_logits(ic, dtype, rows, inp, group) -> None:
+    """int8_argmax gives torch.argmax of the kernel's own logits for 1-4 tokens, with
+    and without bias: ties go to the first row, all-negative logits work, and the
+    per-stream slot is emptied after every call (repeated calls stay right)."""
+    g = _gen()
+    w = random_weight(rows, inp, group, g)
+    for tokens in (1, 2, 4):
+        for bias in (None, torch.randn(rows, generator=g, device="cuda").to(dtype)):
+            for shift in (0.0, -1e4):  # -1e4: every logit negative
+                x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
+                b = None if bias is None else bias + shift
+                if b is None and shift:
+                    continue
+                want = torch.argmax(ic.int8_linear(x, w, b), dim=-1)
+                out = torch.full((tokens,), -7, dtype=torch.int64, device="cuda")
+                got = ic.int8_argmax(x, w, b, out=out)
+                assert got is out and torch.equal(out, want), f"T{tokens} bias={b is not None} shift={shift}"
+    # A tie: the winning row copied to a lower and a higher row; the lowest one wins.
+    x = (torch.randn(1, inp, generator=g, device="cuda") * 3).to(dtype)
+    win = int(torch.argmax(ic.int8_linear(x, w)))
+    rows_tied = sorted({win, max(0, win - 3), min(rows - 1, win + 2)})
+    for r in rows_tied:
+        w.weight[r].copy_(w.weight[win])
+        w.scale[r].copy_(w.scale[win])
+    assert int(ic.int8_argmax(x, w)[0]) == rows_tied[0] == int(torch.argmax(ic.int8_linear(x, w)))
+    assert ic.int8_argmax(x.float(), w) is None, "float32 activations: the caller's logits"
+
+
+def test_greedy_graph_decode_takes_the_token_from_the_lm_head(ic, tmp_path) -> None:
+    """An int8 model with its own (int8) lm_head decodes greedily through the graph
+    with the argmax epilogue: the replay runs the argmax GEMV and its take, not
+    torch's argmax, and no fill (the kernels' workspaces are made before capture);
+    the tokens equal eager decode's, which takes the argmax of the logits."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from edge.engine import Engine
+    from edge.random_model import make_model
+    from edge.sampling import SamplingParams
+
+    path = make_model(tmp_path / "m", preset="tiny", tie_word_embeddings=False, dtype="bfloat16")
+    graph = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=True, kernels="cuda")
+    eager = Engine(graph.model, graph.tokenizer, graph.model_dir, cuda_graph=False, kernels="cuda")
+    assert isinstance(graph.model.lm_head, Int8Weight)
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    prompt = "The kiosk robot greets every visitor"
+    tokens = graph.generate(prompt, params).token_ids
+    assert tokens == eager.generate(prompt, params).token_ids
+    decoder = graph._decoders[0]
+    (step,) = decoder.graphs.values()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        step.replay()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert sum("int8_gemv_argmax" in n for n in names) == 1, names
+    assert sum("int8_argmax_take" in n for n in names) == 1, names
+    assert not [n for n in names if "reduce_kernel" in n or "Fill" in n], names

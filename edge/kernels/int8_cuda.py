@@ -55,6 +55,7 @@ __all__ = [
     "available",
     "disable",
     "enable",
+    "int8_argmax",
     "int8_linear",
     "load",
     "plan",
@@ -74,6 +75,8 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
     (False, True, False): ("residual_", ROWS_PER_WARP),
     (True, False, True): ("norm_swiglu_", (4, 2)),
 }
+# The greedy lm_head (int8_argmax): the plain launch with the argmax epilogue.
+ARGMAX_INFIX = "argmax_"
 MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
@@ -122,6 +125,10 @@ def _kernel(dev: int, dtype: torch.dtype, rows: int, infix: str = "") -> Any:
     )
 
 
+def _take_kernel(dev: int) -> Any:
+    return nvrtc.get_kernel(dev, SOURCE, "int8_argmax_take", TUNING)
+
+
 @functools.cache
 def _sm_count(dev: int) -> int:
     return int(torch.cuda.get_device_properties(dev).multi_processor_count)
@@ -133,9 +140,10 @@ def load(device: Any = None) -> None:
     dev = nvrtc.device_index(device, "the CUDA int8 GEMV")
     nvrtc.check_available(dev)
     for dtype in DTYPES:
-        for infix, rows in MODES.values():
+        for infix, rows in (*MODES.values(), (ARGMAX_INFIX, ROWS_PER_WARP)):
             for r in rows:
                 _kernel(dev, dtype, r, infix)
+    _take_kernel(dev)
     _sm_count(dev)
 
 
@@ -149,7 +157,7 @@ def enable(device: Any = None) -> None:
     to :func:`int8_linear`. Raises KernelsUnavailable / KernelCompileError (nothing is
     registered then)."""
     load(device)
-    register_int8_linear("cuda", int8_linear, fuses=supports)
+    register_int8_linear("cuda", int8_linear, fuses=supports, argmax=int8_argmax)
 
 
 def disable() -> None:
@@ -288,8 +296,7 @@ def int8_linear(
         if out is None:
             return y
         return out.copy_(y)
-    rows, cols = w.weight.shape
-    tokens = x.numel() // cols
+    rows = w.out_features
     outputs = rows // 2 if swiglu else rows
     shape = (*x.shape[:-1], outputs)
     if residual is not None:
@@ -305,19 +312,36 @@ def int8_linear(
         raise ValueError(
             f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}"
         )
-    dev = x.device.index if x.device.index is not None else torch.cuda.current_device()
     infix, _ = _mode(norm, residual, swiglu)  # type: ignore[misc]  # supports() checked
-    min_rows = 2 if swiglu else 1
+    _launch(x, w, bias, infix, out.data_ptr(), outputs, norm=norm, min_rows=2 if swiglu else 1)
+    return out
+
+
+def _launch(
+    x: torch.Tensor,
+    w: Int8Weight,
+    bias: torch.Tensor | None,
+    infix: str,
+    y_ptr: int,
+    outputs: int,
+    *,
+    norm: Norm | None = None,
+    best_ptr: int = 0,
+    min_rows: int = 1,
+) -> None:
+    """One GEMV launch in mode ``infix`` (arguments checked by :func:`supports`)."""
+    rows, cols = w.weight.shape
+    tokens = x.numel() // cols
+    dev = _dev_index(x.device)
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
-    kernel = _kernel(dev, x.dtype, r, infix)
     nvrtc.launch(
         dev,
-        kernel,
+        _kernel(dev, x.dtype, r, infix),
         ctas,
         32 * TUNING["EDGE_INT8_WARPS"],
         (
-            out.data_ptr(),
+            y_ptr,
             x.data_ptr(),
             w.weight.data_ptr(),
             w.scale.data_ptr(),
@@ -328,7 +352,50 @@ def int8_linear(
             np.int32(cols),
             np.int32(w.group_size.bit_length() - 1),
             np.int32(tokens),
+            best_ptr,
         ),
         shmem=smem,
     )
+
+
+_best_slots: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def _best(device: torch.device) -> torch.Tensor:
+    """The current stream's argmax slots (int64 ``[MAX_GEMV_TOKENS]``, zeroed when made;
+    ``int8_argmax_take`` empties each slot it reads). Per stream, like paged_cuda's
+    split workspace: the launches of one stream never overlap. Made inside a graph
+    capture, the zeroing is captured too (correct, one node more a replay): the graph
+    decoder warms up on its capture stream first."""
+    dev = _dev_index(device)
+    key = (dev, nvrtc.current_stream_handle(dev))
+    slots = _best_slots.get(key)
+    if slots is None:
+        slots = _best_slots[key] = torch.zeros(MAX_GEMV_TOKENS, dtype=torch.int64, device=device)
+    return slots
+
+
+def _dev_index(device: torch.device) -> int:
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def int8_argmax(
+    x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor | None:
+    """Greedy token ids ``[tokens]`` (int64) of ``x @ dequant(w).T + bias`` without the
+    logits: ``torch.argmax`` of the logits rounded to ``x``'s dtype (the first of equal
+    maxima), in two launches, the GEMV with its argmax epilogue and the take. ``out``
+    (contiguous int64 ``[tokens]`` on ``x``'s device) receives them. None when the
+    kernel does not take these arguments: the caller computes the logits instead."""
+    if not supports(x, w, bias):
+        return None
+    tokens = x.numel() // w.in_features
+    if out is None:
+        out = torch.empty(tokens, dtype=torch.int64, device=x.device)
+    elif out.dtype != torch.int64 or out.numel() != tokens or not out.is_contiguous() or out.device != x.device:
+        raise ValueError(f"out must be a contiguous int64 tensor of {tokens} elements on {x.device}")
+    best = _best(x.device)
+    _launch(x, w, bias, ARGMAX_INFIX, 0, w.out_features, best_ptr=best.data_ptr())
+    dev = _dev_index(x.device)
+    nvrtc.launch(dev, _take_kernel(dev), 1, 32, (best.data_ptr(), out.data_ptr(), np.int32(tokens)))
     return out

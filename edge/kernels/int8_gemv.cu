@@ -90,7 +90,23 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //   kSwiglu     SwiGLU epilogue: the weight is [gate; up] ([2 * out, in]); a warp owns
 //               R / 2 row pairs {j, out + j} and writes y[j] = T(silu(g) * u) with g, u
 //               the linear outputs rounded to T (reference.silu_mul after the linear).
-enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2 };
+//   kArgmax     greedy decoding's lm_head: nothing is stored; each warp folds its
+//               outputs (rounded to T, as the logits would be) into best[token] with
+//               one 64-bit atomicMax of (order-preserving bits of the value, ~row), so
+//               the largest value wins and, among equal values, the lowest row: what
+//               torch.argmax gives on the stored logits (NaN counts as the largest).
+//               int8_argmax_take turns best into the token id and resets it. This
+//               takes the float cast and torch's two-pass argmax (~18 us a step on an
+//               H100) off the end of every graph step.
+enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
+
+// (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
+// then lower rows. 0 is below every key (the empty slot).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
+  const unsigned int u = __float_as_uint(v);
+  const unsigned int ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
+}
 
 // The norm weight [in] into sw, by the whole CTA (it synchronises): read before the
 // grid-dependency wait (no kernel of the step writes it).
@@ -137,7 +153,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
                                           const float* __restrict__ scale,
                                           const T* __restrict__ bias,
                                           const T* __restrict__ norm_w, float eps, int out,
-                                          int in, int log2_group, int num_tokens) {
+                                          int in, int log2_group, int num_tokens,
+                                          unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || R % 2 == 0, "SwiGLU needs row pairs");
   constexpr int kOuts = kEpi == kSwiglu ? R / 2 : R;  // outputs per warp
   const int lane = threadIdx.x & 31;
@@ -240,6 +257,18 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
     }
   }
   const int row = row0 + lane;
+  if (kEpi == kArgmax) {  // lanes [0, kOuts) hold the warp's outputs
+    unsigned long long key = 0ull;
+    if (lane < kOuts && row < out)
+      key = argmax_key(edge::round_to<T>(bias != nullptr ? v + edge::to_float(bias[row]) : v), row);
+#pragma unroll
+    for (int off = 1; off < kOuts; off <<= 1) {
+      const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+      key = other > key ? other : key;
+    }
+    if (lane == 0) atomicMax(best + tok, key);
+    return;
+  }
   if (lane < kOuts && row < out) {
     if (bias != nullptr) v += edge::to_float(bias[row]);
     if (kEpi == kSwiglu) {
@@ -278,19 +307,21 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 #define EDGE_INT8_BOUNDS __launch_bounds__(kThreads)
 #endif
 
-// One signature for every mode (norm_w / eps unused without the norm).
+// One signature for every mode (norm_w / eps unused without the norm, best without
+// argmax, y with it).
 #define EDGE_INT8_GEMV(NAME, T, R, U, NORM, EPI)                                            \
   extern "C" __global__ void EDGE_INT8_BOUNDS                                              \
       NAME(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,  \
            const float* __restrict__ scale, const T* __restrict__ bias,                     \
            const T* __restrict__ norm_w, float eps, int out, int in, int log2_group,        \
-           int num_tokens) {                                                                \
+           int num_tokens, unsigned long long* __restrict__ best) {                         \
     int8_gemv<T, R, U, NORM, EPI>(y, x, q, scale, bias, norm_w, eps, out, in, log2_group,   \
-                                  num_tokens);                                              \
+                                  num_tokens, best);                                        \
   }
 
 // The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm (qkv),
-// residual epilogue (o, down), norm + SwiGLU epilogue (gate_up; even R only).
+// residual epilogue (o, down), norm + SwiGLU epilogue (gate_up; even R only), and the
+// greedy lm_head (argmax).
 #define EDGE_INT8_MODES(DT, T)                                                                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kStore)                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kStore)                \
@@ -302,7 +333,22 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kResidual)    \
   EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kResidual)    \
   EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kSwiglu)    \
-  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kSwiglu)
+  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kSwiglu)    \
+  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kArgmax)        \
+  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kArgmax)        \
+  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kArgmax)
 
 EDGE_INT8_MODES(bf16, __nv_bfloat16)
 EDGE_INT8_MODES(f16, __half)
+
+// After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
+// for the next launch on the stream. One warp; n <= 32 tokens.
+extern "C" __global__ void int8_argmax_take(unsigned long long* __restrict__ best, long long* __restrict__ token,
+                                            int n) {
+  edge::await_inputs();
+  const int t = threadIdx.x;
+  if (t < n) {
+    token[t] = static_cast<long long>(0xFFFFFFFFu - static_cast<unsigned int>(best[t]));
+    best[t] = 0ull;
+  }
+}
