@@ -176,12 +176,23 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   // the wait, or prefetching more than one iteration, measured slower on an H200:
   // docs/kernels.md.)
   if (row0 < out) prefetch_rows<R, U>(qrow, lane, in);
+  // The epilogue's other inputs are loaded now, not after the loop, so that no round
+  // trip follows the warp's last weights: lane o < kOuts ends with output row0 + o.
+  const int row = row0 + lane;
+  const bool writes = lane < kOuts && row < out;
+  float bias_v = 0.f, bias_up = 0.f;  // constants: read before the wait
+  if (bias != nullptr && writes) {
+    bias_v = edge::to_float(bias[row]);
+    if (kEpi == kSwiglu) bias_up = edge::to_float(bias[out + row]);
+  }
   extern __shared__ __align__(16) unsigned char smem_w[];
   const uint4* sw = reinterpret_cast<const uint4*>(smem_w);
   if (kNorm) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
   edge::await_inputs();
 
   if (row0 >= out) return;  // a short last CTA's idle warps (nothing synchronises below)
+  // The residual stream, written by an earlier kernel of the step: after the wait.
+  const float residual = kEpi == kResidual && writes ? edge::to_float(y[row]) : 0.f;
   float acc[R];
 #pragma unroll
   for (int r = 0; r < R; ++r) acc[r] = 0.f;
@@ -256,11 +267,9 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
       up = acc[(o + kOuts) % R];
     }
   }
-  const int row = row0 + lane;
+  if (bias != nullptr) v += bias_v;
   if (kEpi == kArgmax) {  // lanes [0, kOuts) hold the warp's outputs
-    unsigned long long key = 0ull;
-    if (lane < kOuts && row < out)
-      key = argmax_key(edge::round_to<T>(bias != nullptr ? v + edge::to_float(bias[row]) : v), row);
+    unsigned long long key = writes ? argmax_key(edge::round_to<T>(v), row) : 0ull;
 #pragma unroll
     for (int off = 1; off < kOuts; off <<= 1) {
       const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
@@ -269,14 +278,13 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
     if (lane == 0) atomicMax(best + tok, key);
     return;
   }
-  if (lane < kOuts && row < out) {
-    if (bias != nullptr) v += edge::to_float(bias[row]);
+  if (writes) {
     if (kEpi == kSwiglu) {
-      if (bias != nullptr) up += edge::to_float(bias[out + row]);
       const float g = edge::round_to<T>(v);
+      if (bias != nullptr) up += bias_up;
       v = g / (1.f + __expf(-g)) * edge::round_to<T>(up);  // fused.cu's silu_mul
     } else if (kEpi == kResidual) {
-      v = edge::to_float(y[row]) + edge::round_to<T>(v);
+      v = residual + edge::round_to<T>(v);
     }
     y[row] = edge::from_float<T>(v);
   }
