@@ -543,21 +543,24 @@ def _decode(engine, ids: list[int], steps: int, forced: list[int] | None = None)
         seq.release()
 
 
-def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint) -> None:
+def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint, tmp_path) -> None:
     """A random int8 model (non-flat logits: initializer_range 0.1; llama, qwen2 with
-    qkv bias, qwen3 with an untied int8 lm_head), bf16. The fused plan's norm GEMVs skip
-    one rounding of the unfused plan (the normalised row in bf16), so teacher-forced on
-    the unfused plan's greedy tokens its logits stay within a bf16-rounding bound and
-    pick the same token wherever the choice is not a near-tie; graph decode with the
-    fused plan gives exactly the eager fused plan's tokens."""
+    qkv bias, qwen3 with an untied int8 lm_head) in bf16, fused and unfused plans,
+    against the same int8 weights run in float32 (the torch reference path).
+
+    The fused plan's norm GEMVs skip one bf16 rounding of the unfused plan (the
+    normalised row), so the plans are not bit-equal any more, but teacher-forced on
+    the float32 model's greedy tokens the fused plan is at least as close to it as
+    the unfused one, picks the same tokens but for near-ties, and graph decode with
+    the fused plan gives exactly the eager fused plan's tokens."""
     from edge.engine import Engine
     from edge.sampling import SamplingParams
 
-    name, _, path = hf_checkpoint
-    graph = Engine.from_pretrained(
-        path, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=None, max_seq_len=256, num_blocks=64
-    )
+    name, _, src = hf_checkpoint
+    path = quant.quantize_checkpoint(src, tmp_path / "q8")["dst"]
+    graph = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", cuda_graph=None, max_seq_len=256, num_blocks=64)
     eager = Engine(graph.model, None, graph.model_dir, max_seq_len=256, num_blocks=64, cuda_graph=False)
+    exact = Engine.from_pretrained(path, device="cuda", dtype="float32", cuda_graph=False, max_seq_len=256, num_blocks=64)
     # head_dim 32 (the llama3 fixture) has no CUDA attention kernel: eager reference attention
     assert graph.cuda_graph == (graph.cfg.head_dim in (64, 128))
     assert graph.model.int8_projections
@@ -568,19 +571,21 @@ def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint)
     fused_free, _ = _decode(eager, ids, steps)
     graph_tokens = graph.generate(ids, SamplingParams(max_tokens=steps, ignore_eos=True)).token_ids
     assert graph_tokens == fused_free, name
+    tokens, want = _decode(exact, ids, steps)
+    fused_picks, fused = _decode(eager, ids, steps, forced=tokens)
     _unfused(ic)
     assert not quant.fuses(x, graph.model.layers[0]["qkv"])
-    tokens, logits = _decode(eager, ids, steps)
-    quant.register_int8_linear("cuda", ic.int8_linear, fuses=ic.supports)  # the fused plan again
-    assert quant.fuses(x, graph.model.layers[0]["qkv"])
-    fused_picks, fused_logits = _decode(eager, ids, steps, forced=tokens)
-    rel = ((fused_logits - logits).norm() / logits.norm()).item()
-    assert rel < 1e-2, f"{name}: fused vs unfused plan logits rel err {rel:.3g}"
+    _, unfused = _decode(eager, ids, steps, forced=tokens)
+
+    def rel(a: torch.Tensor) -> float:
+        return ((a - want).norm() / want.norm()).item()
+
+    assert rel(unfused) < 5e-2, f"{name}: unfused bf16 plan vs float32 rel err {rel(unfused):.3g}"
+    assert rel(fused) <= 1.1 * rel(unfused), f"{name}: fused {rel(fused):.3g} vs unfused {rel(unfused):.3g}"
     for i, (a, b) in enumerate(zip(fused_picks, tokens)):
-        if a != b:  # a near-tie: the two candidates closer than the plans' difference
-            gap = (logits[i, b] - logits[i, a]).abs()
-            assert gap <= 2 * (fused_logits[i] - logits[i]).abs().max(), f"{name}: step {i} picks {a}, not {b}"
-    assert sum(a == b for a, b in zip(fused_picks, tokens)) >= steps - 2, name
+        if a != b:  # a near-tie: the two candidates closer than the plan's error there
+            gap = (want[i, b] - want[i, a]).abs()
+            assert gap <= 2 * (fused[i] - want[i]).abs().max(), f"{name}: step {i} picks {a}, not {b}"
 
 
 def test_int8_decode_runs_the_fused_kernels(ic, registry, monkeypatch) -> None:
