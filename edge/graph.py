@@ -24,7 +24,7 @@ from edge.kernels import nvrtc
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
-from edge.sampling import SamplerState, advance, sample
+from edge.sampling import SamplerState, sample
 
 if TYPE_CHECKING:
     from edge.engine import Engine
@@ -111,8 +111,9 @@ class SlotDecoder:
     def _body(self, greedy: bool) -> None:
         hidden = self.model.forward(self.token, self.pos, self.kv)  # int32 positions
         if greedy and not self.sampler.use_penalty:
-            # The token straight from the lm_head (an int8 one's kernel skips the logits).
-            advance(self.sampler, self.model.greedy_token(hidden, out=self.token))
+            # The token straight from the lm_head (an int8 one's kernel skips the
+            # logits); greedy decoding never reads the sampler's noise step.
+            self.model.greedy_token(hidden, out=self.token)
         else:
             self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
         self.pos.add_(1)

@@ -23,7 +23,6 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
-import torch.nn.functional as F
 
 from edge.config import ModelConfig, rope_inv_freq
 from edge.kernels import reference
@@ -117,7 +116,7 @@ class Model:
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = F.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
+        x = ops.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
         # Two plans. The int8 decode GEMV folds each RMSNorm into the projection that
         # reads it (scaling its dot product by 1/rms: the normalised row is never
         # rounded to bf16) and each residual add into the projection that produces it.

@@ -116,16 +116,10 @@ def sample(logits: torch.Tensor, state: SamplerState, greedy: bool) -> torch.Ten
         token = torch.argmax(logits).view(1)
     else:
         token = _sample_stochastic(logits, state)
-    advance(state, token)
-    return token
-
-
-def advance(state: SamplerState, token: torch.Tensor) -> None:
-    """The sampler's bookkeeping of a chosen token ``[1]``, on the device: the step
-    (the noise's counter) and, with a repetition penalty, the seen set."""
     state.step.add_(1)
     if state.use_penalty:
         state.seen.index_fill_(0, token, True)
+    return token
 
 
 def _sample_stochastic(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:

@@ -65,6 +65,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+# ---- embedding -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", (*DTYPES, torch.float32))
+@pytest.mark.parametrize("ids_dtype", (torch.int64, torch.int32))
+@pytest.mark.parametrize("t", TOKENS)
+def test_embedding_gathers_rows_bit_for_bit(fc, dtype, ids_dtype, t):
+    g = _gen()
+    vocab, hidden = 1000, 4096 if dtype != torch.float32 else 1028
+    table = _randn(vocab, hidden, dtype=dtype, g=g)
+    ids = torch.randint(0, vocab, (t,), generator=g, device="cuda").to(ids_dtype)
+    ids[0] = vocab - 1
+    _poison(t * hidden * 4)
+    out = fc.embedding(ids, table)
+    assert torch.equal(out, table[ids.long()])
+    # An id outside the table reads nothing: its row is zero, the others are right.
+    bad = ids.clone()
+    bad[-1] = vocab
+    out = fc.embedding(bad, table)
+    assert torch.equal(out[-1], torch.zeros_like(out[-1])) and torch.equal(out[:-1], table[ids[:-1].long()])
+
+
 # ---- rms_norm / add_rms_norm ----------------------------------------------------------------
 
 

@@ -2,6 +2,7 @@
 // NVRTC, see edge/kernels/nvrtc.py; wrapped by edge/kernels/fused_cuda.py with the
 // semantics of the functions of the same names in edge/kernels/reference.py).
 //
+//   embedding     out[t] = table[ids[t]], ids read on the device (the graph's token)
 //   rms_norm      out = rms_norm(x) * w                        (one row per CTA)
 //   add_rms_norm  x += r (in place, rounded to T); out = rms_norm(x) * w
 //   silu_mul      out = silu(gate) * up, gate_up = [gate | up] per row
@@ -159,6 +160,23 @@ __device__ __forceinline__ void qk_norm_rope_head(
 }  // namespace
 
 // ---- extern "C" instantiations -------------------------------------------------------------
+
+// out[t] = table[ids[t]] for rows of row_vecs 16-byte vectors (byte-oriented: one
+// instantiation serves every dtype); grid y = tokens. ids (int64 or int32) come from an
+// earlier kernel in a graph step (the sampled token), so they are read after the wait;
+// letting dependents go first lets the first projection's CTAs start their weight
+// streams beside this copy (a torch embedding launch cannot). An id outside
+// [0, vocab) gives a zero row: nothing is read outside the table.
+extern "C" __global__ void __launch_bounds__(256)
+    embedding(uint4* __restrict__ out, const uint4* __restrict__ table, const void* __restrict__ ids,
+              int ids_i64, long long vocab, int row_vecs) {
+  edge::await_inputs();
+  const int t = blockIdx.y;
+  const long long id = ids_i64 ? static_cast<const long long*>(ids)[t] : static_cast<const int*>(ids)[t];
+  const bool ok = id >= 0 && id < vocab;
+  for (int v = blockIdx.x * blockDim.x + threadIdx.x; v < row_vecs; v += gridDim.x * blockDim.x)
+    out[static_cast<long long>(t) * row_vecs + v] = ok ? __ldg(table + id * row_vecs + v) : make_uint4(0u, 0u, 0u, 0u);
+}
 
 #define EDGE_FUSED_NORM(SUFFIX, T)                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                         \

@@ -1,6 +1,8 @@
 """CUDA fused decoder-layer ops (``fused.cu``) with the semantics of the functions of
 the same names in :mod:`edge.kernels.reference`:
 
+- :func:`embedding` ``(ids, table)`` -- the rows of token ids read on the device, in a
+  launch that lets the first projection start its weight stream beside it.
 - :func:`rms_norm` ``(x, weight, eps)`` -- RMSNorm of each row, times ``weight``.
 - :func:`add_rms_norm` ``(x, residual, weight, eps)`` -- ``x += residual`` in place
   (the residual stream), returns ``rms_norm(x) * weight``: one kernel instead of two.
@@ -74,6 +76,7 @@ def load(device: Any = None) -> None:
     Raises KernelsUnavailable or KernelCompileError. Call before graph capture."""
     dev = nvrtc.device_index(device, "the fused CUDA kernels")
     nvrtc.check_available(dev)
+    _kernel(dev, "embedding")
     for dtype, sfx in _SUFFIX.items():
         for name in _NAMES:
             _kernel(dev, f"{name}_{sfx}")
@@ -127,6 +130,40 @@ def _launch_norm(name: str, x: torch.Tensor, pointers: tuple[int, ...], eps: flo
         x.numel() // h,
         _norm_threads(h * x.element_size() // 16),
         (out.data_ptr(), *pointers, np.float32(eps), np.int32(h)),
+    )
+    return out
+
+
+_EMBED_THREADS = 256
+
+
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows ``table[ids]`` (``[T]`` int64 / int32 ids -> ``[T, hidden]``), one launch that
+    reads the ids on the device and lets the next kernel start beside it."""
+    row_bytes = table.shape[-1] * table.element_size() if table.dim() == 2 else 0
+    if not (
+        table.device.type == "cuda"
+        and table.dim() == 2
+        and row_bytes % 16 == 0
+        and table.is_contiguous()
+        and _aligned(table)
+        and ids.device == table.device
+        and ids.dim() == 1
+        and ids.dtype in (torch.int64, torch.int32)
+        and ids.is_contiguous()
+        and 0 < ids.numel() < 65536
+    ):
+        return reference.embedding(ids, table)
+    out = torch.empty(ids.numel(), table.shape[1], dtype=table.dtype, device=table.device)
+    vecs = row_bytes // 16
+    dev = _dev(table)
+    nvrtc.launch(
+        dev,
+        _kernel(dev, "embedding"),
+        (-(-vecs // _EMBED_THREADS), ids.numel()),
+        _EMBED_THREADS,
+        (out.data_ptr(), table.data_ptr(), ids.data_ptr(), np.int32(ids.dtype == torch.int64),
+         np.int64(table.shape[0]), np.int32(vecs)),
     )
     return out
 

@@ -139,6 +139,11 @@ def decode_attention(
 # ---------------------------------------------------------------------------------------
 
 
+def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Rows ``table[ids]``: token ids ``[T]`` (int64 or int32) -> ``[T, hidden]``."""
+    return F.embedding(ids, table)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension, times ``weight`` (if given): statistics and the
     weight multiply in float32, rounded once to ``x``'s dtype."""
