@@ -4,7 +4,9 @@ One decode step — embedding, every layer, logits, sampling — is captured onc
 slot and sampling mode, then replayed. All inputs live in static device buffers: the
 token id, ``pos``, the slot's block table and the sampler state. The graph itself
 writes the sampled token into the next step's input and advances ``pos``, so a step
-inside a page copies nothing from the host. At a page crossing the host allocates
+inside a page copies nothing from the host; with the CUDA kernels it also writes the
+token into the host's pinned ring, so nothing but the replay and an event goes on the
+stream per step (a device-to-host copy between replays cost ~12 us a step). At a page crossing the host allocates
 the block and syncs its one table entry *before* replay (forgetting that is the
 page-crossing garbage bug of seed 001 ch.15).
 
@@ -20,7 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.kernels import nvrtc
+from edge.kernels import fused_cuda, nvrtc
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
@@ -77,6 +79,10 @@ class SlotDecoder:
         cfg = engine.cfg
         self.attn_out = torch.empty(cfg.num_layers, cfg.num_heads, cfg.head_dim, device=dev, dtype=engine.dtype)
         self.host_tokens = torch.zeros(self.RING, dtype=torch.long, pin_memory=True)
+        # With the CUDA kernels the step itself writes its token into host_tokens (slot
+        # ring_pos % RING, fused_cuda.decode_step_end); else a copy follows each replay.
+        self.publishes = self.model.ops is fused_cuda
+        self.ring_pos = torch.zeros(1, dtype=torch.int32, device=dev)
         self._copied = [torch.cuda.Event() for _ in range(self.RING)]  # one per pinned slot
         self._ring = 0
         self.graphs: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph] = {}
@@ -98,6 +104,7 @@ class SlotDecoder:
         self.table[:n].copy_(seq.table.device[:n])
         seq.table.device = self.table
         self.pos.fill_(seq.length)
+        self.ring_pos.fill_(self._ring)
         self.token.copy_(token.view(1))
         s = self.sampler
         for name in ("temperature", "top_k", "top_p", "penalty", "seed", "step", "seen"):
@@ -116,7 +123,10 @@ class SlotDecoder:
             self.model.greedy_token(hidden, out=self.token)
         else:
             self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
-        self.pos.add_(1)
+        if self.publishes:
+            fused_cuda.decode_step_end(self.token, self.host_tokens, self.ring_pos, self.pos)
+        else:
+            self.pos.add_(1)
 
     def _graph(self, greedy: bool) -> torch.cuda.CUDAGraph:
         overlap = self.engine.overlap_launches
@@ -129,13 +139,14 @@ class SlotDecoder:
         # must exist before it, or their zeroing would be replayed every step), at the
         # bound position whose block is already reserved, then undo the state the
         # warm-up advanced.
-        saved = [t.clone() for t in (self.token, self.pos, self.sampler.step, self.sampler.seen)]
+        state = (self.token, self.pos, self.ring_pos, self.sampler.step, self.sampler.seen)
+        saved = [t.clone() for t in state]
         side = self.capture_stream
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             self._body(greedy)
         torch.cuda.current_stream().wait_stream(side)
-        for t, s in zip((self.token, self.pos, self.sampler.step, self.sampler.seen), saved):
+        for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool, stream=side), nvrtc.overlapped(overlap):
@@ -154,8 +165,9 @@ class SlotDecoder:
         seq.advance(1)
         slot = self._ring
         self._ring = (self._ring + 1) % self.RING
-        # Stream order makes this copy read the token before the next replay rewrites it.
-        self.host_tokens[slot : slot + 1].copy_(self.token, non_blocking=True)
+        if not self.publishes:
+            # Stream order makes this copy read the token before the next replay rewrites it.
+            self.host_tokens[slot : slot + 1].copy_(self.token, non_blocking=True)
         self._copied[slot].record()
         return slot
 

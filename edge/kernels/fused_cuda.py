@@ -77,6 +77,7 @@ def load(device: Any = None) -> None:
     dev = nvrtc.device_index(device, "the fused CUDA kernels")
     nvrtc.check_available(dev)
     _kernel(dev, "embedding")
+    _kernel(dev, "decode_step_end")
     for dtype, sfx in _SUFFIX.items():
         for name in _NAMES:
             _kernel(dev, f"{name}_{sfx}")
@@ -166,6 +167,27 @@ def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
          np.int64(table.shape[0]), np.int32(vecs)),
     )
     return out
+
+
+def decode_step_end(token: torch.Tensor, ring: torch.Tensor, ring_pos: torch.Tensor, pos: torch.Tensor) -> None:
+    """The end of a graph decode step, one launch: ``ring[ring_pos % len(ring)] = token``
+    straight into pinned host memory (the host reads that slot once the step's event
+    has completed, so no copy follows the replay on the stream), then ``ring_pos`` and
+    ``pos`` += 1. ``token``: int64 ``[1]``; ``ring``: pinned int64 host tensor;
+    ``ring_pos``, ``pos``: int32 ``[1]``, all on/for ``token``'s device."""
+    dev = _dev(token)
+    for name, t, dtype in (("token", token, torch.int64), ("ring_pos", ring_pos, torch.int32), ("pos", pos, torch.int32)):
+        if t.device != token.device or t.dtype != dtype or t.numel() != 1:
+            raise ValueError(f"{name} must be one {dtype} element on {token.device}, got {t.dtype} {tuple(t.shape)}")
+    if not (ring.device.type == "cpu" and ring.is_pinned() and ring.dtype == torch.int64 and ring.is_contiguous()):
+        raise ValueError("ring must be a contiguous pinned int64 host tensor")
+    nvrtc.launch(
+        dev,
+        _kernel(dev, "decode_step_end"),
+        1,
+        32,
+        (token.data_ptr(), ring.data_ptr(), ring_pos.data_ptr(), np.int32(ring.numel()), pos.data_ptr()),
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
