@@ -87,6 +87,25 @@ def test_embedding_gathers_rows_bit_for_bit(fc, dtype, ids_dtype, t):
     assert torch.equal(out[-1], torch.zeros_like(out[-1])) and torch.equal(out[:-1], table[ids[:-1].long()])
 
 
+def test_decode_step_end_publishes_into_the_pinned_ring(fc):
+    """Each launch writes the token into slot ring_pos % len of the pinned host ring
+    (readable once the stream has passed it) and advances ring_pos and pos."""
+    ring = torch.full((4,), -1, dtype=torch.int64, pin_memory=True)
+    ring_pos = torch.tensor([2], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([100], dtype=torch.int32, device="cuda")
+    for i, tok in enumerate((7, 11, 13)):
+        token = torch.tensor([tok], dtype=torch.int64, device="cuda")
+        fc.decode_step_end(token, ring, ring_pos, pos)
+        torch.cuda.current_stream().synchronize()
+        assert int(ring[(2 + i) % 4]) == tok
+    assert ring.tolist() == [11, 13, 7, -1]
+    assert int(ring_pos) == 5 and int(pos) == 103
+    with pytest.raises(ValueError):
+        fc.decode_step_end(token, ring.cuda(), ring_pos, pos)  # not host memory
+    with pytest.raises(ValueError):
+        fc.decode_step_end(token, ring, ring_pos.long(), pos)
+
+
 # ---- rms_norm / add_rms_norm ----------------------------------------------------------------
 
 
