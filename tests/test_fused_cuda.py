@@ -98,7 +98,7 @@ def test_decode_step_end_publishes_into_the_pinned_ring(fc):
         fc.decode_step_end(token, ring, ring_pos, pos)
         torch.cuda.current_stream().synchronize()
         assert int(ring[(2 + i) % 4]) == tok
-    assert ring.tolist() == [11, 13, 7, -1]
+    assert ring.tolist() == [13, -1, 7, 11]
     assert int(ring_pos) == 5 and int(pos) == 103
     with pytest.raises(ValueError):
         fc.decode_step_end(token, ring.cuda(), ring_pos, pos)  # not host memory
