@@ -172,9 +172,12 @@ def test_silu_mul(fc, dtype, t, inter):
     assert torch.equal(gu, gu0)
     oracle = reference.silu_mul(gu.float())
     assert rel_err(out, oracle) < TOL[dtype]
-    # elementwise: one rounding of the float32 value (plus __expf's few ulps)
+    # elementwise: one rounding of the float32 value, plus __expf's error (CUDA's math
+    # documentation: at most 2 + floor(|1.173 x|) ulps, which float32 outputs see)
     err = (out.float() - oracle).abs()
-    bound = oracle.abs() * (2 * torch.finfo(dtype).eps) + 1e-6
+    gate = gu[:, :inter].float().abs()
+    expf_ulps = 2 + 1.2 * gate
+    bound = oracle.abs() * (2 * torch.finfo(dtype).eps + expf_ulps * torch.finfo(torch.float32).eps) + 1e-6
     assert (err <= bound).all(), f"max elementwise excess {(err - bound).max().item()}"
 
 

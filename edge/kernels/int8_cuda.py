@@ -78,6 +78,7 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
 # The greedy lm_head (int8_argmax): the plain launch with the argmax epilogue.
 ARGMAX_INFIX = "argmax_"
 MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
+_MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
 _MIN_CTAS_PER_SM = 2
@@ -89,6 +90,7 @@ TUNING: dict[str, int] = {
     "EDGE_INT8_UNROLL_R2": 4,
     "EDGE_INT8_UNROLL_R4": 2,
     "EDGE_INT8_MIN_BLOCKS": 4,
+    "EDGE_INT8_PREFETCH": 1,
 }
 _DEFAULT_TUNING = dict(TUNING)
 _force_rows: int | None = None
@@ -209,7 +211,7 @@ def supports(
         return False
     if rows >= 2**31 or cols >= 2**31 or (swiglu and rows % 2):
         return False
-    if norm is not None and not _is_vector(norm[0], x, cols, align=16):
+    if norm is not None and not (_is_vector(norm[0], x, cols, align=16) and _norm_smem(x, cols) <= _MAX_SMEM):
         return False
     if residual is not None and not (
         _is_vector(residual, x, (*x.shape[:-1], rows))
@@ -217,6 +219,11 @@ def supports(
     ):
         return False
     return bias is None or _is_vector(bias, x, rows)
+
+
+def _norm_smem(x: torch.Tensor, cols: int) -> int:
+    """Dynamic shared memory of a norm-mode launch: the norm weight."""
+    return cols * x.element_size()
 
 
 def _is_vector(
@@ -327,6 +334,7 @@ def _launch(
     rows, cols = w.weight.shape
     tokens = x.numel() // cols
     dev = _dev_index(x.device)
+    smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
     nvrtc.launch(
         dev,
@@ -347,6 +355,7 @@ def _launch(
             np.int32(tokens),
             best_ptr,
         ),
+        shmem=smem,
     )
 
 

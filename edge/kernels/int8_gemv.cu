@@ -13,9 +13,9 @@
 // l + 64, ... of each of them, so one warp-wide load covers 512 contiguous bytes of a
 // row. Every chunk lies in one group (group a power of two >= 16), so the chunk's
 // 16 products are summed first and multiplied by the group scale once (the lanes of a
-// group read the same scale word: one transaction per group and row). x (and a norm
-// weight) are read with __ldg (16 bytes at a time, L1-resident: 2 * in bytes each, shared
-// by the R rows of the warp and every warp of the SM). Each iteration issues R * U weight loads before
+// group read the same scale word: one transaction per group and row). x is read with
+// __ldg (16 bytes at a time, L1-resident: at most 2 * in bytes, shared by the R rows of
+// the warp and every warp of the SM). Each iteration issues R * U weight loads before
 // using any of them (U: the EDGE_INT8_UNROLL_R<R> knobs below; 4-8 loads, 64-128 bytes
 // in flight per lane). The warp's R sums are reduced with shuffles; lane r writes row
 // r. The wrapper picks R per matrix: the most rows per warp that still give every SM
@@ -25,8 +25,8 @@
 // byte biased to 0..255), the float whose bits are 0x4B0000uu is 2^23 + u, so
 // (2^23 + u) - (2^23 + 128) = b exactly: one PRMT and one FADD per element.
 //
-// No shared memory, no __syncthreads, no host-visible state (but the argmax slots,
-// which the take kernel empties): safe in CUDA graphs.
+// Shared memory and __syncthreads only in the norm modes; no host-visible state: safe in
+// CUDA graphs.
 // sm_80+ PTX only (runs on sm_87 Orin and sm_90 H100/H200).
 #include "common.cuh"
 
@@ -81,10 +81,9 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //               for the statistic: after the grid-dependency wait the weights stream
 //               at once, as in the plain mode. (The first version normalised the row
 //               into shared memory after the wait, a CTA-wide reduction on every norm
-//               GEMV's critical path.) The norm weight is read beside x, through L1
-//               (staging it in shared memory made every CTA wait for it before its
-//               first weights). One rounding fewer than the composition
-//               rms_norm -> linear, whose normalised row is rounded to T.
+//               GEMV's critical path.) The norm weight, a constant of the step, is
+//               staged in shared memory before the wait. One rounding fewer than the
+//               composition rms_norm -> linear, whose normalised row is rounded to T.
 //   kResidual   residual-add epilogue, in place: y[row] = T(y[row] + T(dot + bias)),
 //               what `y += linear(...)` gives. One lane reads and writes each output,
 //               so in place is race-free (y must not alias x).
@@ -109,6 +108,16 @@ __device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
   return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
 }
 
+// The norm weight [in] into sw, by the whole CTA (it synchronises): read before the
+// grid-dependency wait (no kernel of the step writes it).
+template <typename T>
+__device__ __forceinline__ void stage_norm_weight(T* __restrict__ sw, const T* __restrict__ norm_w, int in) {
+  const int nvec = in >> 3;
+  for (int v = threadIdx.x; v < nvec; v += kThreads)
+    reinterpret_cast<uint4*>(sw)[v] = ld_x(norm_w + 8 * v);
+  __syncthreads();
+}
+
 // Weight rows and scale rows of the warp's R rows starting at output row0. A short last
 // warp re-reads a valid row. kSwiglu: rows r < R/2 are gate rows, the others the
 // matching up rows `out` further down.
@@ -125,10 +134,14 @@ __device__ __forceinline__ void warp_rows(const signed char* q, const float* sca
   }
 }
 
-// The first iteration's weight lines of the warp's rows into L2, a lane per 128-byte line.
+// The first EDGE_INT8_PREFETCH iterations' weight lines of the warp's rows into L2, a
+// lane per 128-byte line (at most 32 lines: 4 KB of each row).
+#ifndef EDGE_INT8_PREFETCH
+#define EDGE_INT8_PREFETCH 1
+#endif
 template <int R, int U>
 __device__ __forceinline__ void prefetch_rows(const signed char* const (&qrow)[R], int lane, int in) {
-  if (lane < min(4 * U, in >> 7)) {
+  if (lane < min(4 * U * EDGE_INT8_PREFETCH, in >> 7)) {
 #pragma unroll
     for (int r = 0; r < R; ++r) edge::prefetch_l2(qrow[r] + 128 * lane);
   }
@@ -176,6 +189,9 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
     bias_v = edge::to_float(bias[row]);
     if (kEpi == kSwiglu) bias_up = edge::to_float(bias[out + row]);
   }
+  extern __shared__ __align__(16) unsigned char smem_w[];
+  const uint4* sw = reinterpret_cast<const uint4*>(smem_w);
+  if (kNorm) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
   edge::await_inputs();
 
   if (row0 >= out) return;  // a short last CTA's idle warps (nothing synchronises below)
@@ -205,8 +221,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
         xa[u] = ld_x(x + 16 * c);
         xb[u] = ld_x(x + 16 * c + 8);
         if (kNorm) {
-          wa[u] = ld_x(norm_w + 16 * c);
-          wb[u] = ld_x(norm_w + 16 * c + 8);
+          wa[u] = sw[2 * c];
+          wb[u] = sw[2 * c + 1];
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
