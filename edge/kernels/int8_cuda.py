@@ -90,7 +90,6 @@ TUNING: dict[str, int] = {
     "EDGE_INT8_UNROLL_R2": 4,
     "EDGE_INT8_UNROLL_R4": 2,
     "EDGE_INT8_MIN_BLOCKS": 4,
-    "EDGE_INT8_PREFETCH": 1,
 }
 _DEFAULT_TUNING = dict(TUNING)
 _force_rows: int | None = None

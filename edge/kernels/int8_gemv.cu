@@ -134,14 +134,10 @@ __device__ __forceinline__ void warp_rows(const signed char* q, const float* sca
   }
 }
 
-// The first EDGE_INT8_PREFETCH iterations' weight lines of the warp's rows into L2, a
-// lane per 128-byte line (at most 32 lines: 4 KB of each row).
-#ifndef EDGE_INT8_PREFETCH
-#define EDGE_INT8_PREFETCH 1
-#endif
+// The first iteration's weight lines of the warp's rows into L2, a lane per 128-byte line.
 template <int R, int U>
 __device__ __forceinline__ void prefetch_rows(const signed char* const (&qrow)[R], int lane, int in) {
-  if (lane < min(4 * U * EDGE_INT8_PREFETCH, in >> 7)) {
+  if (lane < min(4 * U, in >> 7)) {
 #pragma unroll
     for (int r = 0; r < R; ++r) edge::prefetch_l2(qrow[r] + 128 * lane);
   }
