@@ -6,9 +6,9 @@ token id, ``pos``, the slot's block table and the sampler state. The graph itsel
 writes the sampled token into the next step's input and advances ``pos``, so a step
 inside a page copies nothing from the host; with the CUDA kernels it also writes the
 token into the host's pinned ring, so nothing but the replay and an event goes on the
-stream per step (a device-to-host copy between replays cost ~12 us a step). At a page crossing the host allocates
-the block and syncs its one table entry *before* replay (forgetting that is the
-page-crossing garbage bug of seed 001 ch.15).
+stream per step (a device-to-host copy between replays cost ~12 us a step). At a page
+crossing the host allocates the block and syncs its one table entry *before* replay
+(forgetting that is the page-crossing garbage bug of seed 001 ch.15).
 
 Because ``pos`` and the table change only between replays, the step's kernels are
 captured as overlapped launches (``nvrtc.overlapped``, sm_90+; ``Engine.overlap_launches``):
