@@ -332,7 +332,7 @@ def _launch(
     """One GEMV launch in mode ``infix`` (arguments checked by :func:`supports`)."""
     rows, cols = w.weight.shape
     tokens = x.numel() // cols
-    dev = _dev_index(x.device)
+    dev = nvrtc.device_index(x.device)
     smem = 0 if norm is None else _norm_smem(x, cols)
     r, ctas = plan(rows, tokens, dev, min_rows)
     nvrtc.launch(
@@ -367,16 +367,12 @@ def _best(device: torch.device) -> torch.Tensor:
     split workspace: the launches of one stream never overlap. Made inside a graph
     capture, the zeroing is captured too (correct, one node more a replay): the graph
     decoder warms up on its capture stream first."""
-    dev = _dev_index(device)
+    dev = nvrtc.device_index(device)
     key = (dev, nvrtc.current_stream_handle(dev))
     slots = _best_slots.get(key)
     if slots is None:
         slots = _best_slots[key] = torch.zeros(MAX_GEMV_TOKENS, dtype=torch.int64, device=device)
     return slots
-
-
-def _dev_index(device: torch.device) -> int:
-    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def int8_argmax(
@@ -396,6 +392,6 @@ def int8_argmax(
         raise ValueError(f"out must be a contiguous int64 tensor of {tokens} elements on {x.device}")
     best = _best(x.device)
     _launch(x, w, bias, ARGMAX_INFIX, 0, w.out_features, best_ptr=best.data_ptr())
-    dev = _dev_index(x.device)
+    dev = nvrtc.device_index(x.device)
     nvrtc.launch(dev, _take_kernel(dev), 1, 32, (best.data_ptr(), out.data_ptr(), np.int32(tokens)))
     return out

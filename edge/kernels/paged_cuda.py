@@ -722,7 +722,8 @@ def decode_attention_rope(
     tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
     in_place = plan.rope and qkv.is_contiguous() and qkv.data_ptr() % 16 == 0
     if not (in_place and all(_fits_rope(t, qkv, d) for t in tables)):
-        positions = pos if pos is not None else torch.tensor([int(kv_len) - 1], device=qkv.device)
+        # torch.full: a fill launch with the value as its argument, not a host-to-device copy
+        positions = pos if pos is not None else torch.full((1,), int(kv_len) - 1, dtype=torch.int32, device=qkv.device)
         q, _ = fused_cuda.qk_norm_rope(
             qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
             PagedKV(k_pool, v_pool, block_table),

@@ -223,7 +223,7 @@ def decode_attention_rope(
     ``[1, (heads + 2 kv_heads) * D]``: ``qk_norm_rope`` storing its key and value into the
     pools, then :func:`decode_attention` -> ``[heads, D]`` (what the CUDA kernel does in
     one launch)."""
-    positions = torch.tensor([kv_len - 1], device=qkv.device)
+    positions = torch.full((1,), kv_len - 1, dtype=torch.long, device=qkv.device)  # no host-to-device copy
     d = rope.cos.shape[1]
     q, _ = qk_norm_rope(
         qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, rope.heads, rope.kv_heads, d, rope.eps,
