@@ -48,7 +48,9 @@ TUNINGS = [
     ("paged_decode.cu", {"EDGE_DECODE_QACC_REGS": 128, "EDGE_DECODE_MIN_BLOCKS": 2}),
     ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4}),
     ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1}),
+    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2}),
     ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1}),
+    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 8, "EDGE_TC_STAGES": 3}),
     (
         "paged_decode_tc.cu",
         {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 1, "EDGE_TC_MIN_BLOCKS": 3},
@@ -137,7 +139,7 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "warps,stages", [(4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
+    "warps,stages", [(8, 1), (8, 2), (8, 3), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
 )
 def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
@@ -171,9 +173,10 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
 def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     monkeypatch, per_sm, optin, want, want64
 ):
-    """Two 4-warp CTAs of 64-key bf16 stages (34 KB a stage at head_dim 128, 18 KB at
-    64) share each SM, so a pipeline allowed 3 stages is as deep as the SM's shared
-    memory allows; the default allows two."""
+    """One 8-warp CTA of 128-key bf16 stages (68 KB a stage at head_dim 128, 36 KB at
+    64) holds each SM, so a pipeline allowed 3 stages is as deep as the SM's shared
+    memory allows; the default allows two. 4-warp CTAs (34 KB / 18 KB a stage) are
+    sized for two an SM, and come to the same depths."""
     import torch
 
     from edge.kernels import paged_cuda
@@ -183,6 +186,9 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     try:
         assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == min(want, 2)
         paged_cuda.set_decode_tuning(tc_max_stages=3)
+        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == want
+        assert paged_cuda.tc_stages(0, torch.bfloat16, 64) == want64
+        paged_cuda.set_decode_tuning(EDGE_TC_WARPS=4, tc_max_stages=3)
         assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == want
         assert paged_cuda.tc_stages(0, torch.bfloat16, 64) == want64
         paged_cuda.set_decode_tuning(EDGE_TC_STAGES=4)

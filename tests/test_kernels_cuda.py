@@ -173,6 +173,8 @@ TC_TUNINGS = (
     {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2, "max_splits": 16},
     {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 3},
     {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},
+    {"EDGE_TC_WARPS": 4},
+    {"EDGE_TC_WARPS": 8, "EDGE_TC_STAGES": 3},
 )
 
 
@@ -188,8 +190,9 @@ def test_decode_tc_tunings(pc, tuning, d):
             (torch.float16, (16, 2), 8),
         ):
             k_pool, v_pool, table = make_cache(8191, page, heads[1], d, dtype)
-            # 2148, 4300, 6300: the newest row in the second or third stage of its
-            # split, which the kernel issues before its grid-dependency wait
+            # 2148, 4300, 6300 (4 warps) and 6300 (8 warps, 16 splits): the newest row
+            # in the second or third stage of its split, which the kernel issues
+            # before its grid-dependency wait
             for kv_len in (1, 31, 33, 1000, 2148, 4300, 6300, 8191):
                 q = randn(heads[0], d, dtype=dtype)
                 out = torch.full_like(q, float("nan"))

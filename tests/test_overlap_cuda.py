@@ -100,8 +100,9 @@ def test_overlapped_layer_step_equals_serial_launches(kernels) -> None:
     with torch.cuda.graph(graph), nvrtc.overlapped():
         step(overlapped)
 
-    # 2147 and 6299: the newest row lies in the second / third stage of its split, which
-    # attention issues before its grid-dependency wait (all but that row)
+    # 6299: the newest row lies in the second stage of its split (8-warp CTAs; 2147 and
+    # 6299 at 4 warps: second / third), which attention issues before its
+    # grid-dependency wait (all but that row)
     for p in (0, 1, 15, 16, 17, 63, 64, 65, 300, 511, 512, 2147, 6299, MAX_LEN - 1):
         h = torch.randn(1, HIDDEN, generator=g, device="cuda").to(DT)
         for s in (serial, overlapped):

@@ -46,9 +46,10 @@ _DTYPES = {
 # split policy; `--tunings JSON` replaces the list).
 SWEEP = [
     {"impl": "simt"},
-    {"impl": "tc"},  # defaults: 4 warps, 2 stages, <= 32 splits, 8 merger CTAs a KV head
+    {"impl": "tc"},  # defaults: 8 warps, 2 stages, a wave of splits (16 on an H100)
+    {"impl": "tc", "EDGE_TC_WARPS": 4},  # two CTAs an SM, 32 splits
     {"impl": "tc", "EDGE_TC_STAGES": 1},
-    {"impl": "tc", "tc_max_stages": 3},  # as deep as 2 CTAs an SM allow (tc_stages)
+    {"impl": "tc", "tc_max_stages": 3},  # as deep as the SM's shared memory allows (tc_stages)
     {"impl": "tc", "mergers": 1},
     {"impl": "tc", "mergers": 16},
     {"impl": "tc", "max_splits": 16},

@@ -68,10 +68,6 @@ _PREFILL_THREADS = 128
 _PREFILL_ROWS = 64
 _KV_THREADS = 256
 _LOG2E = 1.4426950408889634
-# Static shared memory of paged_decode_tc.cu beside its dynamic pipeline (row maxima and
-# sums of 4 warps, a flag, and in the RoPE variant 16 rotated query heads of head_dim
-# 128), rounded up.
-_TC_STATIC_SMEM = 5 * 1024
 
 # Decode implementation for float16/bfloat16: "tc" (tensor cores, paged_decode_tc.cu)
 # or "simt" (CUDA cores, paged_decode.cu; float32 always uses it). Compile-time knobs of
@@ -79,15 +75,21 @@ _TC_STATIC_SMEM = 5 * 1024
 # them with set_decode_tuning() (tools/bench.py sweeps them).
 DECODE_TUNING: dict[str, Any] = {
     "impl": "tc",
+    # Warps of a tensor-core CTA; a stage holds 16 keys a warp. 8 warps (one CTA an SM at
+    # ~173 registers) against 4 (two an SM): int8 8B decode on an H100 +2.4 % at context
+    # 128, +3.6 % at 1024, +0.3-0.9 % at 4096-8000, because a short context's keys fit one
+    # or two 128-key stages of one CTA a KV head; attention-after-attention at 8192
+    # keys (tools/bench.py kernels) is 3 % slower (docs/kernels.md, eighth session).
+    "EDGE_TC_WARPS": 8,
     "min_split_rows": 64,  # host-length launches: no split shorter than this
     # Cap on the one-wave split count (more splits: more partials to merge; 16 and 48-64
     # measured slower, docs/kernels.md).
     "max_splits": 32,
     # Deepest K/V pipeline of the tensor-core kernel; fewer where shared memory would
-    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). 2 stages (70 KB a CTA) stream
-    # 8192 keys 3 % faster than 1 and decode int8 as fast or 0.9 % faster; 3 stages'
-    # 104 KB CTAs keep the next (overlapped) GEMV's CTAs from starting beside them and
-    # cost int8 decode 3 % (docs/kernels.md).
+    # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). At 8 warps 2 stages (139 KB a
+    # CTA) against 1: int8 decode +2.2 % at context 2048, equal at 128. (At 4 warps, 3
+    # stages' CTAs kept the next overlapped GEMV's CTAs from starting beside them and
+    # cost int8 decode 3 %; docs/kernels.md.)
     "tc_max_stages": 2,
     # CTAs per KV head that merge the splits, each a share of the outputs, when the whole
     # grid is resident at once (else 1: a merger waits for every split of its head).
@@ -95,7 +97,9 @@ DECODE_TUNING: dict[str, Any] = {
     "mergers": 8,
     # Device-length (graph) launches: fewest keys per active split; the launch carries
     # max_splits and the kernel runs only as many as the length fills (active_splits).
-    "graph_min_split_rows": 64,
+    # 256 (two 8-warp stages, no split merge below 257 keys): +1.5 % int8 decode at
+    # context 128 against 64 and 128 (docs/kernels.md, eighth session).
+    "graph_min_split_rows": 256,
     # decode_attention_rope: the q/k norm + RoPE + K/V store inside the attention launch
     # (False: qk_norm_rope's launch, then decode_attention).
     "rope_in_attention": True,
@@ -148,7 +152,20 @@ def _decode_kernel(dev: int, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
 
 
 def _tc_warps() -> int:
-    return int(DECODE_TUNING.get("EDGE_TC_WARPS", 4))  # EDGE_TC_WARPS default in the source
+    return int(DECODE_TUNING.get("EDGE_TC_WARPS", 8))  # EDGE_TC_WARPS default in the source
+
+
+def _tc_min_blocks(warps: int) -> int:
+    """Resident CTAs an SM the kernel's register budget is set for (its
+    EDGE_TC_MIN_BLOCKS default)."""
+    return int(DECODE_TUNING.get("EDGE_TC_MIN_BLOCKS", 1 if warps >= 8 else 2 if warps >= 4 else 4))
+
+
+def _tc_static_smem(warps: int, head_dim: int) -> int:
+    """Static shared memory of paged_decode_tc.cu beside its dynamic pipeline, rounded
+    up: the warps' row maxima and sums, a flag, and the RoPE variant's 16 rotated query
+    heads."""
+    return 2 * warps * 16 * 4 + 16 * head_dim * 2 + 64
 
 
 def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) -> int:
@@ -162,16 +179,16 @@ def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) ->
 def tc_stages(dev: int, dtype: torch.dtype, head_dim: int) -> int:
     """Pipeline depth of the tensor-core decode kernel on this device: ``EDGE_TC_STAGES``
     when tuned, else the most stages (at most ``tc_max_stages``) that still let
-    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (by default 2 on an H200 and on Orin's 164 KB
-    an SM at head_dim 128; with ``tc_max_stages=3``: 3 on an H200)."""
+    ``EDGE_TC_MIN_BLOCKS`` CTAs share an SM (by default 2 on an H100 / H200 and on Orin's
+    164 KB an SM at head_dim 128; with ``tc_max_stages=3``: 3 on an H100 / H200)."""
     if "EDGE_TC_STAGES" in DECODE_TUNING:
         return int(DECODE_TUNING["EDGE_TC_STAGES"])
     warps = _tc_warps()
-    ctas = int(DECODE_TUNING.get("EDGE_TC_MIN_BLOCKS", 2 if warps >= 4 else 4))
+    ctas = _tc_min_blocks(warps)
     per_sm, optin, reserved = nvrtc.shared_memory(dev)
     stages = 1
     for n in range(2, int(DECODE_TUNING["tc_max_stages"]) + 1):
-        need = tc_smem_bytes(dtype, head_dim, warps, n) + _TC_STATIC_SMEM
+        need = tc_smem_bytes(dtype, head_dim, warps, n) + _tc_static_smem(warps, head_dim)
         if need <= optin and ctas * (need + reserved) <= per_sm:
             stages = n
     return stages

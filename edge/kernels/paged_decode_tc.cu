@@ -23,13 +23,14 @@
 // Defaults of a bare compile; the engine always passes EDGE_TC_STAGES (chosen per
 // device from its shared memory, paged_cuda.tc_stages).
 #ifndef EDGE_TC_WARPS
-#define EDGE_TC_WARPS 4
+#define EDGE_TC_WARPS 8
 #endif
 #ifndef EDGE_TC_STAGES
 #define EDGE_TC_STAGES 2
 #endif
+// 8 warps: one CTA an SM, so no register cap (~173 used; 128 would spill).
 #ifndef EDGE_TC_MIN_BLOCKS
-#define EDGE_TC_MIN_BLOCKS (EDGE_TC_WARPS >= 4 ? 2 : 4)
+#define EDGE_TC_MIN_BLOCKS (EDGE_TC_WARPS >= 8 ? 1 : EDGE_TC_WARPS >= 4 ? 2 : 4)
 #endif
 
 namespace edge {
