@@ -232,9 +232,9 @@ class Engine:
         t = ids_t.shape[0]
         seq.reserve(t)
         positions = torch.arange(seq.length, seq.length + t, device=self.device)
-        hidden = self.model.forward(ids_t, positions, seq)
+        hidden, norm = self.model.hidden(ids_t, positions, seq)
         seq.advance(t)
-        return self.model.logits(hidden if all_logits else hidden[-1:])[slice(None) if all_logits else 0]
+        return self.model.logits(hidden if all_logits else hidden[-1:], norm)[slice(None) if all_logits else 0]
 
     def prefill(self, seq: SequenceKV, ids: list[int], all_logits: bool = False) -> torch.Tensor:
         """Prefill in chunks of ``prefill_chunk`` tokens; logits as ``forward``."""

@@ -116,13 +116,14 @@ class SlotDecoder:
     # -- one step --------------------------------------------------------------------
 
     def _body(self, greedy: bool) -> None:
-        hidden = self.model.forward(self.token, self.pos, self.kv)  # int32 positions
+        hidden, norm = self.model.hidden(self.token, self.pos, self.kv)  # int32 positions
         if greedy and not self.sampler.use_penalty:
             # The token straight from the lm_head (an int8 one's kernel skips the
-            # logits); greedy decoding never reads the sampler's noise step.
-            self.model.greedy_token(hidden, out=self.token)
+            # logits and takes the final norm); greedy decoding never reads the
+            # sampler's noise step.
+            self.model.greedy_token(hidden, out=self.token, norm=norm)
         else:
-            self.token.copy_(sample(self.model.logits(hidden)[0], self.sampler, greedy))
+            self.token.copy_(sample(self.model.logits(hidden, norm)[0], self.sampler, greedy))
         if self.publishes:
             fused_cuda.decode_step_end(self.token, self.host_tokens, self.ring_pos, self.pos)
         else:

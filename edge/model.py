@@ -113,6 +113,14 @@ class Model:
         """Hidden states after the final norm, ``[T, hidden]``, for tokens ``ids`` at
         ``positions`` (device tensors of length T; positions int64 or int32). Writes
         their K/V through ``kv``."""
+        h, norm = self.hidden(ids, positions, kv)
+        return h if norm is None else self.ops.rms_norm(h, *norm)
+
+    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> tuple[torch.Tensor, Norm | None]:
+        """:meth:`forward` with the final RMSNorm still pending where the int8 decode
+        GEMVs fold the norms in (an int8 lm_head's then takes it too): ``(h, norm)``,
+        ``norm`` the ``(weight, eps)`` still to apply to ``h`` (None: ``h`` is
+        normalised). :meth:`logits` and :meth:`greedy_token` take ``norm``."""
         cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -145,7 +153,7 @@ class Model:
             act = linear(h, lw["gate_up"], norm=norm, swiglu=True, ops=ops)
             # The last layer's norm is the final one.
             h, norm = self._add_projection(x, act, lw["down"], lw["ln_out"], fused)
-        return h if norm is None else ops.rms_norm(h, *norm)
+        return h, norm
 
     def _add_projection(
         self, x: torch.Tensor, a: torch.Tensor, w: Weight, ln: torch.Tensor, fused: bool
@@ -158,14 +166,17 @@ class Model:
             return x, (ln, eps)
         return self.ops.add_rms_norm(x, linear(a, w), ln, eps), None
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits ``[T, vocab]``."""
-        return linear(hidden, self.lm_head).float()
+    def logits(self, hidden: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` of ``hidden`` (``norm``: the final norm still to
+        apply, from :meth:`hidden`)."""
+        return linear(hidden, self.lm_head, norm=norm, ops=self.ops).float()
 
-    def greedy_token(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def greedy_token(
+        self, hidden: torch.Tensor, out: torch.Tensor | None = None, norm: Norm | None = None
+    ) -> torch.Tensor:
         """Greedy token ids ``[T]`` (int64), the argmax of :meth:`logits`; an int8 lm_head's
         kernel finds it without writing the logits (``out`` receives the ids)."""
-        return greedy_token(hidden, self.lm_head, out)
+        return greedy_token(hidden, self.lm_head, out, norm=norm, ops=self.ops)
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

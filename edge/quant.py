@@ -276,7 +276,7 @@ Weight = torch.Tensor | Int8Weight
 # norm, residual, swiglu and ops of linear().
 Int8Linear = Callable[..., torch.Tensor]
 Fuses = Callable[[torch.Tensor, Int8Weight], bool]
-# fn(x, w, bias, out) -> token ids, or None where it does not take the arguments.
+# fn(x, w, bias, out, norm=...) -> token ids, or None where it does not take the arguments.
 Int8Argmax = Callable[..., torch.Tensor | None]
 _INT8_LINEAR: dict[str, Int8Linear] = {}
 _INT8_FUSES: dict[str, Fuses] = {}
@@ -294,8 +294,8 @@ def register_int8_linear(
     ``residual``, ``swiglu``, ``ops``) and runs them inside its kernel wherever
     ``fuses(x, w)`` is true (else it composes them, :func:`fused_linear_reference`);
     without, those calls compose the fusions around ``fn``. With ``argmax``,
-    :func:`greedy_token` asks it first (``argmax(x, w, bias, out)``: the token ids
-    without the logits, or None)."""
+    :func:`greedy_token` asks it first (``argmax(x, w, bias, out, norm=norm)``: the
+    token ids without the logits, or None)."""
     _INT8_FUSES.pop(device_type, None)
     _INT8_ARGMAX.pop(device_type, None)
     if fn is None:
@@ -318,17 +318,25 @@ def fuses(x: torch.Tensor, w: Weight) -> bool:
     return f is not None and isinstance(w, Int8Weight) and f(x, w)
 
 
-def greedy_token(x: torch.Tensor, w: Weight, out: torch.Tensor | None = None) -> torch.Tensor:
+def greedy_token(
+    x: torch.Tensor,
+    w: Weight,
+    out: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
+    ops: ModuleType = reference,
+) -> torch.Tensor:
     """Greedy decoding's token ids ``[T]`` (int64) for hidden states ``x [T, in]`` and
-    the lm_head ``w``: ``argmax(linear(x, w))`` over the vocabulary, the first of equal
-    maxima. An int8 lm_head's registered kernel finds it without writing the logits;
-    otherwise the logits are computed. ``out`` (int64 ``[T]``) receives the ids."""
+    the lm_head ``w``: ``argmax(linear(x, w, norm=norm, ops=ops))`` over the vocabulary,
+    the first of equal maxima. An int8 lm_head's registered kernel finds it without
+    writing the logits; otherwise the logits are computed. ``out`` (int64 ``[T]``)
+    receives the ids."""
     impl = _INT8_ARGMAX.get(x.device.type)
     if impl is not None and isinstance(w, Int8Weight):
-        ids = impl(x, w, None, out)
+        ids = impl(x, w, None, out, norm=norm)
         if ids is not None:
             return ids
-    ids = torch.argmax(linear(x, w), dim=-1)
+    ids = torch.argmax(linear(x, w, norm=norm, ops=ops), dim=-1)
     return ids if out is None else out.copy_(ids)
 
 

@@ -859,21 +859,25 @@ if __name__ == "__main__":
 @pytest.mark.parametrize("rows, inp, group", [(32003, 1024, 128), (1027, 512, 32), (5, 48, 16)])
 def test_argmax_matches_torch_argmax_of_the_logits(ic, dtype, rows, inp, group) -> None:
     """int8_argmax gives torch.argmax of the kernel's own logits for 1-4 tokens, with
-    and without bias: ties go to the first row, all-negative logits work, and the
-    per-stream slot is emptied after every call (repeated calls stay right)."""
+    and without bias and with the RMSNorm folded in: ties go to the first row,
+    all-negative logits work, and the per-stream slot is emptied after every call
+    (repeated calls stay right)."""
     g = _gen()
     w = random_weight(rows, inp, group, g)
+    norm_w = (torch.rand(inp, generator=g, device="cuda") + 0.5).to(dtype)
     for tokens in (1, 2, 4):
         for bias in (None, torch.randn(rows, generator=g, device="cuda").to(dtype)):
             for shift in (0.0, -1e4):  # -1e4: every logit negative
-                x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
-                b = None if bias is None else bias + shift
-                if b is None and shift:
-                    continue
-                want = torch.argmax(ic.int8_linear(x, w, b), dim=-1)
-                out = torch.full((tokens,), -7, dtype=torch.int64, device="cuda")
-                got = ic.int8_argmax(x, w, b, out=out)
-                assert got is out and torch.equal(out, want), f"T{tokens} bias={b is not None} shift={shift}"
+                for norm in (None, (norm_w, 1e-6)):
+                    x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
+                    b = None if bias is None else bias + shift
+                    if b is None and shift:
+                        continue
+                    want = torch.argmax(ic.int8_linear(x, w, b, norm=norm), dim=-1)
+                    out = torch.full((tokens,), -7, dtype=torch.int64, device="cuda")
+                    got = ic.int8_argmax(x, w, b, out=out, norm=norm)
+                    case = f"T{tokens} bias={b is not None} shift={shift} norm={norm is not None}"
+                    assert got is out and torch.equal(out, want), case
     # A tie: the winning row copied to a lower and a higher row; the lowest one wins.
     x = (torch.randn(1, inp, generator=g, device="cuda") * 3).to(dtype)
     win = int(torch.argmax(ic.int8_linear(x, w)))
@@ -887,9 +891,10 @@ def test_argmax_matches_torch_argmax_of_the_logits(ic, dtype, rows, inp, group) 
 
 def test_greedy_graph_decode_takes_the_token_from_the_lm_head(ic, tmp_path) -> None:
     """An int8 model with its own (int8) lm_head decodes greedily through the graph
-    with the argmax epilogue: the replay runs the argmax GEMV and its take, not
-    torch's argmax, and no fill (the kernels' workspaces are made before capture);
-    the tokens equal eager decode's, which takes the argmax of the logits."""
+    with the argmax epilogue: the replay runs the argmax GEMV (the final norm folded
+    in) and its take, not torch's argmax, no separate norm and no fill (the kernels'
+    workspaces are made before capture); the tokens equal eager decode's, which takes
+    the argmax of the logits."""
     from torch.profiler import ProfilerActivity, profile
 
     from edge.engine import Engine
@@ -911,6 +916,6 @@ def test_greedy_graph_decode_takes_the_token_from_the_lm_head(ic, tmp_path) -> N
         step.replay()
         torch.cuda.synchronize()
     names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
-    assert sum("int8_gemv_argmax" in n for n in names) == 1, names
+    assert sum("int8_gemv_norm_argmax" in n for n in names) == 1, names
     assert sum("int8_argmax_take" in n for n in names) == 1, names
-    assert not [n for n in names if "reduce_kernel" in n or "Fill" in n], names
+    assert not [n for n in names if "reduce_kernel" in n or "Fill" in n or "rms_norm" in n], names

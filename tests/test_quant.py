@@ -442,7 +442,7 @@ def test_fused_int8_plan_equals_the_unfused_plan(tiny_src: Path, dtype: str, cpu
     fused_tokens = engine.generate(ids, params).token_ids
     layers = engine.cfg.num_layers
     per_layer = [(True, False, False), (False, True, False), (True, False, True), (False, True, False)]
-    lm_head = [(False, False, False)]  # untied, int8, no fusion
+    lm_head = [(True, False, False)]  # untied, int8, the final norm folded in
     assert cpu_fusing_kernel[: 4 * layers + 1] == per_layer * layers + lm_head
     register_int8_linear("cpu", None)  # no fusing kernel: the unfused plan
     unfused_logits = engine.score(ids)

@@ -75,8 +75,9 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
     (False, True, False): ("residual_", ROWS_PER_WARP),
     (True, False, True): ("norm_swiglu_", (4, 2)),
 }
-# The greedy lm_head (int8_argmax): the plain launch with the argmax epilogue.
-ARGMAX_INFIX = "argmax_"
+# The greedy lm_head (int8_argmax): the plain or norm launch with the argmax epilogue,
+# keyed by norm given.
+ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
@@ -140,7 +141,7 @@ def load(device: Any = None) -> None:
     dev = nvrtc.device_index(device, "the CUDA int8 GEMV")
     nvrtc.check_available(dev)
     for dtype in DTYPES:
-        for infix, rows in (*MODES.values(), (ARGMAX_INFIX, ROWS_PER_WARP)):
+        for infix, rows in (*MODES.values(), *((a, ROWS_PER_WARP) for a in ARGMAX_MODES.values())):
             for r in rows:
                 _kernel(dev, dtype, r, infix)
     _take_kernel(dev)
@@ -376,14 +377,21 @@ def _best(device: torch.device) -> torch.Tensor:
 
 
 def int8_argmax(
-    x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+    x: torch.Tensor,
+    w: Int8Weight,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    *,
+    norm: Norm | None = None,
 ) -> torch.Tensor | None:
     """Greedy token ids ``[tokens]`` (int64) of ``x @ dequant(w).T + bias`` without the
     logits: ``torch.argmax`` of the logits rounded to ``x``'s dtype (the first of equal
-    maxima), in two launches, the GEMV with its argmax epilogue and the take. ``out``
-    (contiguous int64 ``[tokens]`` on ``x``'s device) receives them. None when the
-    kernel does not take these arguments: the caller computes the logits instead."""
-    if not supports(x, w, bias):
+    maxima), in two launches, the GEMV with its argmax epilogue and the take. With
+    ``norm`` the input is RMSNorm'd inside the GEMV, as :func:`int8_linear`'s norm mode
+    (the logits of ``int8_linear(x, w, bias, norm=norm)``). ``out`` (contiguous int64
+    ``[tokens]`` on ``x``'s device) receives them. None when the kernel does not take
+    these arguments: the caller computes the logits instead."""
+    if not supports(x, w, bias, norm=norm):
         return None
     tokens = x.numel() // w.in_features
     if out is None:
@@ -391,7 +399,7 @@ def int8_argmax(
     elif out.dtype != torch.int64 or out.numel() != tokens or not out.is_contiguous() or out.device != x.device:
         raise ValueError(f"out must be a contiguous int64 tensor of {tokens} elements on {x.device}")
     best = _best(x.device)
-    _launch(x, w, bias, ARGMAX_INFIX, 0, w.out_features, best_ptr=best.data_ptr())
+    _launch(x, w, bias, ARGMAX_MODES[norm is not None], 0, w.out_features, norm=norm, best_ptr=best.data_ptr())
     dev = nvrtc.device_index(x.device)
     nvrtc.launch(dev, _take_kernel(dev), 1, 32, (best.data_ptr(), out.data_ptr(), np.int32(tokens)))
     return out

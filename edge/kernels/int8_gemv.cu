@@ -329,7 +329,7 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 
 // The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm (qkv),
 // residual epilogue (o, down), norm + SwiGLU epilogue (gate_up; even R only), and the
-// greedy lm_head (argmax).
+// greedy lm_head (argmax; with the final norm folded in, norm + argmax).
 #define EDGE_INT8_MODES(DT, T)                                                                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kStore)                \
   EDGE_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kStore)                \
@@ -344,7 +344,10 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kSwiglu)    \
   EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kArgmax)        \
   EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kArgmax)        \
-  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kArgmax)
+  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kArgmax)        \
+  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, true, kArgmax)    \
+  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kArgmax)    \
+  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kArgmax)
 
 EDGE_INT8_MODES(bf16, __nv_bfloat16)
 EDGE_INT8_MODES(f16, __half)
