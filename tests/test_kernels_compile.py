@@ -355,3 +355,41 @@ def test_no_gpu_is_kernels_unavailable():
     assert paged_cuda.available() is False
     with pytest.raises(KernelsUnavailable, match="GPU"):
         paged_cuda.load()
+
+
+def test_stream_scratch_is_per_stream_grows_and_keeps_what_it_replaced(monkeypatch):
+    """Kernel scratch buffers (split partials, argmax slots) are one set per (device,
+    stream): a stream gets its own back while they fit, a larger request replaces them
+    (the old ones stay alive for graphs that captured them), and concurrent first uses
+    from several threads make one set."""
+    import threading
+
+    stream = {"handle": 11}
+    monkeypatch.setattr(nvrtc, "current_stream_handle", lambda dev: stream["handle"])
+    monkeypatch.setattr(nvrtc, "_scratch", {})
+    monkeypatch.setattr(nvrtc, "_retired_scratch", [])
+    made: list[int] = []
+
+    def get(n: int) -> list[int]:
+        def make(old):
+            made.append(n)
+            return [0] * max(n, 2 * len(old) if old else 0)
+
+        return nvrtc.stream_scratch("t", 0, lambda cur: len(cur) >= n, make)
+
+    a = get(4)
+    assert get(3) is a and len(a) == 4
+    b = get(5)
+    assert b is not a and len(b) == 8 and nvrtc._retired_scratch == [a]
+    stream["handle"] = 12
+    c = get(2)
+    assert c is not b and len(c) == 2
+    stream["handle"] = 13
+    made.clear()
+    got: list[list[int]] = []
+    threads = [threading.Thread(target=lambda: got.append(get(6))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(g is got[0] for g in got)

@@ -359,21 +359,15 @@ def _launch(
     )
 
 
-_best_slots: dict[tuple[int, int], torch.Tensor] = {}
-
-
 def _best(device: torch.device) -> torch.Tensor:
     """The current stream's argmax slots (int64 ``[MAX_GEMV_TOKENS]``, zeroed when made;
-    ``int8_argmax_take`` empties each slot it reads). Per stream, like paged_cuda's
-    split workspace: the launches of one stream never overlap. Made inside a graph
-    capture, the zeroing is captured too (correct, one node more a replay): the graph
-    decoder warms up on its capture stream first."""
-    dev = nvrtc.device_index(device)
-    key = (dev, nvrtc.current_stream_handle(dev))
-    slots = _best_slots.get(key)
-    if slots is None:
-        slots = _best_slots[key] = torch.zeros(MAX_GEMV_TOKENS, dtype=torch.int64, device=device)
-    return slots
+    ``int8_argmax_take`` empties each slot it reads), from ``nvrtc.stream_scratch``."""
+    return nvrtc.stream_scratch(
+        "argmax",
+        nvrtc.device_index(device),
+        lambda _slots: True,
+        lambda _old: torch.zeros(MAX_GEMV_TOKENS, dtype=torch.int64, device=device),
+    )
 
 
 def int8_argmax(

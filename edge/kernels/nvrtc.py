@@ -32,7 +32,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -462,6 +462,34 @@ def _raw_stream(device_index: int) -> int:
 def current_stream_handle(device_index: int) -> int:
     """cudaStream_t (as int) of torch's current stream on the device."""
     return _raw_stream(device_index)
+
+
+_scratch_lock = threading.Lock()
+_scratch: dict[tuple[str, int, int], Any] = {}
+_retired_scratch: list[Any] = []  # kept alive: captured graphs may still point at them
+
+
+def stream_scratch(name: str, device_index: int, fits: Callable[[Any], bool], make: Callable[[Any], Any]) -> Any:
+    """Device buffers of the kernel family ``name`` for torch's current stream on the
+    device. Per stream, because the launches of one stream never overlap (the graph
+    decoder of each slot captures on its own stream). The cached buffers when
+    ``fits(buffers)``, else ``make(old buffers or None)``'s, made under a lock (a second
+    engine thread gets the same ones); replaced buffers stay alive, since a captured
+    graph may still use them. Allocated through torch, so a first use inside a capture
+    is capture-safe (its initialisation is then captured too)."""
+    key = (name, device_index, current_stream_handle(device_index))
+    cur = _scratch.get(key)
+    if cur is not None and fits(cur):
+        return cur
+    with _scratch_lock:
+        cur = _scratch.get(key)
+        if cur is not None and fits(cur):
+            return cur
+        new = make(cur)
+        if cur is not None:
+            _retired_scratch.append(cur)
+        _scratch[key] = new
+        return new
 
 
 def current_stream(device_index: int) -> Any:

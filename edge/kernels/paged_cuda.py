@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -425,37 +424,21 @@ def write_kv(
 # decode (and the float32 prefill path, which is the decode kernel over T tokens)
 # ---------------------------------------------------------------------------------------
 
-_ws_lock = threading.Lock()
-_workspaces: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_retired: list[
-    tuple[torch.Tensor, torch.Tensor]
-] = []  # kept alive: graphs may hold them
-
-
 def _workspace(
     device: torch.device, floats: int, counters: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials (float32) and self-resetting arrival counters (zeroed once) for the current
-    stream. Per stream, because kernels of one stream never overlap; allocated through
-    torch's caching allocator, so a first use inside graph capture is capture-safe."""
-    key = (device.index, nvrtc.current_stream_handle(device.index))
-    cur = _workspaces.get(key)
-    if cur is not None and cur[0].numel() >= floats and cur[1].numel() >= counters:
-        return cur
-    with _ws_lock:
-        cur = _workspaces.get(key)
-        if cur is not None and cur[0].numel() >= floats and cur[1].numel() >= counters:
-            return cur
+    """Split partials (float32) and self-resetting arrival counters (zeroed once) for the
+    current stream (``nvrtc.stream_scratch``), grown by doubling."""
+
+    def fits(cur: tuple[torch.Tensor, torch.Tensor]) -> bool:
+        return cur[0].numel() >= floats and cur[1].numel() >= counters
+
+    def make(cur: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         nf = max(floats, 1 << 16, 2 * cur[0].numel() if cur is not None else 0)
         nc = max(counters, 1024, 2 * cur[1].numel() if cur is not None else 0)
-        new = (
-            torch.empty(nf, dtype=torch.float32, device=device),
-            torch.zeros(nc, dtype=torch.int32, device=device),
-        )
-        if cur is not None:
-            _retired.append(cur)
-        _workspaces[key] = new
-        return new
+        return torch.empty(nf, dtype=torch.float32, device=device), torch.zeros(nc, dtype=torch.int32, device=device)
+
+    return nvrtc.stream_scratch("decode_splits", device.index, fits, make)
 
 
 class _DecodePlan:
