@@ -334,7 +334,8 @@ def _launch(
     rows, cols = w.weight.shape
     tokens = x.numel() // cols
     dev = nvrtc.device_index(x.device)
-    smem = 0 if norm is None else _norm_smem(x, cols)
+    staged = norm is not None and infix != ARGMAX_MODES[True]  # the kernel's kStaged
+    smem = _norm_smem(x, cols) if staged else 0
     r, ctas = plan(rows, tokens, dev, min_rows)
     nvrtc.launch(
         dev,

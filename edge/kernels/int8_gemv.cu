@@ -187,7 +187,10 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   }
   extern __shared__ __align__(16) unsigned char smem_w[];
   const uint4* sw = reinterpret_cast<const uint4*>(smem_w);
-  if (kNorm) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
+  // The argmax lm_head (~9,500 CTAs of 16 rows) reads the norm weight beside x through
+  // L1 instead of staging it in every CTA: 208.5 -> 208.0 us on an H100.
+  constexpr bool kStaged = kNorm && kEpi != kArgmax;
+  if (kStaged) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
   edge::await_inputs();
 
   if (row0 >= out) return;  // a short last CTA's idle warps (nothing synchronises below)
@@ -216,9 +219,12 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
       if (c < nchunks) {
         xa[u] = ld_x(x + 16 * c);
         xb[u] = ld_x(x + 16 * c + 8);
-        if (kNorm) {
+        if (kStaged) {
           wa[u] = sw[2 * c];
           wb[u] = sw[2 * c + 1];
+        } else if (kNorm) {
+          wa[u] = ld_x(norm_w + 16 * c);
+          wb[u] = ld_x(norm_w + 16 * c + 8);
         }
 #pragma unroll
         for (int r = 0; r < R; ++r) s[u][r] = __ldg(srow[r] + (c >> chunk_shift));
