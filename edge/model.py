@@ -68,6 +68,11 @@ class Model:
         half = emb.shape[-1] // 2
         sin = emb.sin()
         self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
+        # Each layer's q/k norm + RoPE arguments for the decode attention that applies them.
+        self.ropes = [
+            Rope(lw["qk_norm"], self.cos, self.sin_signed, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)
+            for lw in self.layers
+        ]
 
     @classmethod
     def load(
@@ -137,8 +142,7 @@ class Model:
             qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm, ops=ops)
             # A decode token: the paged cache's attention takes the q/k norms, RoPE and
             # the K/V store into its own launch.
-            rope = Rope(lw["qk_norm"], self.cos, self.sin_signed, heads, kv_heads, eps)
-            attn = kv.attend_rope(i, qkv, rope) if t == 1 else None
+            attn = kv.attend_rope(i, qkv, self.ropes[i]) if t == 1 else None
             if attn is None:
                 # Qwen3's per-head q/k norms (when present) and RoPE in one op, which
                 # also stores k and v in a paged cache (one launch fewer per layer); a

@@ -151,7 +151,7 @@ def _decode_kernel(dev: int, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
 
 
 def _tc_warps() -> int:
-    return int(DECODE_TUNING.get("EDGE_TC_WARPS", 8))  # EDGE_TC_WARPS default in the source
+    return int(DECODE_TUNING["EDGE_TC_WARPS"])
 
 
 def _tc_min_blocks(warps: int) -> int:
