@@ -198,8 +198,9 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
 
 
 def test_split_mergers_only_when_the_whole_grid_is_resident():
-    """Several CTAs per KV head merge the splits only when every CTA of the launch is
-    resident at once: a merger waits for all splits of its head, which must be running."""
+    """Mergers wait for every split of their KV head, so they run only when every CTA of
+    the launch is resident at once; a larger grid gets 0: the last CTA to arrive merges
+    alone, waiting for nobody."""
     from edge.kernels import paged_cuda
 
     def _plan() -> paged_cuda._DecodePlan:  # as _DecodePlan builds it under the tuning
@@ -215,8 +216,8 @@ def test_split_mergers_only_when_the_whole_grid_is_resident():
         assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
         assert plan.mergers(16, 1) == 4  # at most one per 4 splits
         assert plan.mergers(8, 1) == 1  # short launches: one merger is faster
-        assert plan.mergers(34, 1) == 1  # 272 CTAs: some would wait for a slot
-        assert plan.mergers(32, 2) == 1  # tokens multiply the grid
+        assert plan.mergers(34, 1) == 0  # 272 CTAs: some would wait for a slot
+        assert plan.mergers(32, 2) == 0  # tokens multiply the grid
         paged_cuda.set_decode_tuning(mergers=1)  # plans are rebuilt after a tuning change
         assert _plan().mergers(32, 1) == 1
     finally:

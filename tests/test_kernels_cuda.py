@@ -223,8 +223,8 @@ def test_decode_any_split_count(pc, impl, splits):
 @pytest.mark.parametrize("mergers", (1, 2, 3, 8))
 @pytest.mark.parametrize("heads", ((32, 8), (32, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
 def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
-    """The last `mergers` CTAs of a KV head each merge a share of its outputs (waiting
-    for every split): any count, more mergers than non-empty splits, and shares that
+    """The last `mergers` splits (CTAs on CUDA cores) of a KV head each merge a share of
+    its outputs (waiting for every split): any count, more mergers than non-empty splits, and shares that
     split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers). Run
     three times: the arrival counters reset themselves between launches."""
     dtype, d, page = torch.bfloat16, 128, 16
@@ -242,6 +242,35 @@ def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
                 pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
                 err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
                 assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
+    finally:
+        pc.set_decode_tuning(**prev)
+
+
+@pytest.mark.parametrize("heads", ((32, 8), (40, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
+def test_decode_split_words_are_left_clear(pc, heads):
+    """The tensor-core kernel's mergers poll the splits' words and write them back as
+    not yet written: a word left behind would let a later launch merge it before its
+    split stored the new one. Launches whose mergers wait (one wave) and launches merged
+    by the last arrival (more splits than a wave) alternate on one stream at several
+    lengths; every output matches the reference and the workspace is all ones after
+    every launch."""
+    dtype, d, page = torch.bfloat16, 128, 16
+    qh, kvh = heads
+    prev = pc.set_decode_tuning(impl="tc")
+    try:
+        plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
+        wave = plan.wave // plan.ctas
+        k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+        for splits in (wave, 2 * wave + 1, min(32, wave), 3, 2 * wave + 1):
+            assert (plan.mergers(splits, 1) == 0) == (splits > wave)
+            for kv_len in (100, 2049, 8191):
+                q = randn(qh, d, dtype=dtype)
+                out = torch.full_like(q, float("nan"))
+                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
+                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
+                assert err < TOL[dtype], f"splits={splits} kv_len={kv_len}: {err:.2e}"
+                words, _ = pc._workspace(k_pool.device, 0, 0, True)
+                assert bool((words == -1).all()), f"splits={splits} kv_len={kv_len}: words left behind"
     finally:
         pc.set_decode_tuning(**prev)
 

@@ -445,11 +445,11 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   return v;
 }
 
-// Mergers among nsplit active splits, at most `cap` (the host's: 1 unless the whole grid is
-// resident): one below 16 splits (a single merger was faster at 8: 5.3 vs 6.0-6.2 us at
-// 512 keys on an H200), else at most one per 4 splits.
+// Mergers among nsplit active splits, at most `cap` (the host's: 0 or 1 unless the whole
+// grid is resident; 0 counts as 1): one below 16 splits (a single merger was faster at 8:
+// 5.3 vs 6.0-6.2 us at 512 keys on an H200), else at most one per 4 splits.
 __device__ __forceinline__ int split_mergers(int nsplit, int cap) {
-  return nsplit < 16 ? 1 : min(cap, nsplit >> 2);
+  return nsplit < 16 || cap <= 1 ? 1 : min(cap, nsplit >> 2);
 }
 
 // Called by every thread once the CTA stored its partial: this CTA's merger index in
@@ -493,6 +493,27 @@ __device__ __forceinline__ void fold_partial(float& M, float& L, float4& acc, fl
   M = mn;
 }
 
+// The J lanes of a column quad fold their (M, L, acc) together (in lane order, every lane
+// shuffles), and the first stores the normalised result at row g of out.
+template <int D, typename T>
+__device__ __forceinline__ void fold_lanes_and_store(T* out, float M, float L, float4 acc, int J, bool store, int g,
+                                                     int d) {
+  for (int off = 1; off < J; off <<= 1) {
+    const float m2 = __shfl_xor_sync(0xffffffffu, M, off);
+    const float l2 = __shfl_xor_sync(0xffffffffu, L, off);
+    float4 a2;
+    a2.x = __shfl_xor_sync(0xffffffffu, acc.x, off);
+    a2.y = __shfl_xor_sync(0xffffffffu, acc.y, off);
+    a2.z = __shfl_xor_sync(0xffffffffu, acc.z, off);
+    a2.w = __shfl_xor_sync(0xffffffffu, acc.w, off);
+    fold_partial(M, L, acc, m2, l2, a2);
+  }
+  if (store) {
+    const float inv = 1.f / L;
+    store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+  }
+}
+
 // Merger k of `mergers`: merges its share of the group's gcount * D / 4 float4 outputs
 // over the nsplit partials and stores them normalised. out, ws_o and ws_ml point at the
 // group's first row (ws_* at split 0; o_stride / ml_stride floats between splits). J
@@ -532,20 +553,119 @@ __device__ __forceinline__ void merge_split_share(T* out, const float* ws_o, con
 #pragma unroll
       for (int u = 0; u < U; ++u) fold_partial(M, L, acc, ml[u].x, ml[u].y, a[u]);
     }
-    for (int off = 1; off < J; off <<= 1) {
-      const float m2 = __shfl_xor_sync(0xffffffffu, M, off);
-      const float l2 = __shfl_xor_sync(0xffffffffu, L, off);
-      float4 a2;
-      a2.x = __shfl_xor_sync(0xffffffffu, acc.x, off);
-      a2.y = __shfl_xor_sync(0xffffffffu, acc.y, off);
-      a2.z = __shfl_xor_sync(0xffffffffu, acc.z, off);
-      a2.w = __shfl_xor_sync(0xffffffffu, acc.w, off);
-      fold_partial(M, L, acc, m2, l2, a2);
+    fold_lanes_and_store<D>(out, M, L, acc, J, ok && j == 0, g, d);
+  }
+}
+
+
+// ---- the split merge through flagged words (paged_decode_tc.cu) ------------------------
+//
+// A split stores its partial normalised, as 8-byte words (value, lse) per output column:
+// lse = m + log2(l) of its row, so a word is complete on its own, and a word whose lse
+// bits are all ones (kWordEmpty, a NaN no split produces) has not been written. A merger
+// polls the words of its share until every split's are there, folds them in split order
+// (so the result does not depend on who arrived first) and writes all ones back: the
+// workspace (filled with ones when made) is clear again when the launch ends, ready for
+// the next. No fence, no arrival counter: the merger sees each split's words one L2 round
+// trip after they are stored. The static mergers (the last splits of the group) must not
+// wait on CTAs that are not running: the host passes mergers = 0 when the grid is larger
+// than one wave, and then the last CTA to arrive (split_merger) merges alone, its words
+// already complete.
+
+constexpr unsigned int kWordEmpty = 0xffffffffu;
+
+__device__ __forceinline__ unsigned long long split_word(float v, float lse) {
+  return (unsigned long long)__float_as_uint(v) | ((unsigned long long)__float_as_uint(lse) << 32);
+}
+__device__ __forceinline__ bool word_ready(unsigned long long w) { return (unsigned int)(w >> 32) != kWordEmpty; }
+__device__ __forceinline__ float word_value(unsigned long long w) { return __uint_as_float((unsigned int)w); }
+__device__ __forceinline__ float word_lse(unsigned long long w) { return __uint_as_float((unsigned int)(w >> 32)); }
+
+// Two words at p; each is single-copy atomic (64-bit elements, gpu scope).
+__device__ __forceinline__ void store_words(unsigned long long* p, unsigned long long a, unsigned long long b) {
+  asm volatile("st.relaxed.gpu.global.v2.b64 [%0], {%1, %2};" ::"l"(p), "l"(a), "l"(b) : "memory");
+}
+__device__ __forceinline__ void load_words(const unsigned long long* p, unsigned long long& a, unsigned long long& b) {
+  asm volatile("ld.relaxed.gpu.global.v2.b64 {%0, %1}, [%2];" : "=l"(a), "=l"(b) : "l"(p) : "memory");
+}
+
+// One split's result for a row's columns [d, d + 4): the normalised output when the split
+// covers the whole sequence, else its four words. out and words point at the row.
+template <typename T>
+__device__ __forceinline__ void store_split_words(bool single, T* out, unsigned long long* words, float4 o, float M,
+                                                  float L, int d) {
+  const float inv = L > 0.f ? 1.f / L : 0.f;  // an empty split: o = 0, lse = -inf
+  if (single) {
+    store4(out + d, make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
+    return;
+  }
+  float lse = L > 0.f ? M + log2f(L) : neg_inf();
+  if (isnan(lse)) lse = __uint_as_float(0x7fc00000u);  // NaN inputs: a NaN that is not kWordEmpty
+  store_words(words + d, split_word(o.x * inv, lse), split_word(o.y * inv, lse));
+  store_words(words + d + 2, split_word(o.z * inv, lse), split_word(o.w * inv, lse));
+}
+
+// Merger k of `mergers`: merges its share of the group's gcount * D / 4 column quads over
+// the nsplit splits' words and stores them normalised. out and words point at the group's
+// first row (words at split 0; stride words between splits). J threads per quad (a power
+// of two, as many as the share leaves) each take every J-th split, U at a time, then
+// combine through shuffles. Every thread of the CTA calls it.
+template <int THREADS, int D, typename T>
+__device__ __forceinline__ void merge_split_words(T* out, unsigned long long* words, long long stride, int nsplit,
+                                                  int gcount, int k, int mergers) {
+  constexpr int DQ = D / 4;
+  constexpr int U = 4;
+  constexpr unsigned long long empty = ~0ull;  // as the workspace is made
+  const int items = gcount * DQ;
+  const int lo = items * k / mergers;
+  const int hi = items * (k + 1) / mergers;
+  int J = 32;
+  while (J > 1 && J * (hi - lo) > THREADS) J >>= 1;
+  const int j = threadIdx.x & (J - 1);
+  for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every thread reaches the barriers
+    const int item = base + threadIdx.x / J;
+    const bool ok = item < hi;
+    const int g = ok ? item / DQ : 0;
+    const int d = ok ? (item - g * DQ) * 4 : 0;
+    unsigned long long* p = words + (long long)g * D + d;
+    float M = neg_inf(), L = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int s0 = 0; s0 < nsplit; s0 += U * J) {
+      unsigned long long w[U][4];
+      unsigned int mine = 0;
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (ok && s0 + u * J + j < nsplit) mine |= 1u << u;
+      for (unsigned int todo = mine; todo;) {
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if ((todo >> u) & 1u) {
+            const unsigned long long* q = p + (long long)(s0 + u * J + j) * stride;
+            load_words(q, w[u][0], w[u][1]);
+            load_words(q + 2, w[u][2], w[u][3]);
+          }
+#pragma unroll
+        for (int u = 0; u < U; ++u)
+          if (((todo >> u) & 1u) && word_ready(w[u][0]) && word_ready(w[u][1]) && word_ready(w[u][2]) &&
+              word_ready(w[u][3]))
+            todo &= ~(1u << u);
+        if (todo) __nanosleep(64);
+      }
+      // Measured, cause not pinned down: with the CTA's polls joined here before any
+      // thread folds and stores, 32 splits of 8192 keys took 15.6-15.8 instead of
+      // 17.1 us on an H100 (docs/kernels.md, ninth session).
+      __syncthreads();
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if ((mine >> u) & 1u) {
+          fold_partial(M, L, acc, word_lse(w[u][0]), 1.f,
+                       make_float4(word_value(w[u][0]), word_value(w[u][1]), word_value(w[u][2]), word_value(w[u][3])));
+          unsigned long long* q = p + (long long)(s0 + u * J + j) * stride;
+          store_words(q, empty, empty);
+          store_words(q + 2, empty, empty);
+        }
     }
-    if (ok && j == 0) {
-      const float inv = 1.f / L;
-      store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-    }
+    fold_lanes_and_store<D>(out, M, L, acc, J, ok && j == 0, g, d);
   }
 }
 

@@ -425,10 +425,13 @@ def write_kv(
 # ---------------------------------------------------------------------------------------
 
 def _workspace(
-    device: torch.device, floats: int, counters: int
+    device: torch.device, floats: int, counters: int, words: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials (float32) and self-resetting arrival counters (zeroed once) for the
-    current stream (``nvrtc.stream_scratch``), grown by doubling."""
+    """Split partials and self-resetting arrival counters (zeroed once) for the current
+    stream (``nvrtc.stream_scratch``), grown by doubling. ``words``: the tensor-core
+    kernel's flagged 8-byte words (common.cuh, merge_split_words), filled with ones
+    (not yet written) when made and left that way by every launch; else float32 partials
+    (paged_decode.cu)."""
 
     def fits(cur: tuple[torch.Tensor, torch.Tensor]) -> bool:
         return cur[0].numel() >= floats and cur[1].numel() >= counters
@@ -436,9 +439,13 @@ def _workspace(
     def make(cur: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
         nf = max(floats, 1 << 16, 2 * cur[0].numel() if cur is not None else 0)
         nc = max(counters, 1024, 2 * cur[1].numel() if cur is not None else 0)
-        return torch.empty(nf, dtype=torch.float32, device=device), torch.zeros(nc, dtype=torch.int32, device=device)
+        if words:
+            ws = torch.full((nf,), -1, dtype=torch.int32, device=device)
+        else:
+            ws = torch.empty(nf, dtype=torch.float32, device=device)
+        return ws, torch.zeros(nc, dtype=torch.int32, device=device)
 
-    return nvrtc.stream_scratch("decode_splits", device.index, fits, make)
+    return nvrtc.stream_scratch("decode_split_words" if words else "decode_splits", device.index, fits, make)
 
 
 class _DecodePlan:
@@ -461,6 +468,7 @@ class _DecodePlan:
         "rope",
         "smem",
         "threads",
+        "words",
     )
 
     def __init__(
@@ -483,11 +491,13 @@ class _DecodePlan:
             tile = 16  # query heads per m16 tile
             self.kernel, self.smem = _decode_tc_kernel(dev, dtype, d, self.rope)
             self.threads = 32 * _tc_warps()
+            self.words = True
         else:
             tile = _group_tile(self.group)
             self.kernel = _decode_kernel(dev, dtype, d, tile)
             self.threads = _DECODE_THREADS
             self.smem = 0
+            self.words = False
         self.ctas = kvh * ((self.group + tile - 1) // tile)
         self.counters = 2 * self.ctas  # arrivals and mergers per group (common.cuh)
         occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev, dynamic_smem=self.smem)
@@ -506,11 +516,14 @@ class _DecodePlan:
         return max(1, min(self.max_splits, -(-kv_len // self.min_rows)))
 
     def mergers(self, splits: int, tokens: int) -> int:
-        """CTAs per group that merge the splits: several only when the whole grid is
-        resident at once, because each waits for every split of its group, and only from
-        16 splits (at 8 one merger is faster: 5.3 vs 6.0-6.2 us at 512 keys), at most one
-        per 4 splits."""
-        if self.ctas * splits * tokens > self.wave or splits < 16:
+        """The kernel's ``mergers``: how many CTAs per group merge the splits, each a
+        share, waiting for every split of its group. Several only from 16 splits (at 8
+        one merger is faster: 5.3 vs 6.0-6.2 us at 512 keys), at most one per 4 splits.
+        0 when the grid is larger than one wave: a waiting merger could then hold the slot
+        a split it waits for needs, so the last CTA to arrive merges alone."""
+        if self.ctas * splits * tokens > self.wave:
+            return 0
+        if splits < 16:
             return 1
         return max(1, min(splits // 4, self.merge_cap))
 
@@ -587,10 +600,12 @@ def _launch_decode(
     ws_ptr = cnt_ptr = 0
     if splits > 1:
         d = k_pool.shape[3]
+        per_split = 2 * d if plan.words else d + 2  # floats per head
         ws, cnt = _workspace(
             k_pool.device,
-            tokens * splits * plan.group * plan.kvh * (d + 2),
+            tokens * splits * plan.group * plan.kvh * per_split,
             tokens * plan.counters,
+            plan.words,
         )
         ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
     nvrtc.launch(

@@ -86,7 +86,7 @@ __device__ __forceinline__ void paged_decode(
     int kv_heads, int group, int log2_page, float scale_log2,
     float* __restrict__ ws,          // split partials (num_splits > 1)
     unsigned int* __restrict__ counters,  // [arrivals, mergers] per group (num_splits > 1)
-    int mergers,                     // most CTAs per group that merge the splits
+    int mergers,                     // most CTAs per group that merge the splits (0: one)
     int min_rows) {                  // fewest keys per active split (active_splits)
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;

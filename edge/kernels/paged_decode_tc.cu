@@ -15,8 +15,9 @@
 // EDGE_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
 // [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
 // the warps merge through shared memory, then the CTA writes the output (one split) or
-// its partial, and the last `mergers` CTAs of the KV head to finish each merge a share
-// of the splits (common.cuh, merge_split_share), as in paged_decode.cu.
+// its partial as flagged words, and the last `mergers` splits of the KV head each merge a
+// share of the outputs as the words arrive (common.cuh, merge_split_words; mergers = 0:
+// the last CTA to arrive merges alone, for grids larger than one wave).
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
@@ -80,9 +81,9 @@ __device__ __forceinline__ void paged_decode_tc(
     const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
     int host_len,                    // kv_len when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
-    float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters,  // [arrivals, mergers] per KV head (num_splits > 1)
-    int mergers,                     // most CTAs per KV head that merge the splits
+    unsigned long long* __restrict__ ws,  // [num_splits, q_heads, D] split words (num_splits > 1)
+    unsigned int* __restrict__ counters,  // [arrivals, unused] per KV head (mergers = 0)
+    int mergers,                     // most splits per KV head that merge; 0: the last to arrive
     int min_rows,                    // fewest keys per active split (active_splits)
     RopeArgs rope) {
   using C = TcCfg<T, D, W, STAGES>;
@@ -113,6 +114,7 @@ __device__ __forceinline__ void paged_decode_tc(
   const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
   const int nsplit = active_splits(kv_len, gridDim.y, min_rows);
   if (split >= nsplit) return;
+  const bool by_arrival = mergers == 0;
   mergers = split_mergers(nsplit, mergers);
   int r0, r1;
   split_range(kv_len, split, nsplit, KEYS, r0, r1);
@@ -314,26 +316,24 @@ __device__ __forceinline__ void paged_decode_tc(
   }
   __syncthreads();
 
-  // Merge the warps: output (one split) or this split's partial (always written, also
-  // for an empty split: m = -inf, l = 0, o = 0).
+  // Merge the warps: output (one split) or this split's words (always written, also for
+  // an empty split: lse = -inf, o = 0).
   const bool single = (nsplit == 1);
-  float* ws_o = ws;
-  float* ws_ml = ws + (long long)gridDim.y * q_heads * D;  // the launch's layout
   for (int i = tid; i < gcount * (D / 4); i += THREADS) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
     float M, L;
     const float4 o = merge_warp_partials<W>(sm_m, sm_l, sm_o, g, d, M, L);
     const int head = head0 + g;
-    const long long pidx = (long long)split * q_heads + head;
-    store_split(single, out + (long long)head * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
+    store_split_words(single, out + (long long)head * D, ws + ((long long)split * q_heads + head) * D, o, M, L, d);
   }
   if (single) return;
 
-  const int k = split_merger(counters + 2 * blockIdx.x, nsplit, mergers, sm_merger);
+  // The last splits merge (the shortest: split_range gives the remainder to the last).
+  const int k = by_arrival ? split_merger(counters + 2 * blockIdx.x, nsplit, 1, sm_merger) : split - (nsplit - mergers);
   if (k >= 0)
-    merge_split_share<THREADS, D>(out + (long long)head0 * D, ws_o + (long long)head0 * D, ws_ml + (long long)head0 * 2,
-                                  (long long)q_heads * D, (long long)q_heads * 2, nsplit, gcount, k, mergers);
+    merge_split_words<THREADS, D>(out + (long long)head0 * D, ws + (long long)head0 * D, (long long)q_heads * D, nsplit,
+                                  gcount, k, mergers);
 }
 
 }  // namespace edge
@@ -350,7 +350,7 @@ extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLO
                     edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
-                    float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
+                    unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
                     int min_rows) {
   edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES, false>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
@@ -363,7 +363,7 @@ extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLO
                          edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
                          const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                          int kv_heads, int group, int log2_page, float scale_log2,
-                         float* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
+                         unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
                          int min_rows, const edge_t* __restrict__ qk_norm,
                          const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
                          int max_pos, float eps) {
