@@ -226,7 +226,8 @@ def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
     """The last `mergers` splits (CTAs on CUDA cores) of a KV head each merge a share of
     its outputs (waiting for every split): any count, more mergers than non-empty splits, and shares that
     split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers). Run
-    three times: the arrival counters reset themselves between launches."""
+    three times: the arrival counters (CUDA cores) and the split words (tensor cores)
+    are ready for the next launch."""
     dtype, d, page = torch.bfloat16, 128, 16
     qh, kvh = heads
     prev = pc.set_decode_tuning(impl=impl, mergers=mergers)
@@ -238,7 +239,7 @@ def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
         for kv_len in (1, 100, 2049, 8191):  # 1 and 100: most splits empty
             q = randn(qh, d, dtype=dtype)
             out = torch.full_like(q, float("nan"))
-            for _ in range(3):  # the counters reset themselves between launches
+            for _ in range(3):  # counters and words are ready for the next launch
                 pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
                 err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
                 assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
