@@ -493,6 +493,18 @@ __device__ __forceinline__ void fold_partial(float& M, float& L, float4& acc, fl
   M = mn;
 }
 
+// Merger k's share [lo, hi) of `items` outputs, and J threads per output: a power of two,
+// as many as the share leaves.
+struct MergeShare {
+  int lo, hi, J;
+};
+template <int THREADS>
+__device__ __forceinline__ MergeShare merge_share(int items, int k, int mergers) {
+  MergeShare s{items * k / mergers, items * (k + 1) / mergers, 32};
+  while (s.J > 1 && s.J * (s.hi - s.lo) > THREADS) s.J >>= 1;
+  return s;
+}
+
 // The J lanes of a column quad fold their (M, L, acc) together (in lane order, every lane
 // shuffles), and the first stores the normalised result at row g of out.
 template <int D, typename T>
@@ -525,12 +537,8 @@ __device__ __forceinline__ void merge_split_share(T* out, const float* ws_o, con
                                                   int mergers) {
   constexpr int DQ = D / 4;
   constexpr int U = 4;  // splits loaded together per thread
-  const int items = gcount * DQ;
-  const int lo = items * k / mergers;
-  const int hi = items * (k + 1) / mergers;
-  int J = 32;
-  while (J > 1 && J * (hi - lo) > THREADS) J >>= 1;
-  const int j = threadIdx.x & (J - 1);
+  const MergeShare sh = merge_share<THREADS>(gcount * DQ, k, mergers);
+  const int lo = sh.lo, hi = sh.hi, J = sh.J, j = threadIdx.x & (J - 1);
   for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every lane shuffles
     const int item = base + threadIdx.x / J;
     const bool ok = item < hi;
@@ -616,12 +624,8 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
   constexpr int DQ = D / 4;
   constexpr int U = 4;
   constexpr unsigned long long empty = ~0ull;  // as the workspace is made
-  const int items = gcount * DQ;
-  const int lo = items * k / mergers;
-  const int hi = items * (k + 1) / mergers;
-  int J = 32;
-  while (J > 1 && J * (hi - lo) > THREADS) J >>= 1;
-  const int j = threadIdx.x & (J - 1);
+  const MergeShare sh = merge_share<THREADS>(gcount * DQ, k, mergers);
+  const int lo = sh.lo, hi = sh.hi, J = sh.J, j = threadIdx.x & (J - 1);
   for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every thread reaches the barriers
     const int item = base + threadIdx.x / J;
     const bool ok = item < hi;
