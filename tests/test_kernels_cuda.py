@@ -223,11 +223,10 @@ def test_decode_any_split_count(pc, impl, splits):
 @pytest.mark.parametrize("mergers", (1, 2, 3, 8))
 @pytest.mark.parametrize("heads", ((32, 8), (32, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
 def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
-    """The last `mergers` splits (CTAs on CUDA cores) of a KV head each merge a share of
-    its outputs (waiting for every split): any count, more mergers than non-empty splits, and shares that
+    """The last `mergers` splits of a KV head each merge a share of its outputs (waiting
+    for every split): any count, more mergers than non-empty splits, and shares that
     split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers). Run
-    three times: the arrival counters (CUDA cores) and the split words (tensor cores)
-    are ready for the next launch."""
+    three times: the split words and arrival counters are ready for the next launch."""
     dtype, d, page = torch.bfloat16, 128, 16
     qh, kvh = heads
     prev = pc.set_decode_tuning(impl=impl, mergers=mergers)
@@ -270,7 +269,7 @@ def test_decode_split_words_are_left_clear(pc, heads):
                 pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
                 err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
                 assert err < TOL[dtype], f"splits={splits} kv_len={kv_len}: {err:.2e}"
-                words, _ = pc._workspace(k_pool.device, 0, 0, True)
+                words, _ = pc._workspace(k_pool.device, 0, 0)
                 assert bool((words == -1).all()), f"splits={splits} kv_len={kv_len}: words left behind"
     finally:
         pc.set_decode_tuning(**prev)

@@ -394,21 +394,6 @@ __device__ __forceinline__ float4 merge_warp_partials(const ML& sm_m, const ML& 
   return o;
 }
 
-// One split's result for a row's columns [d, d + 4): the normalised output when the
-// split covers the whole sequence, else the partial (o, and (M, L) once per row) for
-// the split merge. out, ws_o and ws_ml point at the row.
-template <typename T>
-__device__ __forceinline__ void store_split(bool single, T* out, float* ws_o, float* ws_ml, float4 o, float M,
-                                            float L, int d) {
-  if (single) {
-    const float inv = 1.f / L;
-    store4(out + d, make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv));
-  } else {
-    __stcg(reinterpret_cast<float4*>(ws_o + d), o);
-    if (d == 0) __stcg(reinterpret_cast<float2*>(ws_ml), make_float2(M, L));
-  }
-}
-
 // ---- flash-decoding splits -------------------------------------------------------------
 
 // Split `split` of `nsplit`: key rows [r0, r1) of kv_len, in whole steps of `step` rows.
@@ -427,23 +412,20 @@ __device__ __forceinline__ int active_splits(int kv_len, int nsplit, int min_row
   return max(1, min(nsplit, (kv_len + min_rows - 1) / min_rows));
 }
 
-// ---- the split merge ---------------------------------------------------------------
+// ---- the split merge ------------------------------------------------------------------
 //
-// A group (token, KV head, chunk of query heads) runs nsplit CTAs, each storing its
-// split's partial (m, l, unnormalised o) per head. The last `mergers` CTAs of the group
-// to store theirs each merge a slice of the group's outputs, so the merge's reads are
-// spread over that many SMs: one CTA merging 32 splits of 4 heads (66 KB) took ~4.5 us
-// on an H200, most of it waiting on its own loads (docs/kernels.md). A merger waits
-// until every split has arrived; the host asks for mergers > 1 only when the whole grid
-// is resident at once, so the CTAs it waits for are running and the wait ends.
-// counters[0] counts the group's arrivals, counters[1] the mergers past their wait; the
-// last of those resets both for the next launch (graph replays included).
-
-__device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
-  unsigned int v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
+// A group (token, KV head, chunk of query heads) runs nsplit CTAs. Each stores its split's
+// partial normalised, as 8-byte words (value, lse = m + log2 l) per output column: lse
+// makes a word complete on its own, and a word whose lse bits are all ones (kWordEmpty, a
+// NaN no split produces) has not been written. The last `mergers` splits of the group
+// each poll the words of a share of its outputs until every split's are there, fold them
+// in split order (so the result does not depend on who arrived first) and write all ones
+// back: the workspace (filled with ones when made) is clear again when the launch ends,
+// ready for the next launch or graph replay, with no fence, counter or reset. Those
+// mergers wait for every split of their group, so the host passes mergers >= 1 only when
+// the whole grid is resident at once (they are also its highest blockIdx.y, dispatched
+// last); a larger grid gets 0 and is merged by the group's last CTA to arrive (an arrival
+// counter, last_arrival), whose words are then all there.
 
 // Mergers among nsplit active splits, at most `cap` (the host's: 0 or 1 unless the whole
 // grid is resident; 0 counts as 1): one below 16 splits (a single merger was faster at 8:
@@ -452,32 +434,30 @@ __device__ __forceinline__ int split_mergers(int nsplit, int cap) {
   return nsplit < 16 || cap <= 1 ? 1 : min(cap, nsplit >> 2);
 }
 
-// Called by every thread once the CTA stored its partial: this CTA's merger index in
-// [0, mergers), or -1 when it is not a merger. A merger returns once every split's
-// partial is visible to it.
-__device__ __forceinline__ int split_merger(unsigned int* counters, int nsplit, int mergers, int& sm_slot) {
-  __threadfence();  // this thread's partial is visible before the CTA's arrival counts
+// Called by every thread once the CTA stored its words: whether it is the group's last CTA
+// to arrive (every split's words then visible to it). The last resets the counter for the
+// next launch.
+__device__ __forceinline__ bool last_arrival(unsigned int* counter, int nsplit, int& sm_flag) {
+  __threadfence();  // this thread's words are visible before the CTA's arrival counts
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int k = (int)atomicAdd(&counters[0], 1u) - (nsplit - mergers);
-    if (k >= 0) {
-      if (mergers == 1) {
-        counters[0] = 0u;  // the last arrival: nobody else reads the counters
-      } else {
-        while (load_acquire(&counters[0]) < (unsigned int)nsplit) __nanosleep(64);
-        if (atomicAdd(&counters[1], 1u) == (unsigned int)(mergers - 1)) {
-          counters[1] = 0u;
-          counters[0] = 0u;
-        }
-      }
-    }
-    sm_slot = k;
+    const bool last = atomicAdd(counter, 1u) == (unsigned int)(nsplit - 1);
+    if (last) *counter = 0u;
+    sm_flag = last;
   }
   __syncthreads();
-  const int k = sm_slot;
-  if (k < 0) return -1;
+  if (!sm_flag) return false;
   __threadfence();
-  return k;
+  return true;
+}
+
+// The merger index of split `split` of the group: a static one of the last `mergers`
+// splits, or (by_arrival) 0 for the last CTA to arrive; -1 for the others. Every thread
+// calls it.
+__device__ __forceinline__ int split_merger(bool by_arrival, unsigned int* counter, int split, int nsplit, int mergers,
+                                            int& sm_flag) {
+  if (by_arrival) return last_arrival(counter, nsplit, sm_flag) ? 0 : -1;
+  return split - (nsplit - mergers);  // the shortest splits: split_range gives the remainder to the last
 }
 
 // Folds partial (m2, l2, a2) into (M, L, acc): both unnormalised under their own maxima;
@@ -492,93 +472,6 @@ __device__ __forceinline__ void fold_partial(float& M, float& L, float4& acc, fl
   L = fmaf(L, ca, l2 * cb);
   M = mn;
 }
-
-// Merger k's share [lo, hi) of `items` outputs, and J threads per output: a power of two,
-// as many as the share leaves.
-struct MergeShare {
-  int lo, hi, J;
-};
-template <int THREADS>
-__device__ __forceinline__ MergeShare merge_share(int items, int k, int mergers) {
-  MergeShare s{items * k / mergers, items * (k + 1) / mergers, 32};
-  while (s.J > 1 && s.J * (s.hi - s.lo) > THREADS) s.J >>= 1;
-  return s;
-}
-
-// The J lanes of a column quad fold their (M, L, acc) together (in lane order, every lane
-// shuffles), and the first stores the normalised result at row g of out.
-template <int D, typename T>
-__device__ __forceinline__ void fold_lanes_and_store(T* out, float M, float L, float4 acc, int J, bool store, int g,
-                                                     int d) {
-  for (int off = 1; off < J; off <<= 1) {
-    const float m2 = __shfl_xor_sync(0xffffffffu, M, off);
-    const float l2 = __shfl_xor_sync(0xffffffffu, L, off);
-    float4 a2;
-    a2.x = __shfl_xor_sync(0xffffffffu, acc.x, off);
-    a2.y = __shfl_xor_sync(0xffffffffu, acc.y, off);
-    a2.z = __shfl_xor_sync(0xffffffffu, acc.z, off);
-    a2.w = __shfl_xor_sync(0xffffffffu, acc.w, off);
-    fold_partial(M, L, acc, m2, l2, a2);
-  }
-  if (store) {
-    const float inv = 1.f / L;
-    store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
-  }
-}
-
-// Merger k of `mergers`: merges its share of the group's gcount * D / 4 float4 outputs
-// over the nsplit partials and stores them normalised. out, ws_o and ws_ml point at the
-// group's first row (ws_* at split 0; o_stride / ml_stride floats between splits). J
-// threads per output (a power of two, as many as the share leaves) each fold every
-// J-th split, then combine through shuffles: the share's loads are in flight together.
-template <int THREADS, int D, typename T>
-__device__ __forceinline__ void merge_split_share(T* out, const float* ws_o, const float* ws_ml, long long o_stride,
-                                                  long long ml_stride, int nsplit, int gcount, int k,
-                                                  int mergers) {
-  constexpr int DQ = D / 4;
-  constexpr int U = 4;  // splits loaded together per thread
-  const MergeShare sh = merge_share<THREADS>(gcount * DQ, k, mergers);
-  const int lo = sh.lo, hi = sh.hi, J = sh.J, j = threadIdx.x & (J - 1);
-  for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every lane shuffles
-    const int item = base + threadIdx.x / J;
-    const bool ok = item < hi;
-    const int g = ok ? item / DQ : 0;
-    const int d = ok ? (item - g * DQ) * 4 : 0;
-    const float* po = ws_o + (long long)g * D + d;
-    const float* pml = ws_ml + (long long)g * 2;
-    float M = neg_inf(), L = 0.f;
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int s0 = j; s0 < nsplit; s0 += U * J) {
-      float2 ml[U];
-      float4 a[U];
-#pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int sp = s0 + u * J;
-        const bool in = ok && sp < nsplit;
-        ml[u] = in ? __ldcg(reinterpret_cast<const float2*>(pml + sp * ml_stride)) : make_float2(neg_inf(), 0.f);
-        a[u] = in ? __ldcg(reinterpret_cast<const float4*>(po + sp * o_stride)) : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int u = 0; u < U; ++u) fold_partial(M, L, acc, ml[u].x, ml[u].y, a[u]);
-    }
-    fold_lanes_and_store<D>(out, M, L, acc, J, ok && j == 0, g, d);
-  }
-}
-
-
-// ---- the split merge through flagged words (paged_decode_tc.cu) ------------------------
-//
-// A split stores its partial normalised, as 8-byte words (value, lse) per output column:
-// lse = m + log2(l) of its row, so a word is complete on its own, and a word whose lse
-// bits are all ones (kWordEmpty, a NaN no split produces) has not been written. A merger
-// polls the words of its share until every split's are there, folds them in split order
-// (so the result does not depend on who arrived first) and writes all ones back: the
-// workspace (filled with ones when made) is clear again when the launch ends, ready for
-// the next. No fence, no arrival counter: the merger sees each split's words one L2 round
-// trip after they are stored. The static mergers (the last splits of the group) must not
-// wait on CTAs that are not running: the host passes mergers = 0 when the grid is larger
-// than one wave, and then the last CTA to arrive (split_merger) merges alone, its words
-// already complete.
 
 constexpr unsigned int kWordEmpty = 0xffffffffu;
 
@@ -624,8 +517,12 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
   constexpr int DQ = D / 4;
   constexpr int U = 4;
   constexpr unsigned long long empty = ~0ull;  // as the workspace is made
-  const MergeShare sh = merge_share<THREADS>(gcount * DQ, k, mergers);
-  const int lo = sh.lo, hi = sh.hi, J = sh.J, j = threadIdx.x & (J - 1);
+  const int items = gcount * DQ;
+  const int lo = items * k / mergers;
+  const int hi = items * (k + 1) / mergers;
+  int J = 32;
+  while (J > 1 && J * (hi - lo) > THREADS) J >>= 1;
+  const int j = threadIdx.x & (J - 1);
   for (int base = lo; base < hi; base += THREADS / J) {  // uniform: every thread reaches the barriers
     const int item = base + threadIdx.x / J;
     const bool ok = item < hi;
@@ -669,7 +566,20 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
           store_words(q + 2, empty, empty);
         }
     }
-    fold_lanes_and_store<D>(out, M, L, acc, J, ok && j == 0, g, d);
+    for (int off = 1; off < J; off <<= 1) {  // in lane order; every lane shuffles
+      const float m2 = __shfl_xor_sync(0xffffffffu, M, off);
+      const float l2 = __shfl_xor_sync(0xffffffffu, L, off);
+      float4 a2;
+      a2.x = __shfl_xor_sync(0xffffffffu, acc.x, off);
+      a2.y = __shfl_xor_sync(0xffffffffu, acc.y, off);
+      a2.z = __shfl_xor_sync(0xffffffffu, acc.z, off);
+      a2.w = __shfl_xor_sync(0xffffffffu, acc.w, off);
+      fold_partial(M, L, acc, m2, l2, a2);
+    }
+    if (ok && j == 0) {
+      const float inv = 1.f / L;
+      store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+    }
   }
 }
 

@@ -424,28 +424,21 @@ def write_kv(
 # decode (and the float32 prefill path, which is the decode kernel over T tokens)
 # ---------------------------------------------------------------------------------------
 
-def _workspace(
-    device: torch.device, floats: int, counters: int, words: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split partials and self-resetting arrival counters (zeroed once) for the current
-    stream (``nvrtc.stream_scratch``), grown by doubling. ``words``: the tensor-core
-    kernel's flagged 8-byte words (common.cuh, merge_split_words), filled with ones
-    (not yet written) when made and left that way by every launch; else float32 partials
-    (paged_decode.cu)."""
+def _workspace(device: torch.device, words: int, counters: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The split merge's flagged 8-byte words (common.cuh), filled with ones (not yet
+    written) when made and left that way by every launch, and self-resetting arrival
+    counters (zeroed once), for the current stream (``nvrtc.stream_scratch``), grown by
+    doubling."""
 
     def fits(cur: tuple[torch.Tensor, torch.Tensor]) -> bool:
-        return cur[0].numel() >= floats and cur[1].numel() >= counters
+        return cur[0].numel() >= words and cur[1].numel() >= counters
 
     def make(cur: tuple[torch.Tensor, torch.Tensor] | None) -> tuple[torch.Tensor, torch.Tensor]:
-        nf = max(floats, 1 << 16, 2 * cur[0].numel() if cur is not None else 0)
+        nw = max(words, 1 << 15, 2 * cur[0].numel() if cur is not None else 0)
         nc = max(counters, 1024, 2 * cur[1].numel() if cur is not None else 0)
-        if words:
-            ws = torch.full((nf,), -1, dtype=torch.int32, device=device)
-        else:
-            ws = torch.empty(nf, dtype=torch.float32, device=device)
-        return ws, torch.zeros(nc, dtype=torch.int32, device=device)
+        return torch.full((nw,), -1, dtype=torch.int64, device=device), torch.zeros(nc, dtype=torch.int32, device=device)
 
-    return nvrtc.stream_scratch("decode_split_words" if words else "decode_splits", device.index, fits, make)
+    return nvrtc.stream_scratch("decode_split_words", device.index, fits, make)
 
 
 class _DecodePlan:
@@ -468,7 +461,6 @@ class _DecodePlan:
         "rope",
         "smem",
         "threads",
-        "words",
     )
 
     def __init__(
@@ -491,15 +483,13 @@ class _DecodePlan:
             tile = 16  # query heads per m16 tile
             self.kernel, self.smem = _decode_tc_kernel(dev, dtype, d, self.rope)
             self.threads = 32 * _tc_warps()
-            self.words = True
         else:
             tile = _group_tile(self.group)
             self.kernel = _decode_kernel(dev, dtype, d, tile)
             self.threads = _DECODE_THREADS
             self.smem = 0
-            self.words = False
         self.ctas = kvh * ((self.group + tile - 1) // tile)
-        self.counters = 2 * self.ctas  # arrivals and mergers per group (common.cuh)
+        self.counters = self.ctas  # arrivals per group (common.cuh, last_arrival)
         occ = nvrtc.max_active_blocks(self.kernel, self.threads, dev, dynamic_smem=self.smem)
         sms = torch.cuda.get_device_properties(dev).multi_processor_count
         self.wave = occ * sms
@@ -599,13 +589,8 @@ def _launch_decode(
 ) -> None:
     ws_ptr = cnt_ptr = 0
     if splits > 1:
-        d = k_pool.shape[3]
-        per_split = 2 * d if plan.words else d + 2  # floats per head
         ws, cnt = _workspace(
-            k_pool.device,
-            tokens * splits * plan.group * plan.kvh * per_split,
-            tokens * plan.counters,
-            plan.words,
+            k_pool.device, tokens * splits * plan.group * plan.kvh * k_pool.shape[3], tokens * plan.counters
         )
         ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
     nvrtc.launch(

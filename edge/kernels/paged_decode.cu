@@ -13,10 +13,10 @@
 // or past kv_len are never read), so several stages are in flight while one is
 // computed. TPR threads per row, online softmax in float32 (exp2 domain), row groups
 // merged with shuffles, warps through shared memory; then the CTA either writes the
-// output (one split) or its partial (m, l, unnormalized o) to a float32 workspace, and
-// the last `mergers` CTAs of a (token, KV head, chunk) to finish each merge a share of
-// the splits and write those outputs (common.cuh, merge_split_share). No second kernel;
-// shared memory is fixed (independent of kv_len).
+// output (one split) or its partial as flagged words, and the last `mergers` splits of a
+// (token, KV head, chunk) each merge a share of the outputs as the words arrive
+// (common.cuh, the split merge). No second kernel; shared memory is fixed (independent
+// of kv_len).
 #include "common.cuh"
 
 namespace edge {
@@ -84,9 +84,9 @@ __device__ __forceinline__ void paged_decode(
     const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
     int host_len,                    // kv_len of token 0 when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
-    float* __restrict__ ws,          // split partials (num_splits > 1)
-    unsigned int* __restrict__ counters,  // [arrivals, mergers] per group (num_splits > 1)
-    int mergers,                     // most CTAs per group that merge the splits (0: one)
+    unsigned long long* __restrict__ ws,  // [tokens, num_splits, q_heads, D] split words (num_splits > 1)
+    unsigned int* __restrict__ counters,  // arrivals per group (mergers = 0)
+    int mergers,                     // most splits per group that merge; 0: the last to arrive
     int min_rows) {                  // fewest keys per active split (active_splits)
   using C = DecodeCfg<T, D, GT>;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
@@ -119,6 +119,7 @@ __device__ __forceinline__ void paged_decode(
   const int kv_len = (pos != nullptr ? __ldg(pos) + 1 : host_len) + tok;
   const int nsplit = active_splits(kv_len, grid_splits, min_rows);
   if (split >= nsplit) return;
+  const bool by_arrival = mergers == 0;
   mergers = split_mergers(nsplit, mergers);
 
   // This split's rows [r0, r1): the partition is derived from kv_len here, so the
@@ -306,11 +307,9 @@ __device__ __forceinline__ void paged_decode(
   }
   __syncthreads();
 
-  // Merge the warps: output (one split) or this split's partial (always written, also
-  // for an empty split: m = -inf, l = 0, o = 0).
+  // Merge the warps: output (one split) or this split's words (always written, also for
+  // an empty split: lse = -inf, o = 0).
   const bool single = (nsplit == 1);
-  float* ws_o = ws;
-  float* ws_ml = ws + (long long)gridDim.z * grid_splits * q_heads * D;
   for (int i = tid; i < gcount * (D / 4); i += kDecodeThreads) {
     const int g = i / (D / 4);
     const int d = (i - g * (D / 4)) * 4;
@@ -318,15 +317,16 @@ __device__ __forceinline__ void paged_decode(
     const float4 o = merge_warp_partials<WARPS>(sm_m, sm_l, sm_acc, g, d, M, L);
     const int head = head0 + g;
     const long long pidx = ((long long)tok * grid_splits + split) * q_heads + head;
-    store_split(single, out + ((long long)tok * q_heads + head) * D, ws_o + pidx * D, ws_ml + pidx * 2, o, M, L, d);
+    store_split_words(single, out + ((long long)tok * q_heads + head) * D, ws + pidx * D, o, M, L, d);
   }
   if (single) return;
 
-  const int k = split_merger(counters + 2 * (blockIdx.z * gridDim.x + blockIdx.x), nsplit, mergers, sm_merger);
+  const int k = split_merger(by_arrival, counters + blockIdx.z * gridDim.x + blockIdx.x, split, nsplit, mergers,
+                             sm_merger);
   if (k >= 0) {
-    const long long row = (long long)tok * grid_splits * q_heads + head0;  // split 0's partial of head0
-    merge_split_share<kDecodeThreads, D>(out + ((long long)tok * q_heads + head0) * D, ws_o + row * D, ws_ml + row * 2,
-                                         (long long)q_heads * D, (long long)q_heads * 2, nsplit, gcount, k, mergers);
+    const long long row = (long long)tok * grid_splits * q_heads + head0;  // split 0's words of head0
+    merge_split_words<kDecodeThreads, D>(out + ((long long)tok * q_heads + head0) * D, ws + row * D,
+                                         (long long)q_heads * D, nsplit, gcount, k, mergers);
   }
 }
 
@@ -343,7 +343,7 @@ __device__ __forceinline__ void paged_decode(
                         const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
                         const int* __restrict__ table, const int* __restrict__ pos,              \
                         int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
-                        float* __restrict__ ws, unsigned int* __restrict__ counters,             \
+                        unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, \
                         int mergers, int min_rows) {                                             \
     edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
                                                  kv_heads, group, log2_page, scale_log2, ws,     \

@@ -16,8 +16,8 @@
 // [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
 // the warps merge through shared memory, then the CTA writes the output (one split) or
 // its partial as flagged words, and the last `mergers` splits of the KV head each merge a
-// share of the outputs as the words arrive (common.cuh, merge_split_words; mergers = 0:
-// the last CTA to arrive merges alone, for grids larger than one wave).
+// share of the outputs as the words arrive (common.cuh, the split merge; as in
+// paged_decode.cu).
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
@@ -82,7 +82,7 @@ __device__ __forceinline__ void paged_decode_tc(
     int host_len,                    // kv_len when pos is null
     int kv_heads, int group, int log2_page, float scale_log2,
     unsigned long long* __restrict__ ws,  // [num_splits, q_heads, D] split words (num_splits > 1)
-    unsigned int* __restrict__ counters,  // [arrivals, unused] per KV head (mergers = 0)
+    unsigned int* __restrict__ counters,  // arrivals per KV head (mergers = 0)
     int mergers,                     // most splits per KV head that merge; 0: the last to arrive
     int min_rows,                    // fewest keys per active split (active_splits)
     RopeArgs rope) {
@@ -329,8 +329,7 @@ __device__ __forceinline__ void paged_decode_tc(
   }
   if (single) return;
 
-  // The last splits merge (the shortest: split_range gives the remainder to the last).
-  const int k = by_arrival ? split_merger(counters + 2 * blockIdx.x, nsplit, 1, sm_merger) : split - (nsplit - mergers);
+  const int k = split_merger(by_arrival, counters + blockIdx.x, split, nsplit, mergers, sm_merger);
   if (k >= 0)
     merge_split_words<THREADS, D>(out + (long long)head0 * D, ws + (long long)head0 * D, (long long)q_heads * D, nsplit,
                                   gcount, k, mergers);
