@@ -214,7 +214,10 @@ def test_split_mergers_only_when_the_whole_grid_is_resident():
         plan = _plan()
         assert plan.mergers(32, 1) == 8
         assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
-        assert plan.mergers(16, 1) == 4  # at most one per 4 splits
+        assert plan.mergers(16, 1) == 8  # at most one per 2 splits
+        paged_cuda.set_decode_tuning(mergers=16)
+        assert _plan().mergers(16, 1) == 8
+        paged_cuda.set_decode_tuning()
         assert plan.mergers(8, 1) == 1  # short launches: one merger is faster
         assert plan.mergers(34, 1) == 0  # 272 CTAs: some would wait for a slot
         assert plan.mergers(32, 2) == 0  # tokens multiply the grid
