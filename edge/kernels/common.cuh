@@ -430,7 +430,8 @@ __device__ __forceinline__ int active_splits(int kv_len, int nsplit, int min_row
 // Mergers among nsplit active splits, at most `cap` (the host's: 0 or 1 unless the whole
 // grid is resident; 0 counts as 1): one below 16 splits (a single merger was faster at 8:
 // 5.3 vs 6.0-6.2 us at 512 keys on an H200), else at most one per 2 splits (every split a
-// merger was 2-3 us slower at 8192 keys: their polls load the L2 while others stream).
+// merger was 1.7-2.9 us slower at 8192 keys on an H100; likely their polls compete with the
+// splits still streaming).
 __device__ __forceinline__ int split_mergers(int nsplit, int cap) {
   return nsplit < 16 || cap <= 1 ? 1 : min(cap, nsplit >> 1);
 }
