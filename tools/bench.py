@@ -52,7 +52,7 @@ SWEEP = [
     {"impl": "tc", "EDGE_TC_STAGES": 1},
     {"impl": "tc", "tc_max_stages": 3},  # as deep as the SM's shared memory allows (tc_stages)
     {"impl": "tc", "mergers": 1},
-    {"impl": "tc", "mergers": 16},
+    {"impl": "tc", "mergers": 4},  # the rule before the tenth session at 16 splits
     {"impl": "tc", "max_splits": 16},
     {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 4},
 ]

@@ -86,9 +86,10 @@ DECODE_TUNING: dict[str, Any] = {
     "max_splits": 32,
     # Deepest K/V pipeline of the tensor-core kernel; fewer where shared memory would
     # not hold EDGE_TC_MIN_BLOCKS CTAs an SM (tc_stages). At 8 warps 2 stages (139 KB a
-    # CTA) against 1: int8 decode +2.2 % at context 2048, equal at 128. (At 4 warps, 3
-    # stages' CTAs kept the next overlapped GEMV's CTAs from starting beside them and
-    # cost int8 decode 3 %; docs/kernels.md.)
+    # CTA) against 1: int8 decode +2.2 % at context 2048, equal at 128. 3 stages (209 KB)
+    # keep the next overlapped GEMV's CTAs from starting beside them: int8 decode -5 to
+    # -8 %, and attention-after-attention at 8192 keys stays at 65-67 % (docs/kernels.md,
+    # tenth session).
     "tc_max_stages": 2,
     # CTAs per KV head that merge the splits, each a share of the outputs, when the whole
     # grid is resident at once (else 1: a merger waits for every split of its head).
