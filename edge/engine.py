@@ -15,15 +15,16 @@ import logging
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
+from edge.backend import Backend, select_backend
 from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
 from edge.config import ModelConfig, parse_dtype
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder
-from edge.kernels import nvrtc, reference
+from edge.kernels.int8_cuda import Int8Tuning
+from edge.kernels.paged_cuda import DecodeTuning
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.contiguous import ContiguousKV
 from edge.kv.paged import BlockPool, PagedKVCache
@@ -45,39 +46,6 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def kernel_ops(device: torch.device, kernels: str = "auto", model: Model | None = None) -> ModuleType:
-    """CUDA kernels on a GPU when they load, else the torch reference (with a warning
-    when CUDA was expected): a broken NVRTC install degrades speed, not service.
-    With ``model``, its fused layer ops (``model.ops``) follow the same choice."""
-    if device.type != "cuda" or kernels == "reference":
-        if model is not None:
-            model.ops = reference
-        return reference
-    try:
-        from edge.kernels import fused_cuda, int8_cuda, paged_cuda
-
-        int8_cuda.enable(device)  # int8 (W8A16) projections: the decode GEMV
-        paged_cuda.load(device)
-        fused_cuda.load(device)  # norms, q/k norm + RoPE, silu * mul
-    except Exception as exc:  # any failure to build or load kernels means: fall back
-        if kernels == "cuda":
-            raise
-        log.warning("CUDA kernels unavailable (%s); using the torch reference attention", exc)
-        if model is not None:
-            model.ops = reference
-        return reference
-    if model is None:
-        return paged_cuda
-    model.ops = fused_cuda  # each fused op runs the reference for shapes it lacks
-    if model.cfg.head_dim in paged_cuda.HEAD_DIMS:
-        return paged_cuda
-    msg = f"no CUDA attention kernels for head_dim {model.cfg.head_dim} (have {paged_cuda.HEAD_DIMS})"
-    if kernels == "cuda":
-        raise paged_cuda.KernelsUnavailable(msg)
-    log.warning("%s; using the torch reference attention", msg)
-    return reference
-
-
 class Engine:
     def __init__(
         self,
@@ -97,17 +65,41 @@ class Engine:
         kv_memory: int | str | None = None,
         memory_utilization: float = DEFAULT_UTILIZATION,
         memory_info: MemoryInfo | None = None,
+        decode_tuning: DecodeTuning | None = None,
+        int8_tuning: Int8Tuning | None = None,
+        sms: int | None = None,
+        backend: Backend | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
         ``kv_blocks``/``kv_memory`` explicitly, or what is available x
         ``memory_utilization`` after weights and activations; ``memory_info`` fakes the
-        probe. ``overlap_launches=False`` serialises the kernel launches of captured
-        decode steps, which otherwise overlap on sm_90+ (edge/graph.py)."""
+        probe.
+
+        The engine plans its own backend (edge/backend.py) from ``kernels`` ("auto":
+        the CUDA kernels on a GPU, which must then load; "reference": the torch
+        reference), ``overlap_launches`` (captured decode steps start each kernel while
+        the previous one finishes, sm_90+), the tunings and ``sms`` (the SM count plans
+        fill; default: the current context's). ``model`` itself is not changed: the
+        engine runs ``model.with_backend(...)``. ``backend`` gives a planned backend
+        instead (tests)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
+        self.backend: Backend = backend or select_backend(
+            model.cfg,
+            model.device,
+            model.dtype,
+            model.w.values(),
+            kernels=kernels,
+            overlap_launches=overlap_launches,
+            decode_tuning=decode_tuning,
+            int8_tuning=int8_tuning,
+            sms=sms,
+        )
+        log.info("backend: %s", self.backend.describe())
+        model = model.with_backend(self.backend)
         self.model = model
         self.cfg = model.cfg
         self.tokenizer = tokenizer
@@ -120,12 +112,13 @@ class Engine:
         self.page_size = page_size
         self.kv: PagedKVCache | None = None
         self.budget: MemoryBudget | None = None
+        attention = self.backend.eager.attention
+        graph_ok = self.device.type == "cuda" and kv_cache == "paged" and self.backend.cuda_graph_capable
         if kv_cache == "paged":
-            ops = kernel_ops(self.device, kernels, model)
             if num_blocks is None:
                 self.budget = plan_kv_budget(
                     model,
-                    ops,
+                    attention,
                     page_size=page_size,
                     max_seq_len=self.max_seq_len,
                     prefill_chunk=prefill_chunk,
@@ -133,7 +126,7 @@ class Engine:
                     kv_memory=kv_memory,
                     utilization=memory_utilization,
                     memory=memory_info,
-                    cuda_graph=cuda_graph is not False and self.device.type == "cuda" and ops is not reference,
+                    cuda_graph=cuda_graph is not False and graph_ok,
                 )
                 log.info("%s", self.budget.describe())
                 num_blocks = self.budget.num_blocks
@@ -147,13 +140,12 @@ class Engine:
                 self.dtype,
                 poison=poison_kv,
             )
-            self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, ops)
-            if ops is not reference:
-                self.kv.decode_options = ops.graph_decode_options(
-                    self.device, self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
+            self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, attention)
+            if attention.graph_decode_options is not None:
+                self.kv.decode_options = attention.graph_decode_options(
+                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
                 )
         # The captured step reads its position on the device: CUDA attention kernels only.
-        graph_ok = self.device.type == "cuda" and self.kv is not None and self.kv.ops is not reference
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok
         if self.cuda_graph and not graph_ok:
             raise ValueError("cuda_graph needs device='cuda', kv_cache='paged' and the CUDA attention kernels")
@@ -161,9 +153,6 @@ class Engine:
         self._contiguous: ContiguousKV | None = None
         self._decoders: dict[int, SlotDecoder] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
-        # Captured decode steps overlap each kernel's start with the previous one's end
-        # (sm_90+; edge/graph.py). Off: plain serialised launches, for comparison.
-        self.overlap_launches = overlap_launches
 
     @classmethod
     def from_pretrained(
@@ -196,6 +185,16 @@ class Engine:
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         cfg = ModelConfig.from_pretrained(path)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
+            # Fail before loading gigabytes of weights when the kernels cannot load.
+            from edge.kernels import nvrtc
+
+            try:
+                nvrtc.check_available(nvrtc.device_index(dev))
+            except nvrtc.KernelsUnavailable as exc:
+                from edge.backend import BackendUnavailable, kernel_fix_hint
+
+                raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
         if tokenizer is None:
@@ -367,9 +366,8 @@ class Engine:
             "kv_cache": self.kv_kind,
             "max_seq_len": self.max_seq_len,
             "cuda_graph": self.cuda_graph,
-            "overlapped_launches": self.cuda_graph
-            and self.overlap_launches
-            and nvrtc.overlap_supported(nvrtc.device_index(self.device)),
+            "overlapped_launches": self.cuda_graph and self.backend.overlap_launches,
+            "backend": self.backend.describe(),
         }
         if self.kv is not None:
             pool = self.kv.pool
@@ -377,7 +375,7 @@ class Engine:
                 "page_size": pool.page_size,
                 "kv_blocks": pool.num_blocks,
                 "kv_blocks_free": pool.num_free,
-                "kernels": self.kv.ops.__name__.rsplit(".", 1)[-1],
+                "kernels": self.backend.kind,
             }
         if self.budget is not None:
             out["kv_budget"] = self.budget.as_dict()

@@ -10,9 +10,10 @@ stream per step (a device-to-host copy between replays cost ~12 us a step). At a
 crossing the host allocates the block and syncs its one table entry *before* replay
 (forgetting that is the page-crossing garbage bug of seed 001 ch.15).
 
-Because ``pos`` and the table change only between replays, the step's kernels are
-captured as overlapped launches (``nvrtc.overlapped``, sm_90+; ``Engine.overlap_launches``):
-each starts its weight or K/V stream while the previous kernel is finishing.
+The step runs the backend's graph kernels (``Backend.graph``). Because ``pos`` and the
+table change only between replays, those launch overlapped where the device can
+(sm_90+, ``Engine(overlap_launches=...)``): each kernel starts its weight or K/V stream
+while the previous one is finishing.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.kernels import fused_cuda, nvrtc
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
@@ -37,13 +37,14 @@ class GraphStepKV:
 
     def __init__(self, decoder: "SlotDecoder") -> None:
         self.d = decoder
+        self.ops = decoder.kernels.attention
 
     def pages(self, layer: int) -> PagedKV:
         return PagedKV(self.d.cache.pool.k[layer], self.d.cache.pool.v[layer], self.d.table)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         d = self.d
-        pool, ops = d.cache.pool, d.cache.ops
+        pool, ops = d.cache.pool, self.ops
         k_pool, v_pool = pool.k[layer], pool.v[layer]
         if k is not None:
             ops.write_kv(k_pool, v_pool, d.table, k, v, 0, pos=d.pos)
@@ -55,7 +56,7 @@ class GraphStepKV:
     def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor:
         d = self.d
         pool = d.cache.pool
-        out = d.cache.ops.decode_attention_rope(
+        out = self.ops.decode_attention_rope(
             qkv, rope, pool.k[layer], pool.v[layer], d.table, d.cache.max_seq_len, d.cache.scale,
             pos=d.pos, out=d.attn_out[layer],
         )
@@ -70,6 +71,7 @@ class SlotDecoder:
     def __init__(self, engine: "Engine", pool: object | None = None) -> None:
         self.engine = engine
         self.model = engine.model
+        self.kernels = engine.backend.graph
         self.cache = engine.kv
         dev = engine.device
         self.token = torch.zeros(1, dtype=torch.long, device=dev)
@@ -81,11 +83,11 @@ class SlotDecoder:
         self.host_tokens = torch.zeros(self.RING, dtype=torch.long, pin_memory=True)
         # With the CUDA kernels the step itself writes its token into host_tokens (slot
         # ring_pos % RING, fused_cuda.decode_step_end); else a copy follows each replay.
-        self.publishes = self.model.ops is fused_cuda
+        self.publishes = self.kernels.layer.decode_step_end is not None
         self.ring_pos = torch.zeros(1, dtype=torch.int32, device=dev)
         self._copied = [torch.cuda.Event() for _ in range(self.RING)]  # one per pinned slot
         self._ring = 0
-        self.graphs: dict[tuple[bool, bool, bool], torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
         self.mempool = pool
         self.bound: PagedSequence | None = None
         self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
@@ -116,22 +118,22 @@ class SlotDecoder:
     # -- one step --------------------------------------------------------------------
 
     def _body(self, greedy: bool) -> None:
-        hidden, norm = self.model.hidden(self.token, self.pos, self.kv)  # int32 positions
+        kern = self.kernels
+        hidden, norm = self.model.hidden(self.token, self.pos, self.kv, kern)  # int32 positions
         if greedy and not self.sampler.use_penalty:
             # The token straight from the lm_head (an int8 one's kernel skips the
             # logits and takes the final norm); greedy decoding never reads the
             # sampler's noise step.
-            self.model.greedy_token(hidden, out=self.token, norm=norm)
+            self.model.greedy_token(hidden, out=self.token, norm=norm, kernels=kern)
         else:
-            self.token.copy_(sample(self.model.logits(hidden, norm)[0], self.sampler, greedy))
+            self.token.copy_(sample(self.model.logits(hidden, norm, kern)[0], self.sampler, greedy))
         if self.publishes:
-            fused_cuda.decode_step_end(self.token, self.host_tokens, self.ring_pos, self.pos)
+            kern.layer.decode_step_end(self.token, self.host_tokens, self.ring_pos, self.pos)
         else:
             self.pos.add_(1)
 
     def _graph(self, greedy: bool) -> torch.cuda.CUDAGraph:
-        overlap = self.engine.overlap_launches
-        key = (greedy, self.sampler.use_penalty, overlap)
+        key = (greedy, self.sampler.use_penalty)
         graph = self.graphs.get(key)
         if graph is not None:
             return graph
@@ -150,7 +152,7 @@ class SlotDecoder:
         for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool, stream=side), nvrtc.overlapped(overlap):
+        with torch.cuda.graph(graph, pool=self.mempool, stream=side):
             self._body(greedy)
         self.graphs[key] = graph
         return graph

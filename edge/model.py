@@ -5,27 +5,26 @@ prefills), so activations are ``[T, hidden]`` with no batch dimension. Numerics 
 Hugging Face: RMSNorm in float32 then cast, RoPE tables in float32 cast to the model
 dtype, attention softmax in float32.
 
-The norms, q/k norm + RoPE and the SwiGLU activation go through ``self.ops``: the torch
-reference (:mod:`edge.kernels.reference`) by default, the fused CUDA kernels
-(:mod:`edge.kernels.fused_cuda`) once ``edge.engine.kernel_ops`` has loaded them. A
-decode token on a paged cache hands its qkv row to the cache instead
-(``SequenceKV.attend_rope``), whose attention kernel does the q/k norm, RoPE and K/V
-store itself.
-Decode at batch 1 is launch-bound on small models, so kernel count is speed: one
-kernel per residual add + norm, one for q/k norm + RoPE, one for silu * mul. With int8
-projections the decode GEMV takes the norms, residual adds and SwiGLU into its own
-launches instead (``edge.quant.linear``'s ``norm`` / ``residual`` / ``swiglu``).
+Every op goes through the model's :class:`edge.backend.Backend`, given at construction
+and never changed (:meth:`Model.with_backend` makes another model on the same weights):
+the layer ops (norms, q/k norm + RoPE, SwiGLU), one linear per weight format, and, in
+the KV cache, the attention. A forward takes the backend's eager kernels unless told
+otherwise (the captured decode step passes the graph's). A decode token on a paged
+cache hands its qkv row to the cache (``SequenceKV.attend_rope``), whose attention
+kernel does the q/k norm, RoPE and K/V store itself. With int8 projections whose
+kernel fuses, the decode GEMV also takes the norms, residual adds and SwiGLU into its
+own launches.
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
+from edge.backend import Backend, StepKernels, reference_backend
 from edge.config import ModelConfig, rope_inv_freq
-from edge.kernels import reference
 from edge.kernels.reference import Rope
 from edge.kv import SequenceKV
 from edge.loader import load_weights
@@ -34,9 +33,6 @@ from edge.quant import (
     Norm,
     Weight,
     checkpoint_quantization,
-    fuses,
-    greedy_token,
-    linear,
     load_quantized_weights,
     parse_quantize,
     weight_tensors,
@@ -44,12 +40,18 @@ from edge.quant import (
 
 
 class Model:
-    def __init__(self, cfg: ModelConfig, weights: dict[str, torch.Tensor | Int8Weight], max_seq_len: int) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        weights: dict[str, torch.Tensor | Int8Weight],
+        max_seq_len: int,
+        backend: Backend | None = None,
+    ) -> None:
         self.cfg = cfg
         self.w = weights
-        self.ops: ModuleType = reference  # rms_norm, add_rms_norm, qk_norm_rope, silu_mul
         embed = weights["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
+        self.backend = backend if backend is not None else reference_backend(self.device)
         self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
         self.layers = [self._layer_weights(i) for i in range(cfg.num_layers)]
         # The norm after each layer's residual add: the next layer's input norm, or the
@@ -74,6 +76,12 @@ class Model:
             for lw in self.layers
         ]
 
+    def with_backend(self, backend: Backend) -> "Model":
+        """A model on the same weights and tables (nothing copied) with ``backend``."""
+        other = copy.copy(self)
+        other.backend = backend
+        return other
+
     @classmethod
     def load(
         cls,
@@ -84,13 +92,14 @@ class Model:
         max_seq_len: int,
         quantize: str | None = None,
         quant_group_size: int | None = None,
+        backend: Backend | None = None,
     ) -> "Model":
         """Load a checkpoint; int8 projections when its metadata says q8_0 (route A) or
         ``quantize="int8"`` asks to quantize a float one while loading (route B)."""
         if parse_quantize(quantize) is not None or checkpoint_quantization(model_dir) is not None:
             weights = load_quantized_weights(model_dir, cfg, device, dtype, quantize, quant_group_size)
-            return cls(cfg, weights, max_seq_len)
-        return cls(cfg, load_weights(model_dir, cfg, device, dtype), max_seq_len)
+            return cls(cfg, weights, max_seq_len, backend)
+        return cls(cfg, load_weights(model_dir, cfg, device, dtype), max_seq_len, backend)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."
@@ -119,14 +128,19 @@ class Model:
         ``positions`` (device tensors of length T; positions int64 or int32). Writes
         their K/V through ``kv``."""
         h, norm = self.hidden(ids, positions, kv)
-        return h if norm is None else self.ops.rms_norm(h, *norm)
+        return h if norm is None else self.backend.eager.layer.rms_norm(h, *norm)
 
-    def hidden(self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV) -> tuple[torch.Tensor, Norm | None]:
+    def hidden(
+        self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV, kernels: StepKernels | None = None
+    ) -> tuple[torch.Tensor, Norm | None]:
         """:meth:`forward` with the final RMSNorm still pending where the int8 decode
         GEMVs fold the norms in (an int8 lm_head's then takes it too): ``(h, norm)``,
         ``norm`` the ``(weight, eps)`` still to apply to ``h`` (None: ``h`` is
-        normalised). :meth:`logits` and :meth:`greedy_token` take ``norm``."""
-        cfg, ops, eps = self.cfg, self.ops, self.cfg.rms_norm_eps
+        normalised). :meth:`logits` and :meth:`greedy_token` take ``norm``. ``kernels``:
+        the backend's eager kernels unless given (the captured step's)."""
+        kern = kernels or self.backend.eager
+        ops, linear = kern.layer, kern.linears
+        cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = ops.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
@@ -135,11 +149,11 @@ class Model:
         # rounded to bf16) and each residual add into the projection that produces it.
         # Otherwise (float weights, prefill chunks, CPU) one add_rms_norm kernel does
         # add + norm.
-        fused = self.int8_projections and fuses(x, self.layers[0]["qkv"])
+        fused = self.int8_projections and linear.fuses(x, self.layers[0]["qkv"])
         # What the next projection reads, and the norm it still applies to it.
         h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)
         for i, lw in enumerate(self.layers):
-            qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm, ops=ops)
+            qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm)
             # A decode token: the paged cache's attention takes the q/k norms, RoPE and
             # the K/V store into its own launch.
             attn = kv.attend_rope(i, qkv, self.ropes[i]) if t == 1 else None
@@ -153,34 +167,38 @@ class Model:
                 )
                 v = None if pages is not None else qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
                 attn = kv.attend(i, q, k, v)
-            h, norm = self._add_projection(x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
-            act = linear(h, lw["gate_up"], norm=norm, swiglu=True, ops=ops)
+            h, norm = self._add_projection(kern, x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
+            act = linear(h, lw["gate_up"], norm=norm, swiglu=True)
             # The last layer's norm is the final one.
-            h, norm = self._add_projection(x, act, lw["down"], lw["ln_out"], fused)
+            h, norm = self._add_projection(kern, x, act, lw["down"], lw["ln_out"], fused)
         return h, norm
 
     def _add_projection(
-        self, x: torch.Tensor, a: torch.Tensor, w: Weight, ln: torch.Tensor, fused: bool
+        self, kern: StepKernels, x: torch.Tensor, a: torch.Tensor, w: Weight, ln: torch.Tensor, fused: bool
     ) -> tuple[torch.Tensor, Norm | None]:
         """``x += linear(a, w)`` in place; returns the next projection's input and the
         RMSNorm (weight ``ln``) it still has to apply."""
         eps = self.cfg.rms_norm_eps
         if fused:
-            linear(a, w, residual=x, ops=self.ops)
+            kern.linears(a, w, residual=x)
             return x, (ln, eps)
-        return self.ops.add_rms_norm(x, linear(a, w), ln, eps), None
+        return kern.layer.add_rms_norm(x, kern.linears(a, w), ln, eps), None
 
-    def logits(self, hidden: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, norm: Norm | None = None, kernels: StepKernels | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` of ``hidden`` (``norm``: the final norm still to
         apply, from :meth:`hidden`)."""
-        return linear(hidden, self.lm_head, norm=norm, ops=self.ops).float()
+        return (kernels or self.backend.eager).linears(hidden, self.lm_head, norm=norm).float()
 
     def greedy_token(
-        self, hidden: torch.Tensor, out: torch.Tensor | None = None, norm: Norm | None = None
+        self,
+        hidden: torch.Tensor,
+        out: torch.Tensor | None = None,
+        norm: Norm | None = None,
+        kernels: StepKernels | None = None,
     ) -> torch.Tensor:
         """Greedy token ids ``[T]`` (int64), the argmax of :meth:`logits`; an int8 lm_head's
         kernel finds it without writing the logits (``out`` receives the ids)."""
-        return greedy_token(hidden, self.lm_head, out, norm=norm, ops=self.ops)
+        return (kernels or self.backend.eager).linears.greedy_token(hidden, self.lm_head, out, norm=norm)
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

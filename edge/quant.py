@@ -27,23 +27,19 @@ Group size: ``in_features`` must be a multiple of ``group_size``. There is no si
 fallback to a smaller group (one checkpoint has one ``group_size`` in its metadata);
 the error names the tensor and the largest power-of-two group that would work.
 
-Runtime. The model calls ``linear(x, w, bias)`` for every projection; it dispatches on
-the weight: a float tensor goes to ``F.linear``, an ``Int8Weight`` to its ``linear``
-method, which runs the implementation registered for the activation's device type
-(``register_int8_linear``; the CUDA GEMV kernel registers itself there) or else the
-torch reference ``int8_linear_reference``: dequantize group-wise in float32
-(``q.view(out, in/g, g) * scale[..., None]`` in float32), rounded once to the activation dtype,
-``F.linear``. The reference has no host synchronisation and no data-dependent shapes,
-so it can be captured in a CUDA graph. Weights larger than ``DEQUANT_CHUNK_ELEMENTS``
-are dequantized and multiplied in row chunks (a fixed split per weight) so the float
-temporary stays bounded (an 8B model's lm_head would otherwise need 3.7 GB of it).
+Runtime. The engine's backend (:mod:`edge.backend`) picks one linear per weight
+format (:mod:`edge.linear`): on the CPU the torch reference ``int8_linear_reference``
+(dequantize group-wise in float32, rounded once to the activation dtype, ``F.linear``),
+on a GPU the int8 GEMV of :mod:`edge.kernels.int8_cuda`. The reference has no host
+synchronisation and no data-dependent shapes, so it can be captured in a CUDA graph.
+Weights larger than ``DEQUANT_CHUNK_ELEMENTS`` are dequantized and multiplied in row
+chunks so the float temporary stays bounded.
 
-Fusions. Decode at batch 1 is launch-bound once the GEMV is at bandwidth, so
-``linear`` also takes the steps around a projection that the int8 decode GEMV folds
-into its own launch: an RMSNorm of its input (``norm``), SwiGLU of a ``[gate; up]``
-output (``swiglu``) and an in-place residual add (``residual``). Their meaning is
-``fused_linear_reference`` (the unfused ops, bit for bit); ``fuses(x, w)`` says whether
-the registered kernel runs them for ``x`` (``Model.forward`` picks its plan by it).
+Fusions. Decode at batch 1 is launch-bound once the GEMV is at bandwidth, so a linear
+also takes the steps around a projection that the int8 decode GEMV folds into its own
+launch: an RMSNorm of its input (``norm``), SwiGLU of a ``[gate; up]`` output
+(``swiglu``) and an in-place residual add (``residual``). Their meaning is
+``fused_linear_reference`` (the unfused ops, bit for bit).
 """
 
 from __future__ import annotations
@@ -51,7 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -195,7 +191,10 @@ Norm = tuple[torch.Tensor, float]
 class Int8Weight:
     """A quantized linear weight: ``weight`` int8 ``[out, in]``, ``scale`` float32
     ``[out, in // group_size]``, ``group_size``. ``w(x)`` / ``w.linear(x, bias)``
-    computes ``x @ dequant(w).T + bias`` in ``x``'s dtype."""
+    computes ``x @ dequant(w).T + bias`` in ``x``'s dtype through the backend's
+    linear for the q8_0 format."""
+
+    FORMAT = QUANT_METHOD
 
     __slots__ = ("weight", "scale", "group_size")
 
@@ -240,29 +239,6 @@ class Int8Weight:
     def to(self, device: torch.device | str) -> "Int8Weight":
         return Int8Weight(self.weight.to(device), self.scale.to(device), self.group_size)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        bias: torch.Tensor | None = None,
-        *,
-        norm: Norm | None = None,
-        residual: torch.Tensor | None = None,
-        swiglu: bool = False,
-        ops: ModuleType = reference,
-    ) -> torch.Tensor:
-        """:func:`linear` with this weight: the implementation registered for ``x``'s
-        device, or the torch reference."""
-        impl = _INT8_LINEAR.get(x.device.type)
-        if norm is None and residual is None and not swiglu:
-            return (impl or int8_linear_reference)(x, self, bias)
-        if impl is not None and x.device.type in _INT8_FUSES:
-            return impl(x, self, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
-        return fused_linear_reference(
-            x, self, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops, matmul=impl
-        )
-
-    __call__ = linear
-
     def __repr__(self) -> str:
         return (
             f"Int8Weight(shape={tuple(self.weight.shape)}, group_size={self.group_size}, "
@@ -271,74 +247,6 @@ class Int8Weight:
 
 
 Weight = torch.Tensor | Int8Weight
-
-# fn(x, w, bias) -> y; a fusing implementation also takes the keyword arguments
-# norm, residual, swiglu and ops of linear().
-Int8Linear = Callable[..., torch.Tensor]
-Fuses = Callable[[torch.Tensor, Int8Weight], bool]
-# fn(x, w, bias, out, norm=...) -> token ids, or None where it does not take the arguments.
-Int8Argmax = Callable[..., torch.Tensor | None]
-_INT8_LINEAR: dict[str, Int8Linear] = {}
-_INT8_FUSES: dict[str, Fuses] = {}
-_INT8_ARGMAX: dict[str, Int8Argmax] = {}
-
-
-def register_int8_linear(
-    device_type: str, fn: Int8Linear | None, fuses: Fuses | None = None, argmax: Int8Argmax | None = None
-) -> None:
-    """Route ``Int8Weight.linear`` on ``device_type`` ("cuda", "cpu") to ``fn(x, w,
-    bias)`` (None restores the torch reference). A kernel that only covers some shapes
-    (say, the decode GEMV with one token) calls ``int8_linear_reference`` for the rest.
-
-    With ``fuses``, ``fn`` also takes :func:`linear`'s keyword arguments (``norm``,
-    ``residual``, ``swiglu``, ``ops``) and runs them inside its kernel wherever
-    ``fuses(x, w)`` is true (else it composes them, :func:`fused_linear_reference`);
-    without, those calls compose the fusions around ``fn``. With ``argmax``,
-    :func:`greedy_token` asks it first (``argmax(x, w, bias, out, norm=norm)``: the
-    token ids without the logits, or None)."""
-    _INT8_FUSES.pop(device_type, None)
-    _INT8_ARGMAX.pop(device_type, None)
-    if fn is None:
-        _INT8_LINEAR.pop(device_type, None)
-        return
-    _INT8_LINEAR[device_type] = fn
-    if fuses is not None:
-        _INT8_FUSES[device_type] = fuses
-    if argmax is not None:
-        _INT8_ARGMAX[device_type] = argmax
-
-
-def fuses(x: torch.Tensor, w: Weight) -> bool:
-    """Whether ``linear(x, w, ...)`` runs ``norm`` / ``residual`` / ``swiglu`` inside
-    the projection's own kernel for this ``x`` (an int8 weight whose registered kernel
-    takes ``x``). Only then does folding the decoder's norms and residual adds into
-    its projections save launches; composed, it costs one more pass per residual add
-    than the fused add + norm kernel."""
-    f = _INT8_FUSES.get(x.device.type)
-    return f is not None and isinstance(w, Int8Weight) and f(x, w)
-
-
-def greedy_token(
-    x: torch.Tensor,
-    w: Weight,
-    out: torch.Tensor | None = None,
-    *,
-    norm: Norm | None = None,
-    ops: ModuleType = reference,
-) -> torch.Tensor:
-    """Greedy decoding's token ids ``[T]`` (int64) for hidden states ``x [T, in]`` and
-    the lm_head ``w``: ``argmax(linear(x, w, norm=norm, ops=ops))`` over the vocabulary,
-    the first of equal maxima. An int8 lm_head's registered kernel finds it without
-    writing the logits; otherwise the logits are computed. ``out`` (int64 ``[T]``)
-    receives the ids."""
-    impl = _INT8_ARGMAX.get(x.device.type)
-    if impl is not None and isinstance(w, Int8Weight):
-        ids = impl(x, w, None, out, norm=norm)
-        if ids is not None:
-            return ids
-    ids = torch.argmax(linear(x, w, norm=norm, ops=ops), dim=-1)
-    return ids if out is None else out.copy_(ids)
-
 
 def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The torch reference W8A16 linear (CPU path, prefill path, and kernel oracle).
@@ -363,35 +271,6 @@ def int8_linear_reference(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | N
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-def linear(
-    x: torch.Tensor,
-    w: Weight,
-    bias: torch.Tensor | None = None,
-    *,
-    norm: Norm | None = None,
-    residual: torch.Tensor | None = None,
-    swiglu: bool = False,
-    ops: ModuleType = reference,
-) -> torch.Tensor:
-    """``F.linear`` for a float weight, the W8A16 linear for an ``Int8Weight``, with the
-    decoder-layer steps around it that a decode GEMV can fuse (the int8 CUDA kernel
-    does, see :func:`fuses`; everything else composes them, with the same result as
-    :func:`fused_linear_reference`):
-
-    - ``norm=(weight, eps)``: the input is ``ops.rms_norm(x, weight, eps)``;
-    - ``swiglu``: the weight is ``[gate; up]`` and the result ``ops.silu_mul(y)``;
-    - ``residual``: ``residual += y`` in place (rounded to its dtype); returns it.
-
-    ``ops`` (:mod:`edge.kernels.reference` or :mod:`edge.kernels.fused_cuda`: the
-    model's ``ops``) composes whatever the projection's kernel does not fuse.
-    """
-    if isinstance(w, Int8Weight):
-        return w.linear(x, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
-    if norm is None and residual is None and not swiglu:
-        return F.linear(x, w, bias)
-    return fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=ops)
-
-
 def fused_linear_reference(
     x: torch.Tensor,
     w: Weight,
@@ -400,14 +279,15 @@ def fused_linear_reference(
     norm: Norm | None = None,
     residual: torch.Tensor | None = None,
     swiglu: bool = False,
-    ops: ModuleType = reference,
-    matmul: Int8Linear | None = None,
+    ops: Any = reference,
+    matmul: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """What :func:`linear` with ``norm`` / ``residual`` / ``swiglu`` means, as the
+    """What a linear with ``norm`` / ``residual`` / ``swiglu`` means, as the
     unfused sequence of ``ops`` calls and a plain linear (the kernel oracle, and the
     path of every call a fusing kernel does not take, such as prefill chunks).
-    ``matmul(h, w, bias)`` is the plain linear of an int8 weight (default: the torch
-    reference)."""
+    ``ops`` has ``rms_norm`` and ``silu_mul`` (the reference module or a backend's
+    layer ops); ``matmul(h, w, bias)`` is the plain linear of a quantized weight
+    (default: the int8 torch reference)."""
     h = x if norm is None else ops.rms_norm(x, norm[0], norm[1])
     if isinstance(w, torch.Tensor):
         y = F.linear(h, w, bias)

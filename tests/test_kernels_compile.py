@@ -7,6 +7,7 @@ KernelsUnavailable."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -14,46 +15,47 @@ from edge.kernels import nvrtc
 from edge.kernels.nvrtc import KernelCompileError, KernelsUnavailable
 
 ARCHS = ("sm_87", "sm_90")
+READ_FLOOR = Path(__file__).resolve().parent.parent / "tools" / "kernels" / "read_floor.cu"
 
 # (source, defines) for every kernel instantiation the wrappers can ask for.
 VARIANTS = [
     *[
-        ("paged_decode.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        ("paged_decode.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d})
         for dt in (1, 2, 3)
         for d in (64, 128)
     ],
     *[
-        ("paged_decode_tc.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        ("paged_decode_tc.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d})
         for dt in (1, 2)
         for d in (64, 128)
     ],
     *[
-        ("paged_prefill.cu", {"EDGE_DTYPE": dt, "EDGE_HEAD_DIM": d})
+        ("paged_prefill.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d})
         for dt in (1, 2)
         for d in (64, 128)
     ],
     ("kv_write.cu", {}),
-    ("read_floor.cu", {}),  # tools/bench.py kernels --floor
+    (str(READ_FLOOR), {}),  # tools/bench.py kernels --floor
     ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
     ("int8_gemv.cu", {}),
     (
         "int8_gemv.cu",
-        {"EDGE_INT8_WARPS": 8, "EDGE_INT8_UNROLL_R1": 8, "EDGE_INT8_MIN_BLOCKS": 2},
+        {"CFG_INT8_WARPS": 8, "CFG_INT8_UNROLL_R1": 8, "CFG_INT8_MIN_BLOCKS": 2},
     ),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [
-    ("paged_decode.cu", {"EDGE_DECODE_STAGES": 2, "EDGE_DECODE_STAGE_BYTES": 8192}),
-    ("paged_decode.cu", {"EDGE_DECODE_STAGES": 4, "EDGE_DECODE_STAGE_BYTES": 4096}),
-    ("paged_decode.cu", {"EDGE_DECODE_QACC_REGS": 128, "EDGE_DECODE_MIN_BLOCKS": 2}),
-    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4}),
-    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1}),
-    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2}),
-    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1}),
-    ("paged_decode_tc.cu", {"EDGE_TC_WARPS": 8, "EDGE_TC_STAGES": 3}),
+    ("paged_decode.cu", {"CFG_DECODE_STAGES": 2, "CFG_DECODE_STAGE_BYTES": 8192}),
+    ("paged_decode.cu", {"CFG_DECODE_STAGES": 4, "CFG_DECODE_STAGE_BYTES": 4096}),
+    ("paged_decode.cu", {"CFG_DECODE_QACC_REGS": 128, "CFG_DECODE_MIN_BLOCKS": 2}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 1, "CFG_TC_STAGES": 4}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 2, "CFG_TC_STAGES": 1}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3}),
     (
         "paged_decode_tc.cu",
-        {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 1, "EDGE_TC_MIN_BLOCKS": 3},
+        {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 1, "CFG_TC_MIN_BLOCKS": 3},
     ),
 ]
 
@@ -67,8 +69,8 @@ def _nvrtc_or_skip() -> None:
 
 def _vid(v) -> str:
     src, defs = v
-    return src.replace(".cu", "") + "".join(
-        f"-{k.replace('EDGE_', '').lower()}{val}" for k, val in defs.items()
+    return Path(src).name.replace(".cu", "") + "".join(
+        f"-{k.replace('CFG_', '').lower()}{val}" for k, val in defs.items()
     )
 
 
@@ -132,7 +134,7 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
         cubin = nvrtc.compile_cubin(
             source,
             arch,
-            {"EDGE_DTYPE": dtype, "EDGE_HEAD_DIM": 128, **knobs},
+            {"CFG_DTYPE": dtype, "CFG_HEAD_DIM": 128, **knobs},
             use_cache=False,
         )
         assert cubin[:4] == b"\x7fELF"
@@ -154,7 +156,7 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     _nvrtc_or_skip()
     for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
         for d in (64, 128):
-            defines = {"EDGE_DTYPE": code, "EDGE_HEAD_DIM": d, "EDGE_TC_WARPS": warps, "EDGE_TC_STAGES": stages}
+            defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
             ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
             reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", ptx).group(1)
             op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", ptx).groups()
@@ -181,20 +183,14 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
 
     from edge.kernels import paged_cuda
 
-    monkeypatch.setattr(nvrtc, "shared_memory", lambda dev: (per_sm, optin, 1024))
-    prev = paged_cuda.set_decode_tuning()
-    try:
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == min(want, 2)
-        paged_cuda.set_decode_tuning(tc_max_stages=3)
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == want
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 64) == want64
-        paged_cuda.set_decode_tuning(EDGE_TC_WARPS=4, tc_max_stages=3)
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == want
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 64) == want64
-        paged_cuda.set_decode_tuning(EDGE_TC_STAGES=4)
-        assert paged_cuda.tc_stages(0, torch.bfloat16, 128) == 4  # a tuning wins
-    finally:
-        paged_cuda.set_decode_tuning(**prev)
+    smem = (per_sm, optin, 1024)
+    tune = paged_cuda.DecodeTuning
+    assert paged_cuda.tc_stages(tune(), smem, torch.bfloat16, 128) == min(want, 2)
+    assert paged_cuda.tc_stages(tune(tc_max_stages=3), smem, torch.bfloat16, 128) == want
+    assert paged_cuda.tc_stages(tune(tc_max_stages=3), smem, torch.bfloat16, 64) == want64
+    assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 128) == want
+    assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 64) == want64
+    assert paged_cuda.tc_stages(tune(tc_stages=4), smem, torch.bfloat16, 128) == 4  # a tuning wins
 
 
 def test_split_mergers_only_when_the_whole_grid_is_resident():
@@ -203,28 +199,21 @@ def test_split_mergers_only_when_the_whole_grid_is_resident():
     alone, waiting for nobody."""
     from edge.kernels import paged_cuda
 
-    def _plan() -> paged_cuda._DecodePlan:  # as _DecodePlan builds it under the tuning
+    def _plan(mergers: int = 8) -> paged_cuda._DecodePlan:  # as _DecodePlan builds it under a tuning
         p = object.__new__(paged_cuda._DecodePlan)
         p.ctas, p.wave = 8, 264  # 8 KV heads; 2 CTAs an SM x 132 SMs
-        p.merge_cap = int(paged_cuda.DECODE_TUNING["mergers"])
+        p.merge_cap = paged_cuda.DecodeTuning(mergers=mergers).mergers
         return p
 
-    prev = paged_cuda.set_decode_tuning()
-    try:
-        plan = _plan()
-        assert plan.mergers(32, 1) == 8
-        assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
-        assert plan.mergers(16, 1) == 8  # at most one per 2 splits
-        paged_cuda.set_decode_tuning(mergers=16)
-        assert _plan().mergers(16, 1) == 8
-        paged_cuda.set_decode_tuning()
-        assert plan.mergers(8, 1) == 1  # short launches: one merger is faster
-        assert plan.mergers(34, 1) == 0  # 272 CTAs: some would wait for a slot
-        assert plan.mergers(32, 2) == 0  # tokens multiply the grid
-        paged_cuda.set_decode_tuning(mergers=1)  # plans are rebuilt after a tuning change
-        assert _plan().mergers(32, 1) == 1
-    finally:
-        paged_cuda.set_decode_tuning(**prev)
+    plan = _plan()
+    assert plan.mergers(32, 1) == 8
+    assert plan.mergers(33, 1) == 8  # 264 CTAs: exactly one wave
+    assert plan.mergers(16, 1) == 8  # at most one per 2 splits
+    assert _plan(16).mergers(16, 1) == 8
+    assert plan.mergers(8, 1) == 1  # short launches: one merger is faster
+    assert plan.mergers(34, 1) == 0  # 272 CTAs: some would wait for a slot
+    assert plan.mergers(32, 2) == 0  # tokens multiply the grid
+    assert _plan(1).mergers(32, 1) == 1
 
 
 def test_disk_cache_roundtrip(tmp_path, monkeypatch):
@@ -237,13 +226,13 @@ def test_disk_cache_roundtrip(tmp_path, monkeypatch):
     assert nvrtc.compile_cubin("kv_write.cu", "sm_87") == a  # served from the cache
     # The key covers arch and options.
     k87 = nvrtc.cache_key(
-        "paged_decode.cu", "sm_87", {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128}
+        "paged_decode.cu", "sm_87", {"CFG_DTYPE": 2, "CFG_HEAD_DIM": 128}
     )
     assert k87 != nvrtc.cache_key(
-        "paged_decode.cu", "sm_90", {"EDGE_DTYPE": 2, "EDGE_HEAD_DIM": 128}
+        "paged_decode.cu", "sm_90", {"CFG_DTYPE": 2, "CFG_HEAD_DIM": 128}
     )
     assert k87 != nvrtc.cache_key(
-        "paged_decode.cu", "sm_87", {"EDGE_DTYPE": 1, "EDGE_HEAD_DIM": 128}
+        "paged_decode.cu", "sm_87", {"CFG_DTYPE": 1, "CFG_HEAD_DIM": 128}
     )
 
 
@@ -298,11 +287,14 @@ def test_missing_cuda_python_raises_kernels_unavailable(monkeypatch, fresh_disco
     with pytest.raises(KernelsUnavailable):
         nvrtc.check_available()
 
-    from edge.kernels import paged_cuda
+    import torch
 
-    assert paged_cuda.available() is False
-    with pytest.raises(KernelsUnavailable):
-        paged_cuda.load()
+    from edge.backend import BackendUnavailable, select_backend
+    from edge.config import ModelConfig
+
+    cfg = ModelConfig("qwen3", 64, 64, 128, 1, 2, 1, 32, 1e-6, 1e6, 64, True, False, True)
+    with pytest.raises(BackendUnavailable, match="kernels cannot be used.*--kernels reference"):
+        select_backend(cfg, torch.device("cuda"), torch.bfloat16, kernels="auto")
 
 
 def test_missing_headers_named(monkeypatch, fresh_discovery, tmp_path):
@@ -317,11 +309,13 @@ def test_missing_headers_named(monkeypatch, fresh_discovery, tmp_path):
         nvrtc.cuda_include_dirs()
 
 
-def test_launches_overlap_only_on_sm90_inside_overlapped(monkeypatch):
+def test_launches_overlap_only_on_sm90_and_in_the_overlapped_launcher(monkeypatch):
     try:
         nvrtc.core()
     except KernelsUnavailable as exc:
         pytest.skip(str(exc))
+    from edge.kernels.launcher import Launcher
+
     try:
         nvrtc.core().LaunchConfig(grid=(1,), block=(32,), programmatic_stream_serialization=True)
         has_attr = True
@@ -333,58 +327,59 @@ def test_launches_overlap_only_on_sm90_inside_overlapped(monkeypatch):
             nvrtc.overlap_supported.cache_clear()
             monkeypatch.setattr(nvrtc, "device_arch", lambda index: arch)
             supported[arch] = nvrtc.overlap_supported(0)
+            plain = Launcher(0, sms=16)
+            assert not plain.overlap and plain.overlapped().overlap is supported[arch]
+            assert plain.overlapped().counts is plain.counts  # siblings share counts and kernels
     finally:
         nvrtc.overlap_supported.cache_clear()
     assert supported == {"sm_87": False, "sm_90": has_attr}
-    cfg = nvrtc._config((2,), (64,), 0, has_attr)
+    cfg = nvrtc.launch_config((2,), (64,), 0, has_attr)
     assert getattr(cfg, "programmatic_stream_serialization", False) is has_attr
 
-    seen = []
-    with nvrtc.overlapped():
-        seen.append(nvrtc._tls.overlap)
-        with nvrtc.overlapped(False):
-            seen.append(nvrtc._tls.overlap)
-        seen.append(nvrtc._tls.overlap)
-    seen.append(getattr(nvrtc._tls, "overlap", False))
-    assert seen == [True, False, True, False]
 
-
-def test_no_gpu_is_kernels_unavailable():
+def test_no_gpu_is_backend_unavailable():
     import torch
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from edge.kernels import paged_cuda
+    from edge.backend import BackendUnavailable, select_backend
+    from edge.config import ModelConfig
 
-    assert paged_cuda.available() is False
-    with pytest.raises(KernelsUnavailable, match="GPU"):
-        paged_cuda.load()
+    cfg = ModelConfig("qwen3", 64, 64, 128, 1, 2, 1, 32, 1e-6, 1e6, 64, True, False, True)
+    with pytest.raises(BackendUnavailable, match="GPU"):
+        select_backend(cfg, torch.device("cuda"), torch.bfloat16)
+    # The operator's explicit choice is not an error.
+    assert select_backend(cfg, torch.device("cuda"), torch.bfloat16, kernels="reference").kind == "reference"
 
 
-def test_stream_scratch_is_per_stream_grows_and_keeps_what_it_replaced(monkeypatch):
-    """Kernel scratch buffers (split partials, argmax slots) are one set per (device,
-    stream): a stream gets its own back while they fit, a larger request replaces them
-    (the old ones stay alive for graphs that captured them), and concurrent first uses
-    from several threads make one set."""
+def test_launcher_scratch_is_per_stream_grows_and_keeps_what_it_replaced(monkeypatch):
+    """Kernel scratch buffers (split partials, argmax slots) are one set per launcher and
+    stream: a stream gets its own back while they fit, a larger request replaces them
+    (the old ones stay alive for graphs that captured them), concurrent first uses from
+    several threads make one set, and another launcher (engine) has its own."""
     import threading
+
+    from edge.kernels.launcher import Launcher
 
     stream = {"handle": 11}
     monkeypatch.setattr(nvrtc, "current_stream_handle", lambda dev: stream["handle"])
-    monkeypatch.setattr(nvrtc, "_scratch", {})
-    monkeypatch.setattr(nvrtc, "_retired_scratch", [])
+    monkeypatch.setattr(nvrtc, "overlap_supported", lambda dev: False)
+    launcher = Launcher(0, sms=16)
     made: list[int] = []
 
-    def get(n: int) -> list[int]:
+    def get(n: int, lau: Launcher = launcher) -> list[int]:
         def make(old):
             made.append(n)
             return [0] * max(n, 2 * len(old) if old else 0)
 
-        return nvrtc.stream_scratch("t", 0, lambda cur: len(cur) >= n, make)
+        return lau.scratch("t", lambda cur: len(cur) >= n, make)
 
     a = get(4)
     assert get(3) is a and len(a) == 4
     b = get(5)
-    assert b is not a and len(b) == 8 and nvrtc._retired_scratch == [a]
+    assert b is not a and len(b) == 8 and launcher._s.retired == [a]
+    assert get(5, launcher.overlapped()) is b
+    assert get(5, Launcher(0, sms=16)) is not b
     stream["handle"] = 12
     c = get(2)
     assert c is not b and len(c) == 2

@@ -167,14 +167,14 @@ def test_decode_float32(pc, d, heads):
 
 
 TC_TUNINGS = (
-    {"EDGE_TC_WARPS": 1, "EDGE_TC_STAGES": 4},
-    {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 1},
-    {"EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 2, "max_splits": 128},
-    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 2, "max_splits": 16},
-    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 3},
-    {"EDGE_TC_WARPS": 4, "EDGE_TC_STAGES": 4, "EDGE_TC_MIN_BLOCKS": 1},
-    {"EDGE_TC_WARPS": 4},
-    {"EDGE_TC_WARPS": 8, "EDGE_TC_STAGES": 3},
+    {"CFG_TC_WARPS": 1, "CFG_TC_STAGES": 4},
+    {"CFG_TC_WARPS": 2, "CFG_TC_STAGES": 1},
+    {"CFG_TC_WARPS": 2, "CFG_TC_STAGES": 2, "max_splits": 128},
+    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2, "max_splits": 16},
+    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 3},
+    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1},
+    {"CFG_TC_WARPS": 4},
+    {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3},
 )
 
 

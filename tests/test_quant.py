@@ -13,22 +13,24 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from edge import quant
+from edge.backend import reference_backend
 from edge.engine import Engine
+from edge.linear import FloatLinear, Int8ReferenceLinear, Linears
 from edge.loader import CheckpointError
 from edge.quant import (
     Int8Weight,
     QuantError,
     dequantize,
     int8_linear_reference,
-    linear,
     quantize_checkpoint,
     quantize_tensor,
-    register_int8_linear,
 )
 from edge.random_model import make_model
 from edge.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
+# The CPU backend's linears: F.linear for float weights, the int8 torch reference.
+linear = reference_backend().eager.linears
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -109,7 +111,6 @@ def test_int8_linear_matches_float_within_derived_bound(group_size: int) -> None
     assert rel_err(yq, y) < 0.01  # measured ~0.006 at group 128 for Gaussian weights
     # The reference is exactly "dequantize, then F.linear".
     assert torch.equal(yq, F.linear(x, dequantize(q, s), bias))
-    assert torch.equal(wq(x, bias), yq)
 
 
 def test_int8_linear_in_row_chunks_and_low_precision(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -117,35 +118,42 @@ def test_int8_linear_in_row_chunks_and_low_precision(monkeypatch: pytest.MonkeyP
     wq = Int8Weight(*quantize_tensor(w, 64), 64)
     x = torch.randn(3, 128)
     bias = torch.randn(70)
-    whole = wq.linear(x, bias)
+    whole = linear(x, wq, bias)
     monkeypatch.setattr(quant, "DEQUANT_CHUNK_ELEMENTS", 128 * 16)  # 5 chunks of rows
-    chunked = wq.linear(x, bias)
+    chunked = linear(x, wq, bias)
     assert chunked.shape == whole.shape
     assert torch.allclose(chunked, whole, rtol=1e-6, atol=1e-6)
-    y16 = wq.linear(x.to(torch.bfloat16), bias.to(torch.bfloat16))
+    y16 = linear(x.to(torch.bfloat16), wq, bias.to(torch.bfloat16))
     assert y16.dtype == torch.bfloat16
     assert rel_err(y16.float(), whole) < 0.02
 
 
-def test_linear_dispatch_and_kernel_registration() -> None:
+def test_linears_dispatch_on_the_weight_format() -> None:
+    """One implementation per format, chosen by the backend; a format it has no
+    implementation for is an error, not a fallback."""
     w = torch.randn(8, 64)
     x = torch.randn(2, 64)
     assert torch.equal(linear(x, w), F.linear(x, w))
     wq = Int8Weight(*quantize_tensor(w, 32), 32)
     calls = []
 
-    def fake_kernel(x, weight, bias=None):  # noqa: ANN001, ANN202
-        calls.append(x.shape)
-        return int8_linear_reference(x, weight, bias)
+    class Spy(Int8ReferenceLinear):
+        name = "spy"
 
-    register_int8_linear("cpu", fake_kernel)
-    try:
-        out = linear(x, wq)
-    finally:
-        register_int8_linear("cpu", None)
+        def linear(self, x, w, bias=None, **fusion):  # noqa: ANN001, ANN003, ANN201
+            calls.append(x.shape)
+            return super().linear(x, w, bias, **fusion)
+
+    from edge.kernels import reference
+
+    spied = Linears({"float": FloatLinear(reference), "q8_0": Spy(reference)})
+    out = spied(x, wq)
     assert calls == [x.shape] and torch.equal(out, int8_linear_reference(x, wq))
-    linear(x, wq)
+    linear(x, wq)  # another backend's linears never see the spy
     assert len(calls) == 1
+    assert spied.describe() == {"float": "torch F.linear", "q8_0": "spy"}
+    with pytest.raises(TypeError, match="no linear for q8_0"):
+        Linears({"float": FloatLinear(reference)})(x, wq)
     with pytest.raises(QuantError, match="scale"):
         Int8Weight(wq.weight, wq.scale[:, :1], 32)
     assert wq.nbytes() == 8 * 64 + 8 * 2 * 4 and wq.in_features == 64 and wq.out_features == 8
@@ -211,8 +219,8 @@ def test_fused_linear_is_the_unfused_sequence(tokens: int, dtype: torch.dtype, i
 
 
 def test_fused_linear_composes_with_the_given_ops() -> None:
-    """Whatever a kernel does not fuse is composed of the caller's ops (the model's
-    fused CUDA norms, say), not always the torch reference."""
+    """Whatever a kernel does not fuse is composed of the backend's layer ops (the fused
+    CUDA norms, say), not always the torch reference."""
     from types import SimpleNamespace
 
     from edge.kernels import reference
@@ -228,44 +236,20 @@ def test_fused_linear_composes_with_the_given_ops() -> None:
 
     ops = SimpleNamespace(rms_norm=spy("rms_norm"), silu_mul=spy("silu_mul"))
     c = _fusion_case(2, torch.float32, True)
-    y = linear(c["x"], c["gate_up"], norm=(c["ln"], c["eps"]), swiglu=True, ops=ops)
+    spied = Linears({"q8_0": Int8ReferenceLinear(ops)})
+    y = spied(c["x"], c["gate_up"], norm=(c["ln"], c["eps"]), swiglu=True)
     assert calls == ["rms_norm", "silu_mul"]
     assert torch.equal(y, linear(c["x"], c["gate_up"], norm=(c["ln"], c["eps"]), swiglu=True))
 
 
-def test_fusion_dispatch_and_registration() -> None:
-    """A registered kernel without ``fuses`` only sees plain linears (the fusions are
-    composed around it); one with ``fuses`` gets the keyword arguments, and
-    ``quant.fuses`` reports it for int8 weights only."""
+def test_reference_linears_never_fuse_and_greedy_is_the_logits_argmax() -> None:
+    """The reference plans the unfused layer (fuses is False for every format) and its
+    greedy token is the argmax of the logits."""
     c = _fusion_case(1, torch.float32, True)
-    x, w, norm = c["x"], c["qkv"], (c["ln"], c["eps"])
-    want = linear(x, w, c["qkv_b"], norm=norm)
-    assert not quant.fuses(x, w)
-    plain_calls, fused_calls = [], []
-
-    def plain(x, weight, bias=None):  # noqa: ANN001, ANN202
-        plain_calls.append(x)
-        return int8_linear_reference(x, weight, bias)
-
-    def fusing(x, weight, bias=None, **fusion):  # noqa: ANN001, ANN003, ANN202
-        fused_calls.append({k: v for k, v in fusion.items() if k != "ops"})
-        return quant.fused_linear_reference(x, weight, bias, **fusion)
-
-    try:
-        register_int8_linear("cpu", plain)
-        assert torch.equal(linear(x, w, c["qkv_b"], norm=norm), want)
-        assert len(plain_calls) == 1 and not torch.equal(plain_calls[0], x)  # got rms_norm(x)
-        assert not quant.fuses(x, w)
-        register_int8_linear("cpu", fusing, fuses=lambda x, w: x.shape[0] == 1)
-        assert quant.fuses(x, w) and not quant.fuses(x.expand(2, -1), w)
-        assert not quant.fuses(x, c["down"].dequantize())  # a float weight never fuses
-        assert torch.equal(linear(x, w, c["qkv_b"], norm=norm), want)
-        assert fused_calls == [{"norm": norm, "residual": None, "swiglu": False}]
-        register_int8_linear("cpu", plain)  # re-registering without fuses drops it
-        assert not quant.fuses(x, w)
-    finally:
-        register_int8_linear("cpu", None)
-    assert not quant.fuses(x, w)
+    x, w = c["x"], c["qkv"]
+    assert not linear.fuses(x, w) and not linear.fuses(x, w.dequantize())
+    ids = linear.greedy_token(x, w)
+    assert torch.equal(ids, torch.argmax(linear(x, w), dim=-1))
 
 
 # -- route A: the checkpoint format --------------------------------------------------
@@ -411,41 +395,48 @@ def test_bfloat16_activations_on_int8_weights(tiny_src: Path, tmp_path: Path) ->
     assert rel_err(bf16.score(ids), f32) < 0.05
 
 
-@pytest.fixture
-def cpu_fusing_kernel():  # noqa: ANN201
-    """Registers, for CPU tensors, an int8 "kernel" that takes every fusion (computing
-    the reference composition), so Model.forward runs its fused int8 plan on the CPU.
-    Yields the (norm, residual, swiglu) flags of each call."""
-    calls: list[tuple[bool, bool, bool]] = []
+class _FusingInt8(Int8ReferenceLinear):
+    """An int8 linear for CPU tensors that takes every fusion (computing the reference
+    composition), so Model.forward runs its fused int8 plan on the CPU. Records the
+    (norm, residual, swiglu) flags of each call."""
 
-    def kernel(x, w, bias=None, *, norm=None, residual=None, swiglu=False, **kw):  # noqa: ANN001, ANN003, ANN202
-        calls.append((norm is not None, residual is not None, swiglu))
-        return quant.fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, **kw)
+    name = "fusing spy"
 
-    register_int8_linear("cpu", kernel, fuses=lambda x, w: True)
-    try:
-        yield calls
-    finally:
-        register_int8_linear("cpu", None)
+    def __init__(self, layer_ops) -> None:  # noqa: ANN001
+        super().__init__(layer_ops)
+        self.calls: list[tuple[bool, bool, bool]] = []
+
+    def linear(self, x, w, bias=None, *, norm=None, residual=None, swiglu=False):  # noqa: ANN001, ANN201
+        self.calls.append((norm is not None, residual is not None, swiglu))
+        return quant.fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops)
+
+    def fuses(self, x, w) -> bool:  # noqa: ANN001
+        return True
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fused_int8_plan_equals_the_unfused_plan(tiny_src: Path, dtype: str, cpu_fusing_kernel) -> None:  # noqa: ANN001
+def test_fused_int8_plan_equals_the_unfused_plan(tiny_src: Path, dtype: str) -> None:
     """Model.forward's fused int8 plan (norms and residual adds folded into the
     projections) gives the unfused plan's logits and greedy tokens bit for bit, for
     prefill chunks and single-token decode; and it is the plan that runs."""
+    import dataclasses
+
     engine = Engine.from_pretrained(tiny_src, device="cpu", dtype=dtype, max_seq_len=128, quantize="int8")
     assert engine.model.int8_projections
+    ref = engine.backend
+    spy = _FusingInt8(ref.eager.layer)
+    kernels = dataclasses.replace(ref.eager, linears=Linears({"float": FloatLinear(ref.eager.layer), "q8_0": spy}))
+    fusing = Engine(engine.model, engine.tokenizer, engine.model_dir, max_seq_len=128,
+                    backend=dataclasses.replace(ref, eager=kernels))
     ids = prompt(9, 5, vocab=800)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    fused_logits = engine.score(ids)
-    fused_tokens = engine.generate(ids, params).token_ids
+    fused_logits = fusing.score(ids)
+    fused_tokens = fusing.generate(ids, params).token_ids
     layers = engine.cfg.num_layers
     per_layer = [(True, False, False), (False, True, False), (True, False, True), (False, True, False)]
     lm_head = [(True, False, False)]  # untied, int8, the final norm folded in
-    assert cpu_fusing_kernel[: 4 * layers + 1] == per_layer * layers + lm_head
-    register_int8_linear("cpu", None)  # no fusing kernel: the unfused plan
-    unfused_logits = engine.score(ids)
+    assert spy.calls[: 4 * layers + 1] == per_layer * layers + lm_head
+    unfused_logits = engine.score(ids)  # the first engine's backend is untouched: unfused
     unfused_tokens = engine.generate(ids, params).token_ids
     assert torch.equal(fused_logits, unfused_logits)
     assert fused_tokens == unfused_tokens

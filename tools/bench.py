@@ -47,14 +47,14 @@ _DTYPES = {
 SWEEP = [
     {"impl": "simt"},
     {"impl": "tc"},  # defaults: 8 warps, 2 stages, a wave of splits (16 on an H100)
-    {"impl": "tc", "EDGE_TC_WARPS": 4},  # two CTAs an SM, 32 splits
-    {"impl": "tc", "EDGE_TC_WARPS": 4, "tc_max_stages": 3},  # the fastest at 8192 keys, slower decode
-    {"impl": "tc", "EDGE_TC_STAGES": 1},
+    {"impl": "tc", "CFG_TC_WARPS": 4},  # two CTAs an SM, 32 splits
+    {"impl": "tc", "CFG_TC_WARPS": 4, "tc_max_stages": 3},  # the fastest at 8192 keys, slower decode
+    {"impl": "tc", "CFG_TC_STAGES": 1},
     {"impl": "tc", "tc_max_stages": 3},  # as deep as the SM's shared memory allows (tc_stages)
     {"impl": "tc", "mergers": 1},
     {"impl": "tc", "mergers": 4},  # the rule before the tenth session at 16 splits
     {"impl": "tc", "max_splits": 16},
-    {"impl": "tc", "EDGE_TC_WARPS": 2, "EDGE_TC_STAGES": 4},
+    {"impl": "tc", "CFG_TC_WARPS": 2, "CFG_TC_STAGES": 4},
 ]
 
 

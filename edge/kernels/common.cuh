@@ -7,17 +7,17 @@
 #include <cuda_bf16.h>
 
 // Variant selection: every program is compiled for one element type and one head_dim.
-//   EDGE_DTYPE: 1 = float16, 2 = bfloat16, 3 = float32
-//   EDGE_HEAD_DIM: 64 or 128
-#if defined(EDGE_DTYPE)
-#if EDGE_DTYPE == 1
+//   CFG_DTYPE: 1 = float16, 2 = bfloat16, 3 = float32
+//   CFG_HEAD_DIM: 64 or 128
+#if defined(CFG_DTYPE)
+#if CFG_DTYPE == 1
 typedef __half edge_t;
-#elif EDGE_DTYPE == 2
+#elif CFG_DTYPE == 2
 typedef __nv_bfloat16 edge_t;
-#elif EDGE_DTYPE == 3
+#elif CFG_DTYPE == 3
 typedef float edge_t;
 #else
-#error "EDGE_DTYPE must be 1 (float16), 2 (bfloat16) or 3 (float32)"
+#error "CFG_DTYPE must be 1 (float16), 2 (bfloat16) or 3 (float32)"
 #endif
 #endif
 

@@ -198,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(256)
     out[static_cast<long long>(t) * row_vecs + v] = ok ? __ldg(table + id * row_vecs + v) : make_uint4(0u, 0u, 0u, 0u);
 }
 
-#define EDGE_FUSED_NORM(SUFFIX, T)                                                            \
+#define CFG_FUSED_NORM(SUFFIX, T)                                                            \
   extern "C" __global__ void __launch_bounds__(1024)                                         \
       rms_norm_##SUFFIX(T* __restrict__ out, T* __restrict__ x, const T* __restrict__ w,     \
                         float eps, int hidden) {                                               \
@@ -215,7 +215,7 @@ extern "C" __global__ void __launch_bounds__(256)
     silu_mul_vec<T>(out, gate_up, inter, total_vecs);                                         \
   }
 
-#define EDGE_FUSED_QK(SUFFIX, T, D)                                                           \
+#define CFG_FUSED_QK(SUFFIX, T, D)                                                           \
   extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_##SUFFIX##_d##D(            \
       T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,                \
       const T* __restrict__ weight, const T* __restrict__ cos_tab,                            \
@@ -228,12 +228,12 @@ extern "C" __global__ void __launch_bounds__(256)
                             v_pool, table, log2_page);                                        \
   }
 
-EDGE_FUSED_NORM(f16, __half)
-EDGE_FUSED_NORM(bf16, __nv_bfloat16)
-EDGE_FUSED_NORM(f32, float)
-EDGE_FUSED_QK(f16, __half, 64)
-EDGE_FUSED_QK(f16, __half, 128)
-EDGE_FUSED_QK(bf16, __nv_bfloat16, 64)
-EDGE_FUSED_QK(bf16, __nv_bfloat16, 128)
-EDGE_FUSED_QK(f32, float, 64)
-EDGE_FUSED_QK(f32, float, 128)
+CFG_FUSED_NORM(f16, __half)
+CFG_FUSED_NORM(bf16, __nv_bfloat16)
+CFG_FUSED_NORM(f32, float)
+CFG_FUSED_QK(f16, __half, 64)
+CFG_FUSED_QK(f16, __half, 128)
+CFG_FUSED_QK(bf16, __nv_bfloat16, 64)
+CFG_FUSED_QK(bf16, __nv_bfloat16, 128)
+CFG_FUSED_QK(f32, float, 64)
+CFG_FUSED_QK(f32, float, 128)

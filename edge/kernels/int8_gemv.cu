@@ -16,7 +16,7 @@
 // group read the same scale word: one transaction per group and row). x is read with
 // __ldg (16 bytes at a time, L1-resident: at most 2 * in bytes, shared by the R rows of
 // the warp and every warp of the SM). Each iteration issues R * U weight loads before
-// using any of them (U: the EDGE_INT8_UNROLL_R<R> knobs below; 4-8 loads, 64-128 bytes
+// using any of them (U: the CFG_INT8_UNROLL_R<R> knobs below; 4-8 loads, 64-128 bytes
 // in flight per lane). The warp's R sums are reduced with shuffles; lane r writes row
 // r. The wrapper picks R per matrix: the most rows per warp that still give every SM
 // two CTAs, so small matrices get more, shorter warps.
@@ -32,10 +32,10 @@
 
 namespace {
 
-#ifndef EDGE_INT8_WARPS
-#define EDGE_INT8_WARPS 4
+#ifndef CFG_INT8_WARPS
+#define CFG_INT8_WARPS 4
 #endif
-constexpr int kWarps = EDGE_INT8_WARPS;  // warps per CTA (int8_cuda.py reads the same knob)
+constexpr int kWarps = CFG_INT8_WARPS;  // warps per CTA (int8_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
 
 __device__ __forceinline__ uint4 ld_stream(const void* p) {
@@ -298,33 +298,33 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 
 }  // namespace
 
-// Compile-time knobs (int8_cuda.py: TUNING): EDGE_INT8_WARPS (warps per CTA, above),
+// Compile-time knobs (int8_cuda.py: TUNING): CFG_INT8_WARPS (warps per CTA, above),
 // chunks in flight per lane and row for the 1-, 2- and 4-row variants, and the minimum
 // resident CTAs per SM asked of the register allocator (0: no constraint). 4 (at most 128
 // registers a thread) leaves room for the next kernel's CTAs to start beside a GEMV's
 // when launches overlap: int8 8B decode 349 -> 356 tok/s on an H200; 6 spills (235).
-#ifndef EDGE_INT8_UNROLL_R1
-#define EDGE_INT8_UNROLL_R1 4
+#ifndef CFG_INT8_UNROLL_R1
+#define CFG_INT8_UNROLL_R1 4
 #endif
-#ifndef EDGE_INT8_UNROLL_R2
-#define EDGE_INT8_UNROLL_R2 4
+#ifndef CFG_INT8_UNROLL_R2
+#define CFG_INT8_UNROLL_R2 4
 #endif
-#ifndef EDGE_INT8_UNROLL_R4
-#define EDGE_INT8_UNROLL_R4 2
+#ifndef CFG_INT8_UNROLL_R4
+#define CFG_INT8_UNROLL_R4 2
 #endif
-#ifndef EDGE_INT8_MIN_BLOCKS
-#define EDGE_INT8_MIN_BLOCKS 4
+#ifndef CFG_INT8_MIN_BLOCKS
+#define CFG_INT8_MIN_BLOCKS 4
 #endif
-#if EDGE_INT8_MIN_BLOCKS > 0
-#define EDGE_INT8_BOUNDS __launch_bounds__(kThreads, EDGE_INT8_MIN_BLOCKS)
+#if CFG_INT8_MIN_BLOCKS > 0
+#define CFG_INT8_BOUNDS __launch_bounds__(kThreads, CFG_INT8_MIN_BLOCKS)
 #else
-#define EDGE_INT8_BOUNDS __launch_bounds__(kThreads)
+#define CFG_INT8_BOUNDS __launch_bounds__(kThreads)
 #endif
 
 // One signature for every mode (norm_w / eps unused without the norm, best without
 // argmax, y with it).
-#define EDGE_INT8_GEMV(NAME, T, R, U, NORM, EPI)                                            \
-  extern "C" __global__ void EDGE_INT8_BOUNDS                                              \
+#define CFG_INT8_GEMV(NAME, T, R, U, NORM, EPI)                                            \
+  extern "C" __global__ void CFG_INT8_BOUNDS                                              \
       NAME(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,  \
            const float* __restrict__ scale, const T* __restrict__ bias,                     \
            const T* __restrict__ norm_w, float eps, int out, int in, int log2_group,        \
@@ -336,27 +336,27 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 // The modes the decoder layer uses (int8_cuda.py: MODES): plain, norm (qkv),
 // residual epilogue (o, down), norm + SwiGLU epilogue (gate_up; even R only), and the
 // greedy lm_head (argmax; with the final norm folded in, norm + argmax).
-#define EDGE_INT8_MODES(DT, T)                                                                \
-  EDGE_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kStore)                \
-  EDGE_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kStore)                \
-  EDGE_INT8_GEMV(int8_gemv_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kStore)                \
-  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, true, kStore)            \
-  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kStore)            \
-  EDGE_INT8_GEMV(int8_gemv_norm_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kStore)            \
-  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kResidual)    \
-  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kResidual)    \
-  EDGE_INT8_GEMV(int8_gemv_residual_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kResidual)    \
-  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kSwiglu)    \
-  EDGE_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kSwiglu)    \
-  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, false, kArgmax)        \
-  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, false, kArgmax)        \
-  EDGE_INT8_GEMV(int8_gemv_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, false, kArgmax)        \
-  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r1, T, 1, EDGE_INT8_UNROLL_R1, true, kArgmax)    \
-  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r2, T, 2, EDGE_INT8_UNROLL_R2, true, kArgmax)    \
-  EDGE_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r4, T, 4, EDGE_INT8_UNROLL_R4, true, kArgmax)
+#define CFG_INT8_MODES(DT, T)                                                                \
+  CFG_INT8_GEMV(int8_gemv_##DT##_r1, T, 1, CFG_INT8_UNROLL_R1, false, kStore)                \
+  CFG_INT8_GEMV(int8_gemv_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, false, kStore)                \
+  CFG_INT8_GEMV(int8_gemv_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, false, kStore)                \
+  CFG_INT8_GEMV(int8_gemv_norm_##DT##_r1, T, 1, CFG_INT8_UNROLL_R1, true, kStore)            \
+  CFG_INT8_GEMV(int8_gemv_norm_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, true, kStore)            \
+  CFG_INT8_GEMV(int8_gemv_norm_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, true, kStore)            \
+  CFG_INT8_GEMV(int8_gemv_residual_##DT##_r1, T, 1, CFG_INT8_UNROLL_R1, false, kResidual)    \
+  CFG_INT8_GEMV(int8_gemv_residual_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, false, kResidual)    \
+  CFG_INT8_GEMV(int8_gemv_residual_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, false, kResidual)    \
+  CFG_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, true, kSwiglu)    \
+  CFG_INT8_GEMV(int8_gemv_norm_swiglu_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, true, kSwiglu)    \
+  CFG_INT8_GEMV(int8_gemv_argmax_##DT##_r1, T, 1, CFG_INT8_UNROLL_R1, false, kArgmax)        \
+  CFG_INT8_GEMV(int8_gemv_argmax_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, false, kArgmax)        \
+  CFG_INT8_GEMV(int8_gemv_argmax_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, false, kArgmax)        \
+  CFG_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r1, T, 1, CFG_INT8_UNROLL_R1, true, kArgmax)    \
+  CFG_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r2, T, 2, CFG_INT8_UNROLL_R2, true, kArgmax)    \
+  CFG_INT8_GEMV(int8_gemv_norm_argmax_##DT##_r4, T, 4, CFG_INT8_UNROLL_R4, true, kArgmax)
 
-EDGE_INT8_MODES(bf16, __nv_bfloat16)
-EDGE_INT8_MODES(f16, __half)
+CFG_INT8_MODES(bf16, __nv_bfloat16)
+CFG_INT8_MODES(f16, __half)
 
 // After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
 // for the next launch on the stream. One warp; n <= 32 tokens.

@@ -5,9 +5,10 @@ architecture (``sm_87`` on Orin, or an arch given by the caller, as CI does), wi
 the CUDA headers found on the machine (``cuda_fp16.h`` / ``cuda_bf16.h``). Compiled
 cubins are cached on disk (``$EDGE_CACHE_DIR/kernels`` or ``~/.cache/edge/kernels``),
 keyed by the sha256 of the source, the headers it includes, the arch, the NVRTC
-version and the options; modules are loaded once per process and device; kernels
-launch on PyTorch's current stream, so they are ordered with torch work and can be
-captured by ``torch.cuda.graph``.
+version and the options. Loading and launching belong to
+:class:`edge.kernels.launcher.Launcher` (one per engine backend): kernels launch on
+PyTorch's current stream, so they are ordered with torch work and can be captured by
+``torch.cuda.graph``.
 
 Works with cuda-python 13.x (``cuda.core``) and 12.x (``cuda.core.experimental``,
 JetPack 6), cuda.core >= 0.2. Anything missing (cuda-python, the NVRTC library, the
@@ -22,7 +23,6 @@ Kernel arguments must have exact widths: pass ``numpy.int32`` / ``numpy.int64`` 
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import glob
 import hashlib
@@ -32,7 +32,7 @@ import os
 import re
 import tempfile
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,11 @@ class KernelsUnavailable(RuntimeError):
 
 class KernelCompileError(RuntimeError):
     """NVRTC rejected a kernel source or reported warnings (treated as errors)."""
+
+
+class UnplannedArguments(ValueError):
+    """A kernel was called with arguments its plan did not admit: a bug in the caller,
+    never a reason to run something else."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -279,7 +284,8 @@ def compile_cubin(
     *,
     use_cache: bool = True,
 ) -> bytes:
-    """Compile ``KERNEL_DIR/source`` for ``arch`` (e.g. ``"sm_87"``) and return the cubin.
+    """Compile ``KERNEL_DIR/source`` (or an absolute path: the benchmark kernels under
+    tools/) for ``arch`` (e.g. ``"sm_87"``) and return the cubin.
 
     Needs no GPU. Raises KernelCompileError on any error or warning, KernelsUnavailable
     when cuda-python / NVRTC / the headers are missing.
@@ -359,11 +365,7 @@ def _atomic_write(path: Path, data: bytes) -> None:
 # devices, modules, streams, launches
 # ---------------------------------------------------------------------------------------
 
-_lock = threading.RLock()
-_kernels: dict[tuple, Any] = {}
-_modules: dict[tuple, Any] = {}
-_streams: dict[tuple[int, int], Any] = {}
-_tls = threading.local()
+_tls = threading.local()  # the device whose context is current on this thread
 
 
 def _torch_cuda() -> Any:
@@ -400,42 +402,22 @@ def activate(device_index: int) -> None:
         _tls.device = device_index
 
 
-def get_kernel(
+def load_kernel(
     device_index: int, source: str, name: str, defines: Mapping[str, Any] | None = None
 ) -> Any:
-    """The kernel ``name`` of ``source`` compiled with ``defines`` for this device: compiled
-    (or read from the disk cache) and loaded once per process and device."""
-    dkey = _normalize_defines(defines)
-    key = (device_index, source, dkey, name)
-    k = _kernels.get(key)
-    if k is not None:
-        return k
-    with _lock:
-        k = _kernels.get(key)
-        if k is not None:
-            return k
-        mkey = (device_index, source, dkey)
-        mod = _modules.get(mkey)
-        if mod is None:
-            cc = core()
-            arch = device_arch(device_index)
-            cubin = compile_cubin(source, arch, dict(dkey))
-            activate(device_index)
-            from_cubin = getattr(cc.ObjectCode, "from_cubin", None)
-            mod = (
-                from_cubin(cubin)
-                if from_cubin is not None
-                else cc.ObjectCode(cubin, "cubin")
-            )
-            _modules[mkey] = mod
-        try:
-            k = mod.get_kernel(name)
-        except Exception as exc:
-            raise KernelCompileError(
-                f"kernel {name!r} not found in {source} {dict(dkey)}: {exc}"
-            ) from exc
-        _kernels[key] = k
-        return k
+    """The kernel ``name`` of ``source`` compiled with ``defines`` for this device, read
+    from the disk cache or compiled, and loaded. Callers keep what they load
+    (:class:`edge.kernels.launcher.Launcher` does, per engine)."""
+    cc = core()
+    arch = device_arch(device_index)
+    cubin = compile_cubin(source, arch, dict(_normalize_defines(defines)))
+    activate(device_index)
+    from_cubin = getattr(cc.ObjectCode, "from_cubin", None)
+    mod = from_cubin(cubin) if from_cubin is not None else cc.ObjectCode(cubin, "cubin")
+    try:
+        return mod.get_kernel(name)
+    except Exception as exc:
+        raise KernelCompileError(f"kernel {name!r} not found in {source} {dict(defines or {})}: {exc}") from exc
 
 
 class TorchStream:
@@ -450,7 +432,8 @@ class TorchStream:
         return (0, self.handle)
 
 
-def _raw_stream(device_index: int) -> int:
+def current_stream_handle(device_index: int) -> int:
+    """cudaStream_t (as int) of torch's current stream on the device."""
     import torch
 
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -459,82 +442,24 @@ def _raw_stream(device_index: int) -> int:
     return int(torch.cuda.current_stream(device_index).cuda_stream)
 
 
-def current_stream_handle(device_index: int) -> int:
-    """cudaStream_t (as int) of torch's current stream on the device."""
-    return _raw_stream(device_index)
-
-
-_scratch_lock = threading.Lock()
-_scratch: dict[tuple[str, int, int], Any] = {}
-_retired_scratch: list[Any] = []  # kept alive: captured graphs may still point at them
-
-
-def stream_scratch(name: str, device_index: int, fits: Callable[[Any], bool], make: Callable[[Any], Any]) -> Any:
-    """Device buffers of the kernel family ``name`` for torch's current stream on the
-    device. Per stream, because the launches of one stream never overlap (the graph
-    decoder of each slot captures on its own stream). The cached buffers when
-    ``fits(buffers)``, else ``make(old buffers or None)``'s, made under a lock (a second
-    engine thread gets the same ones); replaced buffers stay alive, since a captured
-    graph may still use them. Allocated through torch, so a first use inside a capture
-    is capture-safe (its initialisation is then captured too)."""
-    key = (name, device_index, current_stream_handle(device_index))
-    cur = _scratch.get(key)
-    if cur is not None and fits(cur):
-        return cur
-    with _scratch_lock:
-        cur = _scratch.get(key)
-        if cur is not None and fits(cur):
-            return cur
-        new = make(cur)
-        if cur is not None:
-            _retired_scratch.append(cur)
-        _scratch[key] = new
-        return new
-
-
-def current_stream(device_index: int) -> Any:
-    """cuda.core stream object for torch's *current* stream on the device (taken at call
-    time, so launches inside ``torch.cuda.graph`` land on the capture stream); one
-    wrapper per torch stream, made on first sight."""
-    handle = _raw_stream(device_index)
-    key = (device_index, handle)
-    s = _streams.get(key)
-    if s is None:
-        wrapper = TorchStream(handle)
-        try:
-            activate(device_index)
-            s = core().Device(device_index).create_stream(wrapper)
-        except Exception:
-            s = wrapper  # cuda.core's launch takes any __cuda_stream__ object
-        _streams[key] = s
-    return s
+def stream_object(device_index: int, handle: int) -> Any:
+    """A cuda.core stream object for a torch stream handle."""
+    wrapper = TorchStream(handle)
+    try:
+        activate(device_index)
+        return core().Device(device_index).create_stream(wrapper)
+    except Exception:
+        return wrapper  # cuda.core's launch takes any __cuda_stream__ object
 
 
 @functools.lru_cache(maxsize=4096)
-def _config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, overlap: bool) -> Any:
+def launch_config(grid: tuple[int, ...], block: tuple[int, ...], shmem: int, overlap: bool) -> Any:
+    """A cuda.core LaunchConfig (``overlap``: programmatic dependent launch, sm_90+)."""
     if overlap:
         return core().LaunchConfig(
             grid=grid, block=block, shmem_size=shmem, programmatic_stream_serialization=True
         )
     return core().LaunchConfig(grid=grid, block=block, shmem_size=shmem)
-
-
-@contextlib.contextmanager
-def overlapped(enabled: bool = True) -> Iterator[None]:
-    """Launches made on this thread inside may start while the previous kernel of the
-    stream is still finishing (programmatic dependent launch, sm_90+; captured as such by
-    ``torch.cuda.graph``). Every kernel here waits for its predecessor before reading
-    anything a kernel may write (common.cuh: grid_dependency_wait); before that it reads
-    only weights, the block table, ``pos`` and K/V rows before ``pos``. So use it only
-    where those stay fixed while the launches run: the CUDA-graph decode step, whose
-    ``pos`` and table change between replays only. Elsewhere, or on a GPU / cuda.core
-    without the feature, launches are serialised as usual."""
-    prev = getattr(_tls, "overlap", False)
-    _tls.overlap = bool(enabled)
-    try:
-        yield
-    finally:
-        _tls.overlap = prev
 
 
 @functools.cache
@@ -544,36 +469,10 @@ def overlap_supported(device_index: int) -> bool:
     if int(re.sub(r"\D", "", device_arch(device_index))) < 90:
         return False
     try:
-        _config((1,), (32,), 0, True)
+        launch_config((1,), (32,), 0, True)
     except TypeError:
         return False
     return True
-
-
-def launch(
-    device_index: int,
-    kernel: Any,
-    grid: int | tuple[int, ...],
-    block: int | tuple[int, ...],
-    args: Sequence[Any],
-    shmem: int = 0,
-) -> None:
-    """Launch ``kernel`` on torch's current stream of the device (overlapping the
-    previous kernel inside :func:`overlapped` where supported)."""
-    import torch
-
-    grid = grid if isinstance(grid, tuple) else (int(grid),)
-    block = block if isinstance(block, tuple) else (int(block),)
-    overlap = getattr(_tls, "overlap", False) and overlap_supported(device_index)
-    cfg = _config(grid, block, int(shmem), overlap)
-    cc = core()
-    if torch.cuda.current_device() != device_index:
-        with torch.cuda.device(device_index):
-            cc.launch(current_stream(device_index), cfg, kernel, *args)
-    else:
-        if getattr(_tls, "device", None) != device_index:
-            activate(device_index)
-        cc.launch(current_stream(device_index), cfg, kernel, *args)
 
 
 def max_active_blocks(
@@ -709,21 +608,22 @@ __all__ = [
     "KernelCompileError",
     "KernelsUnavailable",
     "TorchStream",
+    "UnplannedArguments",
     "cache_dir",
     "cache_key",
     "check_available",
     "compile_cubin",
     "core",
     "cuda_include_dirs",
-    "current_stream",
+    "current_stream_handle",
     "device_arch",
-    "get_kernel",
     "kernel_resources",
-    "launch",
+    "launch_config",
+    "load_kernel",
     "max_active_blocks",
     "allow_dynamic_smem",
     "shared_memory",
     "nvrtc_version",
     "overlap_supported",
-    "overlapped",
+    "stream_object",
 ]

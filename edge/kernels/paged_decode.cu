@@ -24,41 +24,41 @@ namespace edge {
 constexpr int kDecodeThreads = 128;
 
 // Tuning knobs (defines; nvrtc.py folds them into the cache key):
-//   EDGE_DECODE_QACC_REGS  registers per thread for q + the output accumulator; sets the
+//   CFG_DECODE_QACC_REGS  registers per thread for q + the output accumulator; sets the
 //                          threads per K/V row: fewer registers -> more lanes per row
 //                          -> more shuffles per row
-//   EDGE_DECODE_STAGES     pipeline depth (stages of ~EDGE_DECODE_STAGE_BYTES of K+V)
-//   EDGE_DECODE_STAGE_BYTES bytes of K + V per stage
-//   EDGE_DECODE_MIN_BLOCKS resident CTAs per SM asked of the register allocator (group
+//   CFG_DECODE_STAGES     pipeline depth (stages of ~CFG_DECODE_STAGE_BYTES of K+V)
+//   CFG_DECODE_STAGE_BYTES bytes of K + V per stage
+//   CFG_DECODE_MIN_BLOCKS resident CTAs per SM asked of the register allocator (group
 //                          tiles of 8 heads ask for 2: their q + acc alone need 128)
-#ifndef EDGE_DECODE_QACC_REGS
-#define EDGE_DECODE_QACC_REGS 64
+#ifndef CFG_DECODE_QACC_REGS
+#define CFG_DECODE_QACC_REGS 64
 #endif
-#ifndef EDGE_DECODE_STAGES
-#define EDGE_DECODE_STAGES 4
+#ifndef CFG_DECODE_STAGES
+#define CFG_DECODE_STAGES 4
 #endif
-#ifndef EDGE_DECODE_STAGE_BYTES
-#define EDGE_DECODE_STAGE_BYTES 8192
+#ifndef CFG_DECODE_STAGE_BYTES
+#define CFG_DECODE_STAGE_BYTES 8192
 #endif
-#ifndef EDGE_DECODE_MIN_BLOCKS
-#define EDGE_DECODE_MIN_BLOCKS 4
+#ifndef CFG_DECODE_MIN_BLOCKS
+#define CFG_DECODE_MIN_BLOCKS 4
 #endif
 
 template <typename T, int D, int GT>
 struct DecodeCfg {
   static constexpr int VEC = Vec<T>::N;  // elements per 16-byte vector
   static constexpr int NVEC = D / VEC;   // vectors per row
-  static constexpr int TPR0 = GT * D * 2 / EDGE_DECODE_QACC_REGS;
+  static constexpr int TPR0 = GT * D * 2 / CFG_DECODE_QACC_REGS;
   static constexpr int TPR_MIN = NVEC / 2;  // <= 2 vectors per thread per row
   static constexpr int TPR = TPR0 < TPR_MIN ? TPR_MIN : (TPR0 > NVEC ? NVEC : TPR0);
   static constexpr int NV = NVEC / TPR;                // vectors per thread per row
   static constexpr int EPT = NV * VEC;                 // elements per thread per row
   static constexpr int NRG = kDecodeThreads / TPR;     // row groups per CTA
   static constexpr int ROW_BYTES = D * (int)sizeof(T);
-  static constexpr int ROWS0 = EDGE_DECODE_STAGE_BYTES / (2 * ROW_BYTES);
+  static constexpr int ROWS0 = CFG_DECODE_STAGE_BYTES / (2 * ROW_BYTES);
   static constexpr int ROWS_STAGE = ROWS0 < NRG ? NRG : ROWS0;  // rows per stage
   static constexpr int UNROLL = ROWS_STAGE / NRG;      // rows per row group per stage
-  static constexpr int STAGES = EDGE_DECODE_STAGES;
+  static constexpr int STAGES = CFG_DECODE_STAGES;
   static constexpr int STAGE_ELEMS = ROWS_STAGE * D;   // of K (V as many)
   static constexpr int CHUNKS = ROWS_STAGE * NVEC;     // 16-byte copies of K per stage
   static constexpr int WARPS = kDecodeThreads / 32;
@@ -332,25 +332,25 @@ __device__ __forceinline__ void paged_decode(
 
 }  // namespace edge
 
-#if !defined(EDGE_DTYPE) || !defined(EDGE_HEAD_DIM)
-#error "compile with EDGE_DTYPE and EDGE_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
+#if !defined(CFG_DTYPE) || !defined(CFG_HEAD_DIM)
+#error "compile with CFG_DTYPE and CFG_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
 #endif
 
-#define EDGE_DECODE_INST(G)                                                                      \
+#define CFG_DECODE_INST(G)                                                                      \
   extern "C" __global__ void __launch_bounds__(edge::kDecodeThreads,                             \
-                                               (G) >= 8 ? 2 : EDGE_DECODE_MIN_BLOCKS)            \
+                                               (G) >= 8 ? 2 : CFG_DECODE_MIN_BLOCKS)            \
       paged_decode_g##G(edge_t* __restrict__ out, const edge_t* __restrict__ q,                  \
                         const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
                         const int* __restrict__ table, const int* __restrict__ pos,              \
                         int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
                         unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, \
                         int mergers, int min_rows) {                                             \
-    edge::paged_decode<edge_t, EDGE_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
+    edge::paged_decode<edge_t, CFG_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
                                                  kv_heads, group, log2_page, scale_log2, ws,     \
                                                  counters, mergers, min_rows);                   \
   }
 
-EDGE_DECODE_INST(1)
-EDGE_DECODE_INST(2)
-EDGE_DECODE_INST(4)
-EDGE_DECODE_INST(8)
+CFG_DECODE_INST(1)
+CFG_DECODE_INST(2)
+CFG_DECODE_INST(4)
+CFG_DECODE_INST(8)

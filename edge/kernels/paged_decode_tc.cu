@@ -12,7 +12,7 @@
 // configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
 // stage of 16 * W keys is gathered from the pages with cp.async into padded shared
 // memory (STAGES deep, dynamic shared memory: the host picks STAGES per device so that
-// EDGE_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
+// CFG_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
 // [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
 // the warps merge through shared memory, then the CTA writes the output (one split) or
 // its partial as flagged words, and the last `mergers` splits of the KV head each merge a
@@ -21,17 +21,17 @@
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
-// Defaults of a bare compile; the engine always passes EDGE_TC_STAGES (chosen per
+// Defaults of a bare compile; the engine always passes CFG_TC_STAGES (chosen per
 // device from its shared memory, paged_cuda.tc_stages).
-#ifndef EDGE_TC_WARPS
-#define EDGE_TC_WARPS 8
+#ifndef CFG_TC_WARPS
+#define CFG_TC_WARPS 8
 #endif
-#ifndef EDGE_TC_STAGES
-#define EDGE_TC_STAGES 2
+#ifndef CFG_TC_STAGES
+#define CFG_TC_STAGES 2
 #endif
 // 8 warps: one CTA an SM, so no register cap (~173 used; 128 would spill).
-#ifndef EDGE_TC_MIN_BLOCKS
-#define EDGE_TC_MIN_BLOCKS (EDGE_TC_WARPS >= 8 ? 1 : EDGE_TC_WARPS >= 4 ? 2 : 4)
+#ifndef CFG_TC_MIN_BLOCKS
+#define CFG_TC_MIN_BLOCKS (CFG_TC_WARPS >= 8 ? 1 : CFG_TC_WARPS >= 4 ? 2 : 4)
 #endif
 
 namespace edge {
@@ -337,27 +337,27 @@ __device__ __forceinline__ void paged_decode_tc(
 
 }  // namespace edge
 
-#if !defined(EDGE_DTYPE) || !defined(EDGE_HEAD_DIM)
-#error "compile with EDGE_DTYPE and EDGE_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
+#if !defined(CFG_DTYPE) || !defined(CFG_HEAD_DIM)
+#error "compile with CFG_DTYPE and CFG_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
 #endif
-#if EDGE_DTYPE == 3
+#if CFG_DTYPE == 3
 #error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
 #endif
 
-extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
     paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
                     edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
                     const int* __restrict__ table, const int* __restrict__ pos, int host_len,
                     int kv_heads, int group, int log2_page, float scale_log2,
                     unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
                     int min_rows) {
-  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES, false>(
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
       counters, mergers, min_rows, edge::RopeArgs{});
 }
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
-extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
     paged_decode_tc_rope(edge_t* __restrict__ out, const edge_t* __restrict__ qkv,
                          edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
                          const int* __restrict__ table, const int* __restrict__ pos, int host_len,
@@ -366,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(32 * EDGE_TC_WARPS, EDGE_TC_MIN_BLO
                          int min_rows, const edge_t* __restrict__ qk_norm,
                          const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
                          int max_pos, float eps) {
-  edge::paged_decode_tc<edge_t, EDGE_HEAD_DIM, EDGE_TC_WARPS, EDGE_TC_STAGES, true>(
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true>(
       out, qkv, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
       counters, mergers, min_rows, edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps});
 }

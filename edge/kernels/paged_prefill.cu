@@ -177,10 +177,10 @@ __device__ __forceinline__ void paged_prefill(
 
 }  // namespace edge
 
-#if !defined(EDGE_DTYPE) || !defined(EDGE_HEAD_DIM)
-#error "compile with EDGE_DTYPE and EDGE_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
+#if !defined(CFG_DTYPE) || !defined(CFG_HEAD_DIM)
+#error "compile with CFG_DTYPE and CFG_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
 #endif
-#if EDGE_DTYPE == 3
+#if CFG_DTYPE == 3
 #error "paged_prefill.cu is float16/bfloat16 only (float32 prefill uses paged_decode.cu)"
 #endif
 
@@ -190,6 +190,6 @@ extern "C" __global__ void __launch_bounds__(edge::kPfThreads)
                   const int* __restrict__ table, int num_tokens, int start, int kv_heads,
                   int group, int log2_page, float scale_log2) {
   edge::await_inputs();
-  edge::paged_prefill<edge_t, EDGE_HEAD_DIM>(out, q, k_pool, v_pool, table, num_tokens, start,
+  edge::paged_prefill<edge_t, CFG_HEAD_DIM>(out, q, k_pool, v_pool, table, num_tokens, start,
                                              kv_heads, group, log2_page, scale_log2);
 }

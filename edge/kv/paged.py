@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from types import ModuleType
+from typing import Any
 
 import numpy as np
 import torch
@@ -141,12 +141,14 @@ class BlockTable:
 
 @dataclass
 class PagedKVCache:
-    """The engine-wide paged cache: pool, kernel implementation, and sequence factory."""
+    """The engine-wide paged cache: pool, attention (the backend's ``AttentionOps``, or
+    anything with the same functions, such as the reference module), and sequence
+    factory."""
 
     pool: BlockPool
     max_seq_len: int
     scale: float
-    ops: ModuleType = reference
+    ops: Any = reference
     bytes_synced: int = 0  # block-table bytes copied host -> device, all sequences
     # Extra decode-kernel arguments. On CUDA: the split count graph replays use, so
     # eager decode runs the identical launch and both produce the same tokens.
