@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -19,6 +20,13 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=16, help="tokens per KV block (power of two)")
     p.add_argument("--max-seq-len", type=int, help="context length (default: min(model max, 4096))")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
+    p.add_argument(
+        "--kernels",
+        choices=("auto", "cuda", "reference"),
+        default=os.environ.get("EDGE_KERNELS", "auto"),
+        help="auto: the CUDA kernels on a GPU, which must load (else an error naming the fix); "
+        "reference: the slow torch reference, chosen explicitly (env EDGE_KERNELS)",
+    )
     p.add_argument("--quantize", choices=("int8",), help="quantize a float checkpoint to int8 (q8_0) while loading")
     p.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
@@ -58,6 +66,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         page_size=args.page_size,
         max_seq_len=args.max_seq_len,
         cuda_graph=False if args.no_cuda_graph else None,
+        kernels=args.kernels,
         quantize=args.quantize,
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,

@@ -69,6 +69,7 @@ class Engine:
         int8_tuning: Int8Tuning | None = None,
         sms: int | None = None,
         backend: Backend | None = None,
+        blocking_waits: bool = True,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
@@ -82,7 +83,8 @@ class Engine:
         the previous one finishes, sm_90+), the tunings and ``sms`` (the SM count plans
         fill; default: the current context's). ``model`` itself is not changed: the
         engine runs ``model.with_backend(...)``. ``backend`` gives a planned backend
-        instead (tests)."""
+        instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
+        is done (False: spins a CPU core, which Orin's few cores cannot spare)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
@@ -153,6 +155,7 @@ class Engine:
         self._contiguous: ContiguousKV | None = None
         self._decoders: dict[int, SlotDecoder] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
+        self.blocking_waits = blocking_waits
 
     @classmethod
     def from_pretrained(

@@ -85,9 +85,12 @@ class SlotDecoder:
         # ring_pos % RING, fused_cuda.decode_step_end); else a copy follows each replay.
         self.publishes = self.kernels.layer.decode_step_end is not None
         self.ring_pos = torch.zeros(1, dtype=torch.int32, device=dev)
-        self._copied = [torch.cuda.Event() for _ in range(self.RING)]  # one per pinned slot
+        # One per pinned slot; blocking: the host sleeps in read() instead of spinning a core.
+        self._copied = [torch.cuda.Event(blocking=engine.blocking_waits) for _ in range(self.RING)]
         self._ring = 0
         self.graphs: dict[tuple[bool, bool], torch.cuda.CUDAGraph] = {}
+        # Kernels each captured graph launches per replay, by name (from the launcher's counts).
+        self.captured_kernels: dict[tuple[bool, bool], dict[str, int]] = {}
         self.mempool = pool
         self.bound: PagedSequence | None = None
         self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
@@ -152,8 +155,11 @@ class SlotDecoder:
         for t, s in zip(state, saved):
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
+        before = self.engine.backend.launch_counts()
         with torch.cuda.graph(graph, pool=self.mempool, stream=side):
             self._body(greedy)
+        after = self.engine.backend.launch_counts()
+        self.captured_kernels[key] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
         self.graphs[key] = graph
         return graph
 

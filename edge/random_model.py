@@ -115,6 +115,18 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# "qwen3-peaked": the verification model for bfloat16 on a GPU. Random weights give nearly
+# flat logits, so bf16 rounding flips the argmax within a few dozen tokens. Here the
+# embeddings are PEAKED_EMBED_SCALE x larger (the current token stays about half of the
+# final hidden state) and each lm_head row also holds PEAKED_GAIN x the unit embedding
+# of one token (a random permutation), so the token after x is, by a wide margin, the
+# one whose row holds x's embedding: greedy decoding walks a long permutation cycle,
+# while every logit still carries the random layers' and the context's share.
+PRESETS["qwen3-peaked"] = {**PRESETS["qwen3-0.6b"], "num_hidden_layers": 12, "tie_word_embeddings": False,
+                           "init_profile": "peaked"}
+PEAKED_GAIN = 2.0
+PEAKED_EMBED_SCALE = 8.0
+
 DEFAULT_MODEL_NAME = "default-v1"
 INIT_STD = 0.02
 NORM_NOISE_STD = 0.05
@@ -436,7 +448,31 @@ def iter_random_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, so a large model never sits on the CPU whole."""
     for name, shape in state_dict_shapes(config).items():
-        yield name, random_tensor(name, shape, seed, dtype, device)
+        yield name, config_tensor(config, name, shape, seed, dtype, device)
+
+
+def config_tensor(
+    config: dict[str, Any],
+    name: str,
+    shape: tuple[int, ...],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> torch.Tensor:
+    """:func:`random_tensor`, shaped by the config's ``init_profile`` ("peaked": each
+    lm_head row plus PEAKED_GAIN x the unit embedding of its predecessor token)."""
+    peaked = config.get("init_profile") == "peaked"
+    if peaked and name == "model.embed_tokens.weight":
+        return random_tensor(name, shape, seed, torch.float32).mul_(PEAKED_EMBED_SCALE).to(device=device, dtype=dtype)
+    if not peaked or name != "lm_head.weight":
+        return random_tensor(name, shape, seed, dtype, device)
+    t = random_tensor(name, shape, seed, torch.float32)
+    embed = random_tensor("model.embed_tokens.weight", shape, seed, torch.float32)
+    gen = torch.Generator(device="cpu").manual_seed(_tensor_seed(seed, name + ":successor"))
+    pred = torch.randperm(shape[0], generator=gen)
+    t.add_(torch.nn.functional.normalize(embed[pred], dim=-1), alpha=PEAKED_GAIN)
+    del embed
+    return t.to(device=device, dtype=dtype)
 
 
 def random_state_dict(
@@ -498,7 +534,7 @@ def _write_weights(
     shards = plan_shards(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        tensors = {name: random_tensor(name, shapes[name], seed, dtype) for name in shards[0]}
+        tensors = {name: config_tensor(config, name, shapes[name], seed, dtype) for name in shards[0]}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
         return
     weight_map: dict[str, str] = {}
@@ -506,7 +542,7 @@ def _write_weights(
     for index, names in enumerate(shards, start=1):
         filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         # One shard in memory at a time keeps an 8B-shaped checkpoint writable on a small host.
-        tensors = {name: random_tensor(name, shapes[name], seed, dtype) for name in names}
+        tensors = {name: config_tensor(config, name, shapes[name], seed, dtype) for name in names}
         save_file(tensors, str(out_dir / filename), metadata=metadata)
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({name: filename for name in names})
@@ -550,14 +586,23 @@ def cache_dir() -> Path:
 
 def default_model_path() -> Path:
     """The embedded default model (qwen3 tiny, float32, seed 0), created once and reused."""
+    return _cached_model(DEFAULT_MODEL_NAME, arch="qwen3", preset="tiny", seed=0, dtype="float32")
+
+
+def preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
+    """A random-weight ``preset`` model in the cache (seed 0), created once and reused."""
+    return _cached_model(f"{preset}-{dtype}-v1", preset=preset, seed=0, dtype=dtype)
+
+
+def _cached_model(name: str, **make: Any) -> Path:
     models = cache_dir() / "models"
-    final = models / DEFAULT_MODEL_NAME
+    final = models / name
     if final.is_dir():
         return final
     models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=models))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
     try:
-        make_model(tmp, arch="qwen3", preset="tiny", seed=0, dtype="float32")
+        make_model(tmp, **make)
         # rename is atomic: readers see no directory or a complete one. A process that
         # loses the race finds `final` already there and drops its own copy.
         os.rename(tmp, final)

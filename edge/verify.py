@@ -1,9 +1,15 @@
 """Contiguous vs paged verification: same prompts, greedy, diffed token by token.
 
-Every mode shares one set of weights; only the KV path differs. The contiguous cache
-is the baseline. A divergence is accepted only at a genuine near-tie: where the
-baseline's top-2 logit gap is below ``--tie-tolerance``. Exit code 0 only when every
-mode agrees.
+Every mode shares one set of weights and runs on its own engine with its own backend;
+the baseline is the contiguous cache on the torch reference backend. On a GPU one mode
+is the production decode step as it ships: paged KV, CUDA graphs, the fused layer
+kernels and, with ``--quantize int8``, the int8 GEMV plan. A divergence is accepted
+only at a genuine near-tie: where the baseline's top-2 logit gap is below
+``--tie-tolerance``. Exit code 0 only when every mode agrees.
+
+On a GPU the default model is the ``qwen3-peaked`` preset (built once into the cache):
+its logits are peaked, so bfloat16 runs compare hundreds of tokens per case instead of
+stopping at the first near-tie of flat random logits.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Trace:
 @dataclass
 class Row:
     mode: str
+    backend: str
     case: str
     compared: int
     mismatch_at: int | None = None
@@ -53,8 +60,9 @@ class Row:
         return (self.mismatch_at is None or self.accepted_tie) and self.blocks_allocated == self.blocks_freed
 
 
-def prompt_suite(engine: Engine, page: int) -> list[Case]:
-    """Prompts shorter than a page, exactly a page, several pages, long decodes, turns."""
+def prompt_suite(engine: Engine, page: int, min_tokens: int = 24) -> list[Case]:
+    """Prompts shorter than a page, exactly a page, several pages, long decodes, turns;
+    each case generates at least ``min_tokens`` tokens."""
     text = (
         "Paged attention keeps the cache in fixed blocks. The robot answers questions at the kiosk, "
         "and every answer streams token by token to the speaker while the next question waits. "
@@ -65,12 +73,14 @@ def prompt_suite(engine: Engine, page: int) -> list[Case]:
     def take(n: int, offset: int = 0) -> list[int]:
         return ids[offset : offset + n]
 
+    n = max(24, min_tokens)
+    per_turn = max(20, -(-min_tokens // 3))
     return [
-        Case("shorter-than-page", [(take(max(1, page // 2 - 1)), 24)]),
-        Case("exactly-one-page", [(take(page), 24)]),
-        Case("several-pages", [(take(3 * page + 5, 7), 24)]),
-        Case("long-decode", [(take(5, 11), 6 * page + 3)]),
-        Case("multi-turn", [(take(page + 3, 13), 20), (take(7, 200), 20), (take(2 * page, 300), 20)]),
+        Case("shorter-than-page", [(take(max(1, page // 2 - 1)), n)]),
+        Case("exactly-one-page", [(take(page), n)]),
+        Case("several-pages", [(take(3 * page + 5, 7), n)]),
+        Case("long-decode", [(take(5, 11), max(n, 6 * page + 3))]),
+        Case("multi-turn", [(take(page + 3, 13), per_turn), (take(7, 200), per_turn), (take(2 * page, 300), per_turn)]),
     ]
 
 
@@ -112,8 +122,8 @@ def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trac
     return out
 
 
-def compare(mode: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
-    row = Row(mode, case.name, compared=0)
+def compare(mode: str, backend: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
+    row = Row(mode, backend, case.name, compared=0)
     for i, (a, b) in enumerate(zip(base.tokens, other.tokens)):
         row.compared += 1
         if other.logits:  # graph decode reports tokens only
@@ -128,25 +138,46 @@ def compare(mode: str, case: Case, base: Trace, other: Trace, tie_tol: float) ->
 
 
 def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
-    """The paged variants to check against the contiguous baseline."""
+    """The paged variants to check against the contiguous baseline, each on its own
+    engine (and so its own backend)."""
     out: dict[str, Engine] = {}
     # Each mode gets a pool for two full sequences, not the memory budget's default
     # (90 % of what is free): several engines share one GPU here.
     blocks = 2 * -(-base.max_seq_len // base.page_size)
 
     def paged(name: str, **kw) -> None:
-        out[name] = Engine(base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks, **kw)
+        out[name] = Engine(
+            base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks,
+            page_size=base.page_size, max_seq_len=base.max_seq_len, **kw,
+        )
 
-    paged("paged", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=False)
-    paged("paged+nan-poison", page_size=base.page_size, max_seq_len=base.max_seq_len, poison_kv=True, cuda_graph=False)
+    paged("paged-reference", kernels="reference", cuda_graph=False)
+    paged("paged-ref+nan-poison", kernels="reference", poison_kv=True, cuda_graph=False)
     if device.type == "cuda":
-        paged("paged+graph", page_size=base.page_size, max_seq_len=base.max_seq_len, cuda_graph=True)
-        paged("paged-reference", page_size=base.page_size, max_seq_len=base.max_seq_len, kernels="reference", cuda_graph=False)
+        paged("paged-cuda-eager", cuda_graph=False)
+        paged("paged-cuda+nan-poison", poison_kv=True, cuda_graph=False)
+        paged("production", cuda_graph=True)  # graph + fused kernels (+ int8 GEMV): as served
+        paged("production+nan-poison", cuda_graph=True, poison_kv=True)
     return out
 
 
+def backend_label(engine: Engine) -> str:
+    """One line naming what a mode runs: kernels, graphs, the linears per format."""
+    b = engine.backend
+    parts = [b.kind, "graph" if engine.cuda_graph else "eager"]
+    if engine.cuda_graph and b.overlap_launches:
+        parts.append("overlapped")
+    formats = {w for w in ("q8_0",) if engine.model.int8_projections}
+    if formats:
+        parts.append("int8 " + ("GEMV" if b.kind == "cuda" else "ref"))
+    return " ".join(parts)
+
+
 def print_table(rows: list[Row], tie_tol: float) -> None:
-    head = f"{'mode':<18} {'case':<18} {'tokens':>6} {'first mismatch':<28} {'max|dlogit|':>11} {'table B':>8} {'alloc/freed':>11}  ok"
+    head = (
+        f"{'mode':<22} {'backend':<28} {'case':<18} {'tokens':>6} {'first mismatch':<28} {'max|dlogit|':>11} "
+        f"{'table B':>8} {'alloc/freed':>11}  ok"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
@@ -156,7 +187,7 @@ def print_table(rows: list[Row], tie_tol: float) -> None:
             tie = " (near-tie)" if r.accepted_tie else ""
             mm = f"@{r.mismatch_at} {r.tokens[0]}!={r.tokens[1]} gap {r.baseline_gap:.2g}{tie}"
         print(
-            f"{r.mode:<18} {r.case:<18} {r.compared:>6} {mm:<28} {r.max_abs_dlogit:>11.3g} "
+            f"{r.mode:<22} {r.backend:<28} {r.case:<18} {r.compared:>6} {mm:<28} {r.max_abs_dlogit:>11.3g} "
             f"{r.table_bytes:>8} {r.blocks_allocated:>5}/{r.blocks_freed:<5}  {'yes' if r.ok else 'NO'}"
         )
     print(f"divergences accepted only where the baseline top-2 logit gap < {tie_tol:g}")
@@ -170,38 +201,55 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--tie-tolerance", type=float, help="top-2 gap under which a divergence is a tie")
+    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: q8_0 projections, quantized while loading")
+    p.add_argument("--min-tokens", type=int, help="tokens each case generates (default: 200 on a GPU, 24 on the CPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
 
     device = torch.device(args.device) if args.device else default_device()
+    model = args.model
+    if model is None and device.type == "cuda":
+        from edge.random_model import preset_model_path
+
+        model = preset_model_path("qwen3-peaked", dtype=args.dtype or "bfloat16")
     base = Engine.from_pretrained(
-        args.model,
+        model,
         device=device,
         dtype=args.dtype,
         kv_cache="contiguous",
         page_size=args.page_size,
         max_seq_len=args.max_seq_len,
         cuda_graph=False,
+        kernels="reference",
+        quantize=None if args.quantize == "none" else args.quantize,
     )
     tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
-    cases = prompt_suite(base, args.page_size)
+    min_tokens = args.min_tokens if args.min_tokens is not None else (200 if device.type == "cuda" else 24)
+    cases = prompt_suite(base, args.page_size, min_tokens)
     baseline = {c.name: run_case(base, c) for c in cases}
     rows: list[Row] = []
-    for name, engine in modes(base, device).items():
+    engines = modes(base, device)
+    for name, engine in engines.items():
         kv: PagedKVCache = engine.kv
+        label = backend_label(engine)
         for c in cases:
             before = (kv.pool.allocations, kv.pool.frees, _table_bytes(engine))
             trace = run_case(engine, c)
-            row = compare(name, c, baseline[c.name], trace, tie_tol)
+            row = compare(name, label, c, baseline[c.name], trace, tie_tol)
             row.blocks_allocated = kv.pool.allocations - before[0]
             row.blocks_freed = kv.pool.frees - before[1]
             row.table_bytes = _table_bytes(engine) - before[2]
             rows.append(row)
     ok = all(r.ok for r in rows)
     if args.json:
-        print(json.dumps({"ok": ok, "tie_tolerance": tie_tol, "dtype": str(base.dtype), "rows": [asdict(r) for r in rows]}))
+        backends = {name: e.backend.describe() for name, e in engines.items()}
+        print(json.dumps({"ok": ok, "tie_tolerance": tie_tol, "dtype": str(base.dtype), "backends": backends,
+                          "rows": [asdict(r) for r in rows]}))
     else:
-        print(f"model {base.model_dir} ({base.cfg.architecture}), {device}, {str(base.dtype).removeprefix('torch.')}, page {args.page_size}")
+        print(
+            f"model {base.model_dir} ({base.cfg.architecture}), {device}, {str(base.dtype).removeprefix('torch.')}, "
+            f"page {args.page_size}, quantize {args.quantize}; baseline: contiguous KV, reference backend"
+        )
         print_table(rows, tie_tol)
         print("ALL MODES AGREE" if ok else "MISMATCH")
     return 0 if ok else 1

@@ -48,3 +48,34 @@ def test_verify_paged_script_exits_zero() -> None:
     cases = {row["case"] for row in report["rows"]}
     assert {"shorter-than-page", "exactly-one-page", "several-pages", "long-decode", "multi-turn"} <= cases
     assert all(row["mismatch_at"] is None for row in report["rows"])
+
+
+def test_cuda_without_usable_kernels_stops_with_one_line_naming_the_fix() -> None:
+    """On a CUDA device whose kernels cannot load (simulated: no usable GPU here), the
+    engine does not fall back to the slow reference: `edge generate` stops with one
+    line naming what is missing and the fix, before loading weights."""
+    import torch
+
+    if torch.cuda.is_available():
+        import pytest
+
+        pytest.skip("a usable GPU is present: the failure cannot be simulated this way")
+    r = run("-m", "edge.cli", "generate", "--device", "cuda", "--max-tokens", "2")
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("edge: error: CUDA kernels cannot be used")
+    assert "--kernels reference" in lines[0] and "pip install" in lines[0]
+
+
+def test_explicit_reference_choice_is_not_an_error(tmp_path: Path) -> None:
+    """The operator may choose the reference explicitly; the backend then says so."""
+    from edge.backend import select_backend
+    from edge.config import ModelConfig
+    from edge.random_model import default_model_path
+
+    cfg = ModelConfig.from_pretrained(default_model_path())
+    b = select_backend(cfg, __import__("torch").device("cuda"), __import__("torch").bfloat16, kernels="reference")
+    assert b.kind == "reference" and b.graph is None
+    assert any("chosen by the operator" in n for n in b.planned_reference)
+    assert b.describe()["attention"] == "reference (torch)"

@@ -35,13 +35,14 @@ _seed = [777]
 
 @pytest.fixture(scope="module")
 def fc():
-    from edge.kernels import fused_cuda
+    from edge.kernels.fused_cuda import FusedCuda
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.nvrtc import KernelsUnavailable
 
     try:
-        fused_cuda.load("cuda")
-    except fused_cuda.KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
+        return FusedCuda(Launcher(torch.cuda.current_device()))
+    except KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
         pytest.fail(f"GPU present but the fused kernels are unavailable: {exc}")
-    return fused_cuda
 
 
 def _gen() -> torch.Generator:
@@ -146,14 +147,23 @@ def test_add_rms_norm_updates_residual_in_place(fc, dtype, t, hidden):
     assert rel_err(out, oracle) < TOL[dtype]
 
 
-def test_norm_falls_back_to_reference_for_odd_shapes(fc):
+def test_shapes_outside_the_plan_are_errors_not_fallbacks(fc):
+    """A shape the kernels cannot take is refused when the backend is planned
+    (shape_support names why) and raises if called anyway: never a silent reference."""
+    from edge.kernels.fused_cuda import shape_support
+    from edge.kernels.nvrtc import UnplannedArguments
+
     g = _gen()
     x = _randn(3, 100, dtype=torch.bfloat16, g=g)  # 200 bytes per row: not 16-byte vectors
     w = _randn(100, dtype=torch.bfloat16, g=g)
-    assert torch.equal(fc.rms_norm(x, w, EPS), reference.rms_norm(x, w, EPS))
+    with pytest.raises(UnplannedArguments):
+        fc.rms_norm(x, w, EPS)
     xs = _randn(4, 2048, dtype=torch.bfloat16, g=g)[:, :1024]  # strided rows
     ws = _randn(1024, dtype=torch.bfloat16, g=g)
-    assert torch.equal(fc.rms_norm(xs, ws, EPS), reference.rms_norm(xs, ws, EPS))
+    with pytest.raises(UnplannedArguments):
+        fc.rms_norm(xs, ws, EPS)
+    why = shape_support(torch.bfloat16, 100, 256, 96)
+    assert why["rms_norm"] and why["qk_norm_rope"] and why["silu_mul"] is None
 
 
 # ---- silu_mul ---------------------------------------------------------------------------------
@@ -343,18 +353,18 @@ def test_fused_ops_in_a_cuda_graph(fc, dtype, norm):
 
 
 def test_engine_uses_fused_ops_and_matches_the_reference():
-    """kernel_ops installs the fused ops; the model's logits stay close to the same model
-    run with the reference ops (bf16, prefill and decode)."""
+    """The CUDA backend plans the fused ops; the model's logits stay close to the same
+    model on an engine with the reference backend (bf16), and neither engine changes
+    the other."""
     from edge.engine import Engine
-    from edge.kernels import fused_cuda
 
     engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", page_size=16, cuda_graph=False, kernels="cuda")
-    assert engine.model.ops is fused_cuda
+    assert set(engine.backend.eager.layer.names.values()) == {"cuda"}
+    ref_engine = Engine(engine.model, engine.tokenizer, engine.model_dir, page_size=16, kernels="reference", num_blocks=64)
     ids = list(range(3, 40))
+    before = engine.backend.launch_counts()
     fused = engine.score(ids)
-    engine.model.ops = reference
-    try:
-        ref = engine.score(ids)
-    finally:
-        engine.model.ops = fused_cuda
+    assert engine.backend.launch_counts() != before, "the CUDA engine launched no kernel"
+    ref = ref_engine.score(ids)
+    assert ref_engine.backend.kind == "reference" and engine.backend.kind == "cuda"
     assert rel_err(fused, ref) < 3e-2

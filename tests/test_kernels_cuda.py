@@ -31,24 +31,40 @@ _seed = [1234]
 
 
 @pytest.fixture(scope="module")
-def pc():
-    from edge.kernels import paged_cuda
+def attention():
+    """Builds (once per tuning) the paged attention of a backend for every dtype and head_dim."""
+    from edge.kernels.fused_cuda import FusedCuda
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.nvrtc import KernelsUnavailable
+    from edge.kernels.paged_cuda import DecodeTuning, PagedAttentionCuda
 
     try:
-        paged_cuda.load("cuda", dtypes=(torch.float16, torch.bfloat16, torch.float32))
-    except (
-        paged_cuda.KernelsUnavailable
-    ) as exc:  # pragma: no cover - reported, not hidden
+        launcher = Launcher(torch.cuda.current_device())
+        fused = FusedCuda(launcher)
+    except KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
         pytest.fail(f"GPU present but kernels unavailable: {exc}")
-    return paged_cuda
+    made: dict = {}
+
+    def make(**tuning) -> PagedAttentionCuda:
+        t = DecodeTuning(**tuning)
+        if t not in made:
+            made[t] = PagedAttentionCuda(launcher, fused, t, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+        return made[t]
+
+    return make
 
 
 @pytest.fixture(params=("tc", "simt"))
-def impl(request, pc):
+def impl(request):
     """Run a decode test against both float16/bfloat16 decode kernels."""
-    prev = pc.set_decode_tuning(impl=request.param)
-    yield request.param
-    pc.set_decode_tuning(**prev)
+    return request.param
+
+
+@pytest.fixture
+def pc(request, attention):
+    """The attention under test: the default tuning, or the ``impl`` the test asks for."""
+    impl = request.getfixturevalue("impl") if "impl" in request.fixturenames else "tc"
+    return attention(impl=impl)
 
 
 def _gen() -> torch.Generator:
@@ -167,14 +183,14 @@ def test_decode_float32(pc, d, heads):
 
 
 TC_TUNINGS = (
-    {"CFG_TC_WARPS": 1, "CFG_TC_STAGES": 4},
-    {"CFG_TC_WARPS": 2, "CFG_TC_STAGES": 1},
-    {"CFG_TC_WARPS": 2, "CFG_TC_STAGES": 2, "max_splits": 128},
-    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2, "max_splits": 16},
-    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 3},
-    {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1},
-    {"CFG_TC_WARPS": 4},
-    {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3},
+    {"tc_warps": 1, "tc_stages": 4},
+    {"tc_warps": 2, "tc_stages": 1},
+    {"tc_warps": 2, "tc_stages": 2, "max_splits": 128},
+    {"tc_warps": 4, "tc_stages": 2, "max_splits": 16},
+    {"tc_warps": 4, "tc_stages": 3},
+    {"tc_warps": 4, "tc_stages": 4, "tc_min_blocks": 1},
+    {"tc_warps": 4},
+    {"tc_warps": 8, "tc_stages": 3},
 )
 
 
@@ -182,28 +198,25 @@ TC_TUNINGS = (
     "tuning", TC_TUNINGS, ids=lambda t: "-".join(f"{v}" for v in t.values())
 )
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_decode_tc_tunings(pc, tuning, d):
-    prev = pc.set_decode_tuning(impl="tc", **tuning)
-    try:
-        for dtype, heads, page in (
-            (torch.bfloat16, (32, 8), 16),
-            (torch.float16, (16, 2), 8),
-        ):
-            k_pool, v_pool, table = make_cache(8191, page, heads[1], d, dtype)
-            # 2148, 4300, 6300 (4 warps) and 6300 (8 warps, 16 splits): the newest row
-            # in the second or third stage of its split, which the kernel issues
-            # before its grid-dependency wait
-            for kv_len in (1, 31, 33, 1000, 2148, 4300, 6300, 8191):
-                q = randn(heads[0], d, dtype=dtype)
-                out = torch.full_like(q, float("nan"))
-                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.1, out=out)
-                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.1))
-                assert err < TOL[dtype], f"{dtype} kv_len={kv_len}: {err:.2e}"
-                pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
-                a = pc.decode_attention(q, k_pool, v_pool, table, 0, 0.1, pos=pos)
-                assert rel_err(a, out) < TOL[dtype]
-    finally:
-        pc.set_decode_tuning(**prev)
+def test_decode_tc_tunings(attention, tuning, d):
+    pc = attention(impl="tc", **tuning)
+    for dtype, heads, page in (
+        (torch.bfloat16, (32, 8), 16),
+        (torch.float16, (16, 2), 8),
+    ):
+        k_pool, v_pool, table = make_cache(8191, page, heads[1], d, dtype)
+        # 2148, 4300, 6300 (4 warps) and 6300 (8 warps, 16 splits): the newest row
+        # in the second or third stage of its split, which the kernel issues
+        # before its grid-dependency wait
+        for kv_len in (1, 31, 33, 1000, 2148, 4300, 6300, 8191):
+            q = randn(heads[0], d, dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.1, out=out)
+            err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.1))
+            assert err < TOL[dtype], f"{dtype} kv_len={kv_len}: {err:.2e}"
+            pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
+            a = pc.decode_attention(q, k_pool, v_pool, table, 0, 0.1, pos=pos)
+            assert rel_err(a, out) < TOL[dtype]
 
 
 @pytest.mark.parametrize("splits", (1, 2, 3, 7, 64, 128))
@@ -222,28 +235,25 @@ def test_decode_any_split_count(pc, impl, splits):
 
 @pytest.mark.parametrize("mergers", (1, 2, 3, 8))
 @pytest.mark.parametrize("heads", ((32, 8), (32, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
-def test_decode_merger_ctas_share_the_split_merge(pc, impl, mergers, heads):
+def test_decode_merger_ctas_share_the_split_merge(attention, impl, mergers, heads):
     """The last `mergers` splits of a KV head each merge a share of its outputs (waiting
     for every split): any count, more mergers than non-empty splits, and shares that
     split a head's row (group 16 on tensor cores: 512 outputs over 3 mergers). Run
     three times: the split words and arrival counters are ready for the next launch."""
     dtype, d, page = torch.bfloat16, 128, 16
     qh, kvh = heads
-    prev = pc.set_decode_tuning(impl=impl, mergers=mergers)
-    try:
-        plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
-        splits = min(32, plan.wave // plan.ctas)  # the whole grid resident: mergers > 1 allowed
-        assert plan.mergers(splits, 1) == min(mergers, splits // 2)
-        k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
-        for kv_len in (1, 100, 2049, 8191):  # 1 and 100: most splits empty
-            q = randn(qh, d, dtype=dtype)
-            out = torch.full_like(q, float("nan"))
-            for _ in range(3):  # counters and words are ready for the next launch
-                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
-                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
-                assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
-    finally:
-        pc.set_decode_tuning(**prev)
+    pc = attention(impl=impl, mergers=mergers)
+    plan = pc._plan(dtype, d, qh, kvh, page)
+    splits = min(32, plan.wave // plan.ctas)  # the whole grid resident: mergers > 1 allowed
+    assert plan.mergers(splits, 1) == min(mergers, splits // 2)
+    k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+    for kv_len in (1, 100, 2049, 8191):  # 1 and 100: most splits empty
+        q = randn(qh, d, dtype=dtype)
+        out = torch.full_like(q, float("nan"))
+        for _ in range(3):  # counters and words are ready for the next launch
+            pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
+            err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
+            assert err < TOL[dtype], f"kv_len={kv_len}: {err:.2e}"
 
 
 @pytest.mark.parametrize("heads", ((32, 8), (40, 2)), ids=lambda h: f"q{h[0]}kv{h[1]}")
@@ -256,23 +266,19 @@ def test_decode_split_words_are_left_clear(pc, heads):
     every launch."""
     dtype, d, page = torch.bfloat16, 128, 16
     qh, kvh = heads
-    prev = pc.set_decode_tuning(impl="tc")
-    try:
-        plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
-        wave = plan.wave // plan.ctas
-        k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
-        for splits in (wave, 2 * wave + 1, min(32, wave), 3, 2 * wave + 1):
-            assert (plan.mergers(splits, 1) == 0) == (splits > wave)
-            for kv_len in (100, 2049, 8191):
-                q = randn(qh, d, dtype=dtype)
-                out = torch.full_like(q, float("nan"))
-                pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
-                err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
-                assert err < TOL[dtype], f"splits={splits} kv_len={kv_len}: {err:.2e}"
-                words, _ = pc._workspace(k_pool.device, 0, 0)
-                assert bool((words == -1).all()), f"splits={splits} kv_len={kv_len}: words left behind"
-    finally:
-        pc.set_decode_tuning(**prev)
+    plan = pc._plan(dtype, d, qh, kvh, page)
+    wave = plan.wave // plan.ctas
+    k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
+    for splits in (wave, 2 * wave + 1, min(32, wave), 3, 2 * wave + 1):
+        assert (plan.mergers(splits, 1) == 0) == (splits > wave)
+        for kv_len in (100, 2049, 8191):
+            q = randn(qh, d, dtype=dtype)
+            out = torch.full_like(q, float("nan"))
+            pc.decode_attention(q, k_pool, v_pool, table, kv_len, 0.09, out=out, num_splits=splits)
+            err = rel_err(out, ref_decode(q, k_pool, v_pool, table, kv_len, 0.09))
+            assert err < TOL[dtype], f"splits={splits} kv_len={kv_len}: {err:.2e}"
+            words, _ = pc._workspace(k_pool.device, 0, 0)
+            assert bool((words == -1).all()), f"splits={splits} kv_len={kv_len}: words left behind"
 
 
 @pytest.mark.parametrize("min_rows", (64, 128))
@@ -318,7 +324,7 @@ def test_decode_rope_matches_reference(pc, impl, dtype, d, heads, qk_norm):
     rope = reference.Rope(norm, cos, sin, qh, kvh, eps)
     rope32 = reference.Rope(None if norm is None else norm.float(), cos.float(), sin.float(), qh, kvh, eps)
     k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
-    graph = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
+    graph = pc.graph_decode_options(dtype, d, qh, kvh, page)
     for kv_len in (1, 15, 16, 17, 1000, 2148, 8191):
         slot = reference.position_slots(table, torch.tensor([kv_len - 1], device="cuda"), page)
         kf, vf = k_pool.view(-1, kvh, d), v_pool.view(-1, kvh, d)
@@ -358,7 +364,7 @@ def test_decode_q_with_token_dim(pc, impl):
 def test_decode_device_pos_equals_host_len(pc, impl, dtype):
     d, page, qh, kvh = 128, 16, 32, 8
     k_pool, v_pool, table = make_cache(8191, page, kvh, d, dtype)
-    graph = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
+    graph = pc.graph_decode_options(dtype, d, qh, kvh, page)
     for kv_len in (1, 15, 16, 17, 1000, 8191):
         q = randn(qh, d, dtype=dtype)
         pos = torch.tensor([kv_len - 1], dtype=torch.int32, device="cuda")
@@ -395,7 +401,7 @@ def test_decode_cuda_graph_replay(pc, impl, dtype):
     v_s = randn(1, kvh, d, dtype=dtype)
     out_s = torch.full_like(q_s, float("nan"))
     pos = torch.tensor([prefix - 1], dtype=torch.int32, device="cuda")
-    graph_options = pc.graph_decode_options("cuda", dtype, d, qh, kvh, page)
+    graph_options = pc.graph_decode_options(dtype, d, qh, kvh, page)
 
     # Warm up on a side stream, as torch recommends before capture.
     scratch_k, scratch_v = k_pool.clone(), v_pool.clone()

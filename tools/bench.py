@@ -22,6 +22,7 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import json
 import math
@@ -34,6 +35,7 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(_HERE, ".."), _HERE]
 
+READ_FLOOR = os.path.join(_HERE, "kernels", "read_floor.cu")
 _DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -44,17 +46,18 @@ _DTYPES = {
 
 # Decode-kernel tunings tried by `kernels --sweep` (knobs of paged_decode*.cu and the
 # split policy; `--tunings JSON` replaces the list).
+# Fields of edge.kernels.paged_cuda.DecodeTuning.
 SWEEP = [
     {"impl": "simt"},
-    {"impl": "tc"},  # defaults: 8 warps, 2 stages, a wave of splits (16 on an H100)
-    {"impl": "tc", "CFG_TC_WARPS": 4},  # two CTAs an SM, 32 splits
-    {"impl": "tc", "CFG_TC_WARPS": 4, "tc_max_stages": 3},  # the fastest at 8192 keys, slower decode
-    {"impl": "tc", "CFG_TC_STAGES": 1},
-    {"impl": "tc", "tc_max_stages": 3},  # as deep as the SM's shared memory allows (tc_stages)
+    {"impl": "tc"},  # defaults: 8 warps, 2 stages, a wave of splits
+    {"impl": "tc", "tc_warps": 4},  # two CTAs an SM
+    {"impl": "tc", "tc_warps": 4, "tc_max_stages": 3},
+    {"impl": "tc", "tc_stages": 1},
+    {"impl": "tc", "tc_max_stages": 3},  # as deep as the SM's shared memory allows
     {"impl": "tc", "mergers": 1},
-    {"impl": "tc", "mergers": 4},  # the rule before the tenth session at 16 splits
+    {"impl": "tc", "mergers": 4},
     {"impl": "tc", "max_splits": 16},
-    {"impl": "tc", "CFG_TC_WARPS": 2, "CFG_TC_STAGES": 4},
+    {"impl": "tc", "tc_warps": 2, "tc_stages": 4},
 ]
 
 
@@ -143,12 +146,9 @@ def _kv_sequences(
     return k_pool, v_pool, tables, n_seq
 
 
-def _capture(fn: Callable[[], None], overlap: bool) -> Any:
-    """fn captured in a CUDA graph (launches overlapped as the decode graph makes them
-    on sm_90+, or serialised), after a warm-up run on a side stream."""
+def _capture(fn: Callable[[], None]) -> Any:
+    """fn captured in a CUDA graph after a warm-up run on a side stream."""
     import torch
-
-    from edge.kernels import nvrtc
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -156,13 +156,13 @@ def _capture(fn: Callable[[], None], overlap: bool) -> Any:
         fn()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), nvrtc.overlapped(overlap):
+    with torch.cuda.graph(graph):
         fn()
     return graph
 
 
 def _decode_case(
-    pc,
+    pcs: dict[str, Any],
     dtype,
     kv_len: int,
     qh: int,
@@ -175,7 +175,8 @@ def _decode_case(
     """Time decode attention over enough distinct sequences (block tables into one
     pool) that their K/V is several times the L2: kernel durations (profiler), per-call
     time of the calls captured in one CUDA graph (serialised launches, and overlapped
-    launches as the decode graph makes them on sm_90+), and eager per-call time."""
+    launches as the decode graph makes them on sm_90+), and eager per-call time.
+    ``pcs``: the serial and the overlapped-launch PagedAttentionCuda of one tuning."""
     import time
 
     import torch
@@ -191,13 +192,17 @@ def _decode_case(
     qs = torch.randn(n_seq, qh, d, device="cuda", generator=g).to(dtype)
     outs = torch.empty_like(qs)
     scale = 1.0 / math.sqrt(d)
-    splits = pc.decode_splits("cuda", dtype, d, qh, kvh, kv_len, page)
+    pc = pcs["serial"]
+    splits = pc.decode_splits(dtype, d, qh, kvh, kv_len, page)
 
-    def run_all() -> None:
-        for i in range(n_seq):
-            pc.decode_attention(
-                qs[i], k_pool, v_pool, tables[i], kv_len, scale, out=outs[i]
-            )
+    def calls(att: Any) -> Callable[[], None]:
+        def run() -> None:
+            for i in range(n_seq):
+                att.decode_attention(qs[i], k_pool, v_pool, tables[i], kv_len, scale, out=outs[i])
+
+        return run
+
+    run_all = calls(pc)
 
     run_all()  # compile / load / workspace
     torch.cuda.synchronize()
@@ -213,8 +218,8 @@ def _decode_case(
     moved = kv_bytes + qo_bytes + table_bytes
     graph_s = {}
     rel_err = {}
-    for name, overlap in (("serial", False), ("overlapped", True)):
-        graph = _capture(run_all, overlap)
+    for name, att in pcs.items():
+        graph = _capture(calls(att))
         graph_ms, _ = _median_ms(graph.replay, reps)
         graph_s[name] = graph_ms * 1e-3 / n_seq
         outs.fill_(float("nan"))
@@ -227,7 +232,7 @@ def _decode_case(
         ).item()
         del graph
     per_call_s = graph_s["serial"]
-    plan = pc._plan(torch.cuda.current_device(), dtype, d, qh, kvh, page)
+    plan = pc._plan(dtype, d, qh, kvh, page)
     kern = plan.kernel
     kernel_us = statistics.median(kern_us) if kern_us else float("nan")
     return {
@@ -240,7 +245,7 @@ def _decode_case(
         "GBps": moved / (kernel_us * 1e-6) / 1e9,
         "graph_us_per_call": per_call_s * 1e6,
         "graph_GBps": moved / per_call_s / 1e9,
-        "overlapped_launches": nvrtc.overlap_supported(torch.cuda.current_device()),
+        "overlapped_launches": pcs["overlapped"].launcher.overlap,
         "graph_overlapped_us_per_call": graph_s["overlapped"] * 1e6,
         "graph_overlapped_GBps": moved / graph_s["overlapped"] / 1e9,
         "eager_us_per_call": eager_ms * 1e3 / n_seq,
@@ -253,7 +258,7 @@ def _decode_case(
             ),
             "dynamic_smem_bytes": plan.smem,
         },
-        "tuning": dict(pc.DECODE_TUNING),
+        "tuning": dataclasses.asdict(pc.tuning),
     }
 
 
@@ -261,38 +266,43 @@ def _floor_case(
     dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int, reps: int, splits: int
 ) -> dict[str, Any]:
     """Per-call time of kernels that only read the K/V bytes of one decode attention call
-    (edge/kernels/read_floor.cu), captured in graphs like the attention calls: the
+    (tools/kernels/read_floor.cu), captured in graphs like the attention calls: the
     attention's gather with its own grid and with 4x the splits, and a contiguous read
     of as many bytes with 8 CTAs an SM. The attention kernel cannot beat these."""
     import numpy as np
     import torch
 
-    from edge.kernels import nvrtc
+    from edge.kernels.launcher import Launcher
 
     k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes)
     es = k_pool.element_size()
     chunks = d * es // 16
     seq_chunks = kv_len * kvh * chunks  # of K (and of V), contiguous in linear_read
     sink = torch.zeros(1, dtype=torch.int32, device="cuda")
-    dev = torch.cuda.current_device()
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    gather = nvrtc.get_kernel(dev, "read_floor.cu", "gather_read")
-    linear = nvrtc.get_kernel(dev, "read_floor.cu", "linear_read")
+    launchers = {"serial": Launcher(torch.cuda.current_device())}
+    launchers["overlapped"] = launchers["serial"].overlapped()
+    sms = launchers["serial"].sm_count()
+    gather = launchers["serial"].kernel(READ_FLOOR, "gather_read")
+    linear = launchers["serial"].kernel(READ_FLOOR, "linear_read")
     log2_page = page.bit_length() - 1
 
-    def gathers(n_splits: int) -> Callable[[], None]:
+    def gathers(n_splits: int) -> Callable[[Launcher], Callable[[], None]]:
+        def bind(lau: Launcher) -> Callable[[], None]:
+            def run() -> None:
+                for i in range(n_seq):
+                    args = (k_pool.data_ptr(), v_pool.data_ptr(), tables[i].data_ptr(), np.int32(kv_len),
+                            np.int32(kvh), np.int32(chunks), np.int32(log2_page), np.int32(64), sink.data_ptr())
+                    lau.launch(gather, (kvh, n_splits), 128, args)
+            return run
+        return bind
+
+    def linears(lau: Launcher) -> Callable[[], None]:
         def run() -> None:
             for i in range(n_seq):
-                args = (k_pool.data_ptr(), v_pool.data_ptr(), tables[i].data_ptr(), np.int32(kv_len),
-                        np.int32(kvh), np.int32(chunks), np.int32(log2_page), np.int32(64), sink.data_ptr())
-                nvrtc.launch(dev, gather, (kvh, n_splits), 128, args)
+                off = i * seq_chunks * 16
+                args = (k_pool.data_ptr() + off, v_pool.data_ptr() + off, np.int64(seq_chunks), sink.data_ptr())
+                lau.launch(linear, 8 * sms, 256, args)
         return run
-
-    def linears() -> None:
-        for i in range(n_seq):
-            off = i * seq_chunks * 16
-            args = (k_pool.data_ptr() + off, v_pool.data_ptr() + off, np.int64(seq_chunks), sink.data_ptr())
-            nvrtc.launch(dev, linear, 8 * sms, 256, args)
 
     moved = 2 * seq_chunks * 16
     out: dict[str, Any] = {"kv_len": kv_len, "bytes_per_call": moved}
@@ -301,8 +311,8 @@ def _floor_case(
         (f"gather_{4 * splits}_splits", gathers(4 * splits)),
         (f"linear_{8 * sms}_ctas", linears),
     ):
-        for mode, overlap in (("serial", False), ("overlapped", True)):
-            graph = _capture(fn, overlap)
+        for mode, lau in launchers.items():
+            graph = _capture(fn(lau))
             ms, _ = _median_ms(graph.replay, reps)
             out[f"{name}_{mode}_us"] = ms * 1e3 / n_seq
             del graph
@@ -342,6 +352,8 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from edge.kernels import nvrtc, paged_cuda
+    from edge.kernels.fused_cuda import FusedCuda
+    from edge.kernels.launcher import Launcher
 
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels: no CUDA GPU visible to torch")
@@ -349,13 +361,19 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     kv_lens = [int(x) for x in args.kv_lens.split(",") if x]
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
-    default_tuning = dict(paged_cuda.DECODE_TUNING)
+    launcher = Launcher(0)
+    fused = FusedCuda(launcher)
+
+    def attention(tuning: paged_cuda.DecodeTuning) -> dict[str, Any]:
+        serial = paged_cuda.PagedAttentionCuda(launcher, fused, tuning, dtypes=(dtype,), head_dims=(args.head_dim,))
+        overlapped = launcher.overlapped()
+        return {"serial": serial, "overlapped": serial.with_launcher(overlapped, fused.with_launcher(overlapped))}
     result: dict[str, Any] = {
         "mode": "kernels",
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(0),
         "sm": nvrtc.device_arch(0),
-        "sms": props.multi_processor_count,
+        "sms": launcher.sm_count(),
         "l2_bytes": l2,
         "torch": torch.__version__,
         "nvrtc": nvrtc.nvrtc_version(),
@@ -368,16 +386,16 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
             "dtype": str(dtype),
         },
     }
-    paged_cuda.load(0, dtypes=(dtype,), head_dims=(args.head_dim,))
     copy = copy_bandwidth(args.copy_mib * 2**20, args.reps)
     result["copy"] = copy
     bw = copy["GBps"]
 
-    def decode_all() -> list[dict[str, Any]]:
+    def decode_all(tuning: paged_cuda.DecodeTuning) -> list[dict[str, Any]]:
+        pcs = attention(tuning)
         rows = []
         for kv_len in kv_lens:
             r = _decode_case(
-                paged_cuda,
+                pcs,
                 dtype,
                 kv_len,
                 args.q_heads,
@@ -397,16 +415,14 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if args.sweep or args.tunings:
         sweep = []
         for tuning in json.loads(args.tunings) if args.tunings else SWEEP:
-            paged_cuda.set_decode_tuning(**tuning)
             try:
-                sweep.append({"tuning": tuning, "decode": decode_all()})
+                sweep.append({"tuning": tuning, "decode": decode_all(paged_cuda.DecodeTuning(**tuning))})
             except Exception as exc:  # report, keep going
                 sweep.append(
                     {"tuning": tuning, "error": f"{type(exc).__name__}: {exc}"}
                 )
         result["sweep"] = sweep
-        paged_cuda.set_decode_tuning(**default_tuning)
-    result["decode"] = decode_all()
+    result["decode"] = decode_all(paged_cuda.DecodeTuning())
     if args.floor:
         result["floor"] = [
             _floor_case(dtype, x["kv_len"], args.kv_heads, args.head_dim, args.page, l2, args.reps, x["splits"])
@@ -418,7 +434,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     if args.prefill:
         result["prefill"] = [
             _prefill_case(
-                paged_cuda,
+                attention(paged_cuda.DecodeTuning())["serial"],
                 dtype,
                 s,
                 t,
@@ -446,7 +462,7 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
     )
     for sw in r.get("sweep", []):
         tag = " ".join(
-            f"{k.replace('EDGE_DECODE_', '').replace('EDGE_', '').lower()}={v}"
+            f"{k}={v}"
             for k, v in sw["tuning"].items()
         )
         if "error" in sw:
@@ -526,7 +542,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument(
         "--floor",
         action="store_true",
-        help="also time kernels that only read the same K/V bytes (edge/kernels/read_floor.cu)",
+        help="also time kernels that only read the same K/V bytes (tools/kernels/read_floor.cu)",
     )
     k.set_defaults(func=mode_kernels)
 

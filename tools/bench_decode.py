@@ -2,8 +2,12 @@
 
 One run measures everything it compares: device copy bandwidth, decode tok/s at
 batch 1 eager and with CUDA graphs, the fraction of the memory roofline, TTFT at
-several prompt lengths, host-to-device bytes per decode step, peak memory, and with
-``--compare-hf`` Hugging Face transformers (static cache) on the same weights.
+several prompt lengths, host-to-device bytes per decode step, CPU seconds per token,
+the kernels one captured step launches, peak memory, and with ``--compare-hf``
+Hugging Face transformers on the same weights: ``generate()`` with a static cache
+compiled by torch.compile (its documented fast path) and, beside it, eager.
+``--sms N`` restricts the process to N SMs first (a CUDA green context: 16 is an AGX
+Orin's SM count, 8 an Orin NX / Nano's).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import torch
 
 from edge.config import ModelConfig, parse_dtype
 from edge.engine import Engine
-from edge.kernels import nvrtc
 from edge.loader import fuse_weights
 from edge.model import Model
 from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
@@ -41,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compare-hf", action="store_true", help="also time transformers with a static cache")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: W8A16 projections (q8_0, group 128)")
+    p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
+    p.add_argument("--no-hf-compile", action="store_true", help="with --compare-hf: skip the compiled transformers run")
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -59,6 +64,20 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
         times.append(a.elapsed_time(b) / 1e3)
     del src, dst
     return 2 * nbytes / statistics.median(times)
+
+
+def restrict_sms(n: int) -> object:
+    """Make a green context of ``n`` SMs current for this process (before any stream
+    exists, so every stream torch makes later belongs to it). Returns the context."""
+    from torch.cuda.green_contexts import GreenContext
+
+    torch.cuda.init()
+    ctx = GreenContext.create(num_sms=n)
+    if hasattr(ctx, "set_context"):
+        ctx.set_context()
+    if hasattr(ctx, "Stream"):
+        torch.cuda.set_stream(ctx.Stream())
+    return ctx
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
@@ -158,71 +177,28 @@ def time_decode(engine: Engine, prompt: list[int], n: int, graph: bool) -> float
         return time.perf_counter() - t0
 
 
-def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
-    """Host-to-device copies per graph decode step, from the CUDA profiler."""
-    from torch.profiler import ProfilerActivity, profile
-
+def cpu_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
+    """CPU seconds this process spends per token while graph decode streams tokens as
+    a server does (each read waits for its step): what a slow CPU pays for waiting."""
     with prefilled(engine, prompt, graph=True) as (seq, decoder, _, _):
-        crossings = sum(1 for i in range(n) if (seq.length + i) % engine.page_size == 0)
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(n):
-                decoder.launch(seq, True)
-            torch.cuda.synchronize()
-    h2d = [e for e in prof.events() if "HtoD" in e.name]
-    return {
-        "steps": n,
-        "page_crossings": crossings,
-        "h2d_copies": len(h2d),
-        "table_bytes_synced_per_crossing": 4,
-        "h2d_copies_per_step_inside_page": (len(h2d) - crossings) / max(n - crossings, 1),
-    }
+        c0, t0 = time.process_time(), time.perf_counter()
+        for _ in range(n):
+            decoder.next_token(seq, True)
+        cpu, wall = time.process_time() - c0, time.perf_counter() - t0
+        engine.settle(seq)
+    return {"tokens": n, "cpu_s_per_token": cpu / n, "wall_s_per_token": wall / n, "cpu_share": cpu / wall}
 
 
-def energy_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
-    """Joules per decoded token from the monitor's NVML source (power integrated by
-    the same EnergyMeter the service uses), during graph decode."""
-    from edge.monitor import Monitor, MonitorConfig
-
-    monitor = Monitor(MonitorConfig(period_s=0.02, source="nvml", metrics=False))
-    if monitor.source.name != "nvml":
-        return {"source": monitor.source.name, "joules_per_token": None}
-    monitor.start()
-    try:
-        time.sleep(0.1)
-        monitor.energy.begin("bench")
-        seconds = time_decode(engine, prompt, n, graph=True)
-        time.sleep(0.05)  # one more sample past the end of the window
-        joules = monitor.energy.end("bench")
-        latest = monitor.sampler.latest
-    finally:
-        monitor.stop()
-    return {
-        "source": "nvml",
-        "tokens": n,
-        "seconds": seconds,
-        "joules": joules,
-        "joules_per_token": joules / n if joules is not None else None,
-        "temperature_c": latest.temperatures_c if latest else None,
-        "power_w": latest.power_w if latest else None,
-    }
+def step_kernels(engine: Engine, prompt: list[int]) -> dict[str, int]:
+    """Kernel launches of one captured greedy decode step, by name."""
+    with prefilled(engine, prompt, graph=True) as (_, decoder, _, _):
+        return decoder.captured_kernels[(True, False)]
 
 
-def time_ttft(engine: Engine, length: int, repeats: int) -> float:
-    """Milliseconds from submitting a prompt of ``length`` tokens to the first token on the host."""
-    prompt = prompt_ids(engine, length, seed=1)
-    times = []
-    for _ in range(repeats + 1):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        seq = engine.new_sequence()
-        int(torch.argmax(engine.prefill(seq, prompt)))
-        times.append(time.perf_counter() - t0)
-        seq.release()
-    return statistics.median(times[1:]) * 1e3
-
-
-def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int) -> dict:
-    """transformers with a static cache on the same weights, same GPU, same run."""
+def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int, compile: bool = True) -> dict:
+    """transformers on the same weights, same GPU, same run: ``generate()`` with
+    ``cache_implementation="static"`` (compiled by torch.compile, as its documentation
+    recommends for speed) and an eager greedy loop on a static cache."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(**{k: v for k, v in raw.items() if k != "architectures"})
@@ -261,13 +237,45 @@ def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int) -> dict:
         return time.perf_counter() - t0
 
     decode_seconds()  # warm-up
-    return {"decode_tok_s": n / decode_seconds(), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
+    out = {"eager_static_decode_tok_s": n / decode_seconds(), "missing_keys": len(missing), "unexpected_keys": len(unexpected)}
+    if compile:
+        out["compiled_static_decode_tok_s"] = _hf_generate_compiled(hf, ids, n)
+    return out
+
+
+def _hf_generate_compiled(hf, ids: torch.Tensor, n: int) -> float:  # noqa: ANN001
+    """Decode tok/s of ``generate(cache_implementation="static")`` with the forward
+    compiled (transformers' documented fast path): the time of n + 1 new tokens minus
+    that of 1 (the prefill), after warm-up runs that trigger the compilation."""
+    hf.generation_config.cache_implementation = "static"
+    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
+
+    def seconds(new: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=new, min_new_tokens=new, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for _ in range(3):
+        seconds(n + 1)
+        seconds(1)
+    long = statistics.median(seconds(n + 1) for _ in range(3))
+    short = statistics.median(seconds(1) for _ in range(3))
+    return n / (long - short)
 
 
 def run(args: argparse.Namespace) -> dict:
+    green = restrict_sms(args.sms) if args.sms else None
     torch.cuda.reset_peak_memory_stats()
     bw = copy_bandwidth()
     engine, raw = build_engine(args)
+    serial = Engine(
+        engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
+        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False,
+    )
     prompt = prompt_ids(engine, args.context, seed=0)
     n = args.decode_tokens
     result: dict = {
@@ -275,7 +283,9 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model or args.preset,
         "dtype": args.dtype,
         "quantize": _quantize(args) or "none",
-        "kernels": engine.kv.ops.__name__.rsplit(".", 1)[-1],
+        "backend": engine.backend.describe(),
+        "sms": engine.backend.sms,
+        "green_context": green is not None,
         "copy_bandwidth_GBps": bw / 1e9,
         "weight_bytes": engine.model.weight_bytes(),
     }
@@ -284,15 +294,23 @@ def run(args: argparse.Namespace) -> dict:
     result["roofline_tok_s"] = roofline
     # graph: as the engine runs (launches overlapped on sm_90+); graph_serial: the same
     # graph with plainly serialised launches.
-    for mode, graph, overlap in (("eager", False, True), ("graph_serial", True, False), ("graph", True, True)):
-        engine.overlap_launches = overlap
-        times = [time_decode(engine, prompt, n, graph) for _ in range(args.repeats)]
+    for mode, graph, eng in (("eager", False, engine), ("graph_serial", True, serial), ("graph", True, engine)):
+        times = [time_decode(eng, prompt, n, graph) for _ in range(args.repeats)]
         tok_s = n / statistics.median(times)
         result[f"decode_tok_s_{mode}"] = tok_s
         result[f"roofline_fraction_{mode}"] = tok_s / roofline
     result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
-    result["overlapped_launches"] = nvrtc.overlap_supported(nvrtc.device_index(engine.device))
+    result["overlapped_launches"] = engine.backend.overlap_launches
+    del serial
     engine.cuda_graph = True
+    result["step_kernels"] = step_kernels(engine, prompt)
+    result["cpu_per_token"] = cpu_per_token(engine, prompt, n)
+    spinning = Engine(
+        engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
+        num_blocks=engine.kv.pool.num_blocks, blocking_waits=False,
+    )
+    result["cpu_per_token_spinning_waits"] = cpu_per_token(spinning, prompt, n)
+    del spinning
     result["h2d_per_step"] = h2d_bytes_per_step(engine, prompt, 64)
     result["ttft_ms"] = {
         str(length): time_ttft(engine, length, args.repeats)
@@ -302,7 +320,9 @@ def run(args: argparse.Namespace) -> dict:
     result["peak_memory_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     result["energy"] = energy_per_token(engine, prompt, 4 * n)
     if args.compare_hf:
-        hf = hf_decode(engine, raw, prompt, n)
-        result["hf_static_cache"] = hf
-        result["speedup_over_hf_graph"] = result["decode_tok_s_graph"] / hf["decode_tok_s"]
+        hf = hf_decode(engine, raw, prompt, n, compile=not args.no_hf_compile)
+        result["hf"] = hf
+        result["speedup_over_hf_eager_static"] = result["decode_tok_s_graph"] / hf["eager_static_decode_tok_s"]
+        if "compiled_static_decode_tok_s" in hf:
+            result["speedup_over_hf_compiled"] = result["decode_tok_s_graph"] / hf["compiled_static_decode_tok_s"]
     return result
