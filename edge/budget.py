@@ -1,4 +1,4 @@
-"""Memory budget: how many KV blocks the engine may allocate (seed 000 §3.6).
+"""Memory budget: how many KV blocks the engine may allocate.
 
 At start the engine sizes its paged block pool from the memory really available,
 after the weights are loaded and the activations of the worst step measured:

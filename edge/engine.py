@@ -279,6 +279,18 @@ class Engine:
             self._decoders[slot] = SlotDecoder(self, self._graph_pool)
         return self._decoders[slot]
 
+    def capture_graphs(self, slots: tuple[int, ...] = (0, 1)) -> int:
+        """Capture every decode graph of ``slots`` now (serving start-up), so that no
+        request pauses the engine for a capture. Returns how many were captured."""
+        if not self.cuda_graph:
+            return 0
+        made = 0
+        for slot in slots:
+            if slot not in self._decoders:
+                self._decoders[slot] = SlotDecoder(self, self._graph_pool)
+            made += self._decoders[slot].capture_all()
+        return made
+
     def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:
         if not prompt_ids:
             raise PromptTooLong("the prompt is empty")

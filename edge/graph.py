@@ -6,9 +6,9 @@ token id, ``pos``, the slot's block table and the sampler state. The graph itsel
 writes the sampled token into the next step's input and advances ``pos``, so a step
 inside a page copies nothing from the host; with the CUDA kernels it also writes the
 token into the host's pinned ring, so nothing but the replay and an event goes on the
-stream per step (a device-to-host copy between replays cost ~12 us a step). At a page
+stream per step (a device-to-host copy between replays costs a few microseconds). At a page
 crossing the host allocates the block and syncs its one table entry *before* replay
-(forgetting that is the page-crossing garbage bug of seed 001 ch.15).
+(forgetting that reads garbage at every page crossing).
 
 The step runs the backend's graph kernels (``Backend.graph``). Because ``pos`` and the
 table change only between replays, those launch overlapped where the device can
@@ -162,6 +162,33 @@ class SlotDecoder:
         self.captured_kernels[key] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
         self.graphs[key] = graph
         return graph
+
+    def capture_all(self) -> int:
+        """Capture every graph this slot can need (greedy and sampled, with and without
+        penalties) on a scratch sequence, so no request pays a capture. Returns the
+        number of graphs captured."""
+        engine = self.engine
+        seq = engine.kv.new_sequence()
+        seq.slot = None
+        sampler = SamplerState(engine.cfg.vocab_size, engine.device)
+        try:
+            seq.reserve(1)
+            seq.advance(1)  # one position of scratch context (its K/V is never read back)
+            made = 0
+            for penalty in (False, True):
+                sampler.use_penalty = penalty
+                self.bind(seq, sampler, torch.zeros(1, dtype=torch.long, device=engine.device))
+                seq.reserve(1)  # the block the warm-up step writes, as launch() does
+                for greedy in (True, False):
+                    if (greedy, penalty) not in self.graphs:
+                        self._graph(greedy)
+                        made += 1
+                self.bound = None
+            torch.cuda.current_stream().synchronize()
+            return made
+        finally:
+            self.bound = None
+            seq.release()
 
     def launch(self, seq: PagedSequence, greedy: bool) -> int:
         """Reserve (and sync) the block for this step outside the graph, replay, and

@@ -1,4 +1,4 @@
-"""Int8 weight-only group quantization (W8A16, seed 000 "q8_0").
+"""Int8 weight-only group quantization (W8A16, "q8_0").
 
 Format. A linear projection ``X.weight`` ``[out, in]`` is stored as
 
@@ -12,7 +12,7 @@ Quantization is symmetric per group: ``scale = max|w| / 127`` over the group and
 Embeddings, norms and biases stay float; ``lm_head`` is quantized unless it is tied
 to the embedding (or kept float on request).
 
-Two routes produce the same bits (seed 000 §1.2):
+Two routes produce the same bits:
 
 * route A, offline: ``tools/quantize.py SRC DST`` writes a quantized checkpoint that
   ``edge`` detects by its metadata;
@@ -426,7 +426,7 @@ def load_quantized_weights(
             base = name[: -len(SCALE_SUFFIX)]
             rows, cols = shapes[base]
             want = (rows, cols // g)
-            if tuple(host.shape) == (rows * cols // g,):  # seed 000 wrote scales flat
+            if tuple(host.shape) == (rows * cols // g,):  # some writers store scales flat
                 host = host.view(want)
             if tuple(host.shape) != want or not host.is_floating_point():
                 raise CheckpointError(

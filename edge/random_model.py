@@ -117,8 +117,8 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 # "qwen3-peaked": the verification model for bfloat16 on a GPU. Random weights give nearly
 # flat logits, so bf16 rounding flips the argmax within a few dozen tokens. Here the
-# embeddings are PEAKED_EMBED_SCALE x larger (the current token stays about half of the
-# final hidden state) and each lm_head row also holds PEAKED_GAIN x the unit embedding
+# embeddings are larger and the layers' output projections smaller (the current token
+# stays most of the final hidden state) and each lm_head row also holds PEAKED_GAIN x the unit embedding
 # of one token (a random permutation), so the token after x is, by a wide margin, the
 # one whose row holds x's embedding: greedy decoding walks a long permutation cycle,
 # while every logit still carries the random layers' and the context's share.
@@ -126,6 +126,7 @@ PRESETS["qwen3-peaked"] = {**PRESETS["qwen3-0.6b"], "num_hidden_layers": 12, "ti
                            "init_profile": "peaked"}
 PEAKED_GAIN = 2.0
 PEAKED_EMBED_SCALE = 8.0
+PEAKED_OUT_SCALE = 0.05  # o_proj and down_proj: the layers' share of the residual stream
 
 DEFAULT_MODEL_NAME = "default-v1"
 INIT_STD = 0.02
@@ -464,6 +465,8 @@ def config_tensor(
     peaked = config.get("init_profile") == "peaked"
     if peaked and name == "model.embed_tokens.weight":
         return random_tensor(name, shape, seed, torch.float32).mul_(PEAKED_EMBED_SCALE).to(device=device, dtype=dtype)
+    if peaked and name.endswith(("o_proj.weight", "down_proj.weight")):
+        return random_tensor(name, shape, seed, torch.float32).mul_(PEAKED_OUT_SCALE).to(device=device, dtype=dtype)
     if not peaked or name != "lm_head.weight":
         return random_tensor(name, shape, seed, dtype, device)
     t = random_tensor(name, shape, seed, torch.float32)

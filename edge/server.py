@@ -141,6 +141,8 @@ class Service:
             )
             self.engine = engine
             self._set_state("warming")
+            # Every decode graph both slots can need, before serving: no request pays a capture.
+            log.info("captured %d decode graphs", engine.capture_graphs())
             mon = self.monitor
             governor = _WarmupExempt(mon.governor) if mon else None
             sched = Scheduler(

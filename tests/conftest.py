@@ -11,6 +11,18 @@ import torch
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """``EDGE_TEST_SMS=16``: run the GPU tests confined to 16 SMs (an AGX Orin's count)."""
+    sms = os.environ.get("EDGE_TEST_SMS")
+    if sms and torch.cuda.is_available():
+        import sys
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+        from orin_shape import restrict_sms
+
+        config._edge_green_context = restrict_sms(int(sms))  # kept alive for the session
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

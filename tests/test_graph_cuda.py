@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from edge.engine import Engine
 from edge.sampling import SamplingParams
 
@@ -65,16 +66,54 @@ def test_stop_inside_pipelined_steps_frees_everything(engines) -> None:
 
 
 def test_overlapped_and_serialised_launches_decode_the_same_tokens(engines) -> None:
+    """``overlap_launches`` gives another backend: the captured step's kernels launch
+    through the overlapped sibling launcher (where the GPU has it) or the eager one;
+    both decode the same tokens and capture the same kernels."""
     from edge.kernels import nvrtc
 
     graph, _ = engines
-    assert graph.info()["overlapped_launches"] == nvrtc.overlap_supported(0)
+    supported = nvrtc.overlap_supported(graph.device.index or 0)
+    serial = Engine(
+        graph.model, graph.tokenizer, graph.model_dir, page_size=16, cuda_graph=True, kernels="cuda",
+        overlap_launches=False, num_blocks=64,
+    )
+    assert graph.backend.overlap_launches == supported == graph.info()["overlapped_launches"]
+    assert not serial.backend.overlap_launches and not serial.info()["overlapped_launches"]
+    assert serial.backend.graph is serial.backend.eager, "no overlap: the captured step runs the eager kernels"
+
+    def launcher(kernels):
+        return kernels.layer.decode_step_end.__self__.launcher
+
+    assert launcher(graph.backend.graph).overlap == supported
+    assert launcher(graph.backend.graph).counts is graph.backend.launcher.counts
+    assert not launcher(graph.backend.eager).overlap and not launcher(serial.backend.graph).overlap
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     overlapped = graph.generate(PROMPT, params).token_ids
-    graph.overlap_launches = False
-    try:
-        serial = graph.generate(PROMPT, params).token_ids
-    finally:
-        graph.overlap_launches = True
-    assert overlapped == serial
-    assert {key[2] for key in graph._decoders[0].graphs} == {True, False}
+    assert overlapped == serial.generate(PROMPT, params).token_ids
+    key = (True, False)  # greedy, no repetition penalty
+    assert serial._decoders[0].captured_kernels[key] == graph._decoders[0].captured_kernels[key]
+
+
+def test_the_captured_step_launches_the_planned_kernels(engines) -> None:
+    """The kernels one replay of a bf16 (float weights) decode step launches, recorded
+    at capture: per layer the attention with the q/k norm + RoPE + K/V store inside,
+    two add_rms_norm (after o and after down, the next norm folded in) and silu_mul;
+    once the embedding, the first layer's rms_norm and decode_step_end. The
+    projections and the lm_head are cuBLAS and the greedy argmax / sampling torch:
+    not NVRTC launches, so not counted."""
+    graph, _ = engines
+    layers = graph.cfg.num_layers
+    want = {
+        "embedding": 1,
+        "rms_norm_bf16": 1,
+        "paged_decode_tc_rope": layers,
+        "add_rms_norm_bf16": 2 * layers,
+        "silu_mul_bf16": layers,
+        "decode_step_end": 1,
+    }
+    greedy = SamplingParams(max_tokens=4, ignore_eos=True)
+    sampled = SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.8, seed=5)
+    for params, key in ((greedy, (True, False)), (sampled, (False, False))):
+        graph.generate(PROMPT, params)
+        got = graph._decoders[0].captured_kernels[key]
+        assert got == want, f"{key}: {got}"

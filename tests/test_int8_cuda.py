@@ -4,7 +4,10 @@ Fresh random int8 weights and scales for every case, NaN-poisoned outputs, shape
 real models (Qwen3-0.6B / 8B projections and lm_heads), float16 and bfloat16, group
 sizes 64 and 128, with and without bias; each result is compared with a float32
 oracle (dequantize in float32, multiply in float32: the kernel differs from it only by
-accumulation order and the final rounding) and with ``int8_linear_reference``.
+accumulation order and the final rounding) and with ``int8_linear_reference``. The
+kernels run through :class:`edge.kernels.int8_cuda.Int8CudaLinear` objects (one per
+tuning) whose layer ops are the torch reference; which kernel ran is read from their
+launcher's counts.
 
 Run as a script for the kernel microbenchmark (needs a GPU):
 
@@ -13,7 +16,12 @@ Run as a script for the kernel microbenchmark (needs a GPU):
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -27,7 +35,16 @@ pytestmark = [
 ]
 
 from edge import quant
-from edge.quant import Int8Weight, int8_linear_reference, quantize_tensor
+from edge.kernels import reference
+from edge.kernels.int8_cuda import (
+    MAX_GEMV_TOKENS,
+    Int8CudaLinear,
+    Int8Tuning,
+    weight_support,
+)
+from edge.kernels.nvrtc import UnplannedArguments
+from edge.linear import Int8ReferenceLinear, Linears
+from edge.quant import QUANT_METHOD, Int8Weight, int8_linear_reference, quantize_tensor
 
 # (out, in): 0.6B o_proj-like, qkv-like, down-like, 0.6B lm_head, 8B o_proj, 8B
 # gate_up, 8B down.
@@ -51,26 +68,51 @@ _seed = [4321]
 
 
 @pytest.fixture(scope="module")
-def ic():
-    from edge.kernels import int8_cuda
+def int8_linear() -> Callable[..., Int8CudaLinear]:
+    """Builds (once per tuning) the int8 linear of a backend on one launcher, with the
+    torch reference as its layer ops."""
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.nvrtc import KernelsUnavailable
 
-    try:
-        int8_cuda.load("cuda")
-    except (
-        int8_cuda.KernelsUnavailable
-    ) as exc:  # pragma: no cover - reported, not hidden
-        pytest.fail(f"GPU present but the int8 kernels are unavailable: {exc}")
-    return int8_cuda
+    launcher = Launcher(torch.cuda.current_device())
+    made: dict[Int8Tuning, Int8CudaLinear] = {}
+
+    def make(**tuning: Any) -> Int8CudaLinear:
+        t = Int8Tuning(**tuning)
+        if t not in made:
+            try:
+                made[t] = Int8CudaLinear(launcher, reference, t)
+            except KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
+                pytest.fail(f"GPU present but the int8 kernels are unavailable: {exc}")
+        return made[t]
+
+    return make
 
 
-@pytest.fixture
-def registry():
-    """Restore the int8 linear registry after a test that changes it."""
-    saved = [(d, dict(d)) for d in (quant._INT8_LINEAR, quant._INT8_FUSES)]
-    yield
-    for d, items in saved:
-        d.clear()
-        d.update(items)
+@pytest.fixture(scope="module")
+def ic(int8_linear) -> Int8CudaLinear:
+    """The default tuning."""
+    return int8_linear()
+
+
+_GEMV_NAME = re.compile(r"int8_gemv_(.*?)(?:bf16|f16)_r\d")
+
+
+def by_kind(counts: dict[str, int]) -> Counter[str]:
+    """Launch counts with each int8 GEMV keyed by its mode (``int8_gemv_<infix>``, e.g.
+    ``int8_gemv_norm_``): dtypes and rows-per-warp variants summed."""
+    out: Counter[str] = Counter()
+    for name, n in counts.items():
+        m = _GEMV_NAME.fullmatch(name)
+        out[f"int8_gemv_{m.group(1)}" if m else name] += n
+    return out
+
+
+def launched(ic: Int8CudaLinear, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Counter[str]]:
+    """``fn(*args, **kwargs)`` and the kernels it launched through ``ic``'s launcher, by name."""
+    before = Counter(ic.launcher.counts)
+    out = fn(*args, **kwargs)
+    return out, Counter(ic.launcher.counts) - before
 
 
 def _gen() -> torch.Generator:
@@ -129,14 +171,20 @@ def check(
     assert rel < TOL_REF[x.dtype], f"{label}: relative error vs reference {rel:.3g}"
 
 
-def run_kernel(ic, x, w, bias):
-    assert ic.supports(x, w, bias), "these arguments should take the kernel path"
+def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
+    """The GEMV's result in a NaN-poisoned ``out``; checks that the plain GEMV (of
+    ``rows_per_warp`` rows a warp, when given) was the one launch."""
+    assert weight_support(w, x.dtype) is None, "the GEMV should take this weight"
+    assert x.numel() // w.in_features <= MAX_GEMV_TOKENS, "a decode input"
     out = torch.full(
         (*x.shape[:-1], w.out_features), float("nan"), dtype=x.dtype, device="cuda"
     )
-    y = ic.int8_linear(x, w, bias, out=out)
+    y, names = launched(ic, ic.linear, x, w, bias, out=out)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr()
+    assert by_kind(names) == {"int8_gemv_": 1}, names
+    if rows_per_warp is not None:
+        assert next(iter(names)).endswith(f"_r{rows_per_warp}"), names
     return y
 
 
@@ -166,25 +214,23 @@ def test_gemv_matches_reference(ic, shape, dtype, group, with_bias) -> None:
     ],
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
 )
-def test_every_variant_and_ragged_shapes(ic, shape, group, rows) -> None:
+def test_every_variant_and_ragged_shapes(int8_linear, shape, group, rows) -> None:
     """Each rows-per-warp variant, row counts that leave a short last warp and CTA,
     rows shorter than one warp-wide load, group sizes 16..256."""
-    prev = ic.set_tuning(rows_per_warp=rows)
-    try:
-        for dtype in DTYPES16:
-            g = _gen()
-            w = random_weight(*shape, group, g)
-            x = torch.randn(1, shape[1], generator=g, device="cuda").to(dtype)
-            bias = torch.randn(shape[0], generator=g, device="cuda").to(dtype)
-            check(
-                run_kernel(ic, x, w, bias),
-                x,
-                w,
-                bias,
-                f"{shape} g{group} r{rows} {dtype}",
-            )
-    finally:
-        ic.set_tuning(prev[1], **prev[0])
+    ic = int8_linear(rows_per_warp=rows)
+    assert ic.plan(shape[0], 1)[0] == rows
+    for dtype in DTYPES16:
+        g = _gen()
+        w = random_weight(*shape, group, g)
+        x = torch.randn(1, shape[1], generator=g, device="cuda").to(dtype)
+        bias = torch.randn(shape[0], generator=g, device="cuda").to(dtype)
+        check(
+            run_kernel(ic, x, w, bias, rows_per_warp=rows),
+            x,
+            w,
+            bias,
+            f"{shape} g{group} r{rows} {dtype}",
+        )
 
 
 @pytest.mark.parametrize("tokens", [None, 1, 2, 3, 4])
@@ -214,49 +260,42 @@ def test_realistic_weights_track_the_float_linear(ic) -> None:
     assert ((y.float() - yf).norm() / yf.norm()).item() < 2e-2
 
 
-def test_fallbacks_to_the_reference(ic) -> None:
-    """What the kernel does not cover gives the reference's result."""
+def test_unplanned_arguments_are_reported_not_replaced(ic) -> None:
+    """What the GEMV does not take is never silently given to the reference: weights
+    are reported by weight_support (the backend asks once per weight when it plans),
+    decode inputs it cannot read raise, and a prefill chunk runs the planned GEMM
+    (dequantize + matmul: int8_linear_reference itself)."""
     g = _gen()
-    cases = []
     w48 = random_weight(64, 480, 48, g)  # group not a power of two
-    cases.append(
-        (
-            torch.randn(1, 480, generator=g, device="cuda").to(torch.bfloat16),
-            w48,
-            "group 48",
-        )
-    )
+    assert "group size 48" in (weight_support(w48, torch.bfloat16) or "")
     w = random_weight(256, 512, 128, g)
-    cases.append((torch.randn(1, 512, generator=g, device="cuda"), w, "float32 x"))
-    cases.append(
-        (
-            torch.randn(5, 512, generator=g, device="cuda").to(torch.float16),
-            w,
-            "5 tokens",
-        )
-    )
-    cases.append(
-        (
-            torch.randn(512, 2, generator=g, device="cuda").to(torch.float16)[:, 0],
-            w,
-            "strided x",
-        )
-    )
-    w16 = Int8Weight(w.weight, w.scale.half(), 128)
-    cases.append(
+    assert weight_support(w, torch.float16) is None and weight_support(w, torch.bfloat16) is None
+    assert weight_support(w, torch.float32) is not None, "float32 activations"
+    assert weight_support(Int8Weight(w.weight, w.scale.half(), 128), torch.float16) is not None, "float16 scale"
+    assert weight_support(w.to("cpu"), torch.float16) is not None, "weights on the CPU"
+
+    unplanned = [
+        (torch.randn(1, 512, generator=g, device="cuda"), None, "float32 x"),
+        (torch.randn(512, 2, generator=g, device="cuda").to(torch.float16)[:, 0], None, "strided x"),
         (
             torch.randn(1, 512, generator=g, device="cuda").to(torch.float16),
-            w16,
-            "float16 scale",
-        )
-    )
-    for x, wt, label in cases:
-        assert not ic.supports(x, wt), label
-        y = ic.int8_linear(x, wt)
-        assert torch.equal(y, int8_linear_reference(x, wt)), label
-    # A bias the kernel does not take (another dtype) is left to the reference.
-    x = torch.randn(1, 512, generator=g, device="cuda").to(torch.float16)
-    assert not ic.supports(x, w, torch.randn(256, generator=g, device="cuda"))
+            torch.randn(256, generator=g, device="cuda"),
+            "float32 bias for float16 x",
+        ),
+    ]
+    for x, bias, label in unplanned:
+        for call in (ic.linear, ic.argmax):
+            try:
+                call(x, w, bias)
+            except UnplannedArguments:
+                continue
+            pytest.fail(f"{label}: {call.__name__} ran instead of raising UnplannedArguments")
+
+    x5 = torch.randn(5, 512, generator=g, device="cuda").to(torch.float16)
+    y, names = launched(ic, ic.linear, x5, w)
+    assert not names, f"a prefill chunk is the GEMM, no GEMV launch: {names}"
+    assert torch.equal(y, int8_linear_reference(x5, w))
+    assert ic.argmax(x5, w) is None, "prefill: the caller computes the logits"
 
 
 def test_graph_capture_matches_eager(ic) -> None:
@@ -268,9 +307,9 @@ def test_graph_capture_matches_eager(ic) -> None:
     x = torch.randn(1, 4096, generator=g, device="cuda").to(torch.bfloat16)
 
     def step() -> torch.Tensor:
-        h = ic.int8_linear(x, w1, bias)
+        h = ic.linear(x, w1, bias)
         gate, up = h.chunk(2, dim=-1)
-        return ic.int8_linear(torch.nn.functional.silu(gate) * up, w2)
+        return ic.linear(torch.nn.functional.silu(gate) * up, w2)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -288,43 +327,68 @@ def test_graph_capture_matches_eager(ic) -> None:
         assert torch.equal(static_out, step())
 
 
-def test_enable_routes_int8_weights(ic, registry) -> None:
-    g = _gen()
-    w = random_weight(1024, 1024, 128, g)
-    x = torch.randn(1, 1024, generator=g, device="cuda").to(torch.float16)
-    ic.enable("cuda")
-    assert quant._INT8_LINEAR["cuda"] is ic.int8_linear
-    assert torch.equal(quant.linear(x, w), ic.int8_linear(x, w))
-    ic.disable()
-    assert "cuda" not in quant._INT8_LINEAR
-    assert torch.equal(quant.linear(x, w), int8_linear_reference(x, w))
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def test_engine_enables_the_gemv_for_int8_models(ic, registry) -> None:
-    """An int8 engine on CUDA decodes through the kernel; its decode logits agree with
-    the reference path's."""
+def test_engine_enables_the_gemv_for_int8_models() -> None:
+    """An int8 engine on CUDA plans the GEMV for its q8_0 weights and decodes through
+    it; its logits agree with an engine on the reference backend (same model)."""
     from edge.engine import Engine
 
-    quant.register_int8_linear("cuda", None)
-    engine = Engine.from_pretrained(
-        None, device="cuda", dtype="float16", quantize="int8", cuda_graph=False
-    )
-    assert quant._INT8_LINEAR.get("cuda") is ic.int8_linear
+    engine = Engine.from_pretrained(None, device="cuda", dtype="float16", quantize="int8", cuda_graph=False, num_blocks=64)
+    assert engine.model.int8_projections
+    assert isinstance(engine.backend.eager.linears.impls[QUANT_METHOD], Int8CudaLinear)
+    assert engine.backend.describe()["linears"][QUANT_METHOD] == Int8CudaLinear.name
+    ref = Engine(engine.model, engine.tokenizer, engine.model_dir, kernels="reference", cuda_graph=False, num_blocks=64)
     ids = list(range(3, 40))
+    before = Counter(engine.backend.launch_counts())
+    tokens, with_kernel = _decode(engine, ids, 3)
+    grown = by_kind(Counter(engine.backend.launch_counts()) - before)
+    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown["int8_gemv_norm_swiglu_"], grown
+    _, want = _decode(ref, ids, 3, forced=tokens)
+    assert _rel(with_kernel, want) < 1e-2, _rel(with_kernel, want)
 
-    def decode_logits() -> torch.Tensor:
-        seq = engine.new_sequence()
-        try:
-            nxt = int(torch.argmax(engine.prefill(seq, ids)))
-            return engine.forward(seq, [nxt])
-        finally:
-            seq.release()
 
-    with_kernel = decode_logits()
-    ic.disable()
-    ref = decode_logits()
-    rel = ((with_kernel - ref).norm() / ref.norm()).item()
-    assert rel < 1e-2, rel
+def test_reference_engine_after_a_cuda_int8_engine_runs_the_reference() -> None:
+    """Backends are per engine: a reference engine built on a CUDA int8 engine's model,
+    in the same process, runs the torch reference (no kernel of the first engine's
+    launcher, logits of the reference computed on the CPU from the same weights), and
+    the first engine still runs its GEMV afterwards."""
+    from edge.engine import Engine
+    from edge.model import Model
+
+    first = Engine.from_pretrained(None, device="cuda", dtype="bfloat16", quantize="int8", num_blocks=64)
+    assert first.backend.kind == "cuda" and first.cuda_graph
+    ids = list(range(3, 40))
+    graph_tokens = first.generate(ids, max_tokens=8, ignore_eos=True).token_ids  # graph decode
+    tokens, first_logits = _decode(first, ids, 4)
+
+    second = Engine(first.model, first.tokenizer, first.model_dir, kernels="reference", num_blocks=64)
+    assert second.backend.kind == "reference" and not second.cuda_graph
+    assert isinstance(second.backend.eager.linears.impls[QUANT_METHOD], Int8ReferenceLinear)
+    assert first.model.backend is first.backend and second.model.backend is second.backend
+    before = first.backend.launch_counts()
+    _, second_logits = _decode(second, ids, 4, forced=tokens)
+    torch.cuda.synchronize()
+    assert first.backend.launch_counts() == before, "the reference engine launched the first engine's kernels"
+
+    # The oracle: the same weights on the CPU (reference backend, contiguous cache).
+    weights = {name: w.to("cpu") for name, w in first.model.w.items()}
+    cpu = Engine(Model(first.cfg, weights, first.max_seq_len), None, first.model_dir, kv_cache="contiguous")
+    assert cpu.backend.kind == "reference"
+    _, want = _decode(cpu, ids, 4, forced=tokens)
+    assert _rel(second_logits.cpu(), want) < 1e-2, _rel(second_logits.cpu(), want)
+    # The GEMV plan is close to the reference, not equal to it (it folds the norms; the
+    # bf16 bound of test_int8_model_fused_plan_matches_unfused_plan).
+    assert _rel(first_logits.cpu(), want) < 5e-2, _rel(first_logits.cpu(), want)
+
+    before = Counter(first.backend.launch_counts())
+    _, again = _decode(first, ids, 4, forced=tokens)
+    grown = by_kind(Counter(first.backend.launch_counts()) - before)
+    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown["int8_gemv_norm_swiglu_"], grown
+    assert torch.equal(again, first_logits), "the first engine changed after the second was built"
+    assert first.generate(ids, max_tokens=8, ignore_eos=True).token_ids == graph_tokens
 
 
 # ---------------------------------------------------------------------------------------
@@ -372,20 +436,21 @@ def fused_inputs(mode: str, rows: int, inp: int, group: int, dtype: torch.dtype,
     return {"x": x, "w": w, "bias": b, "kw": kw, "out": out, "buf": buf}
 
 
-def check_fused(ic, case: dict, label: str) -> None:
+def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     """Run the kernel on ``case`` and compare with a float32 oracle (elementwise bound)
-    and with the torch reference composition (relative error of the whole output)."""
-    from edge.kernels import reference
-
+    and with the torch reference composition (relative error of the whole output).
+    Returns the name of the one kernel it launched (that of its mode)."""
     x, w, bias, kw = case["x"], case["w"], case["bias"], case["kw"]
     dtype, rtol = x.dtype, RTOL_ORACLE[x.dtype]
-    assert ic.supports(x, w, bias, **kw), f"{label}: should take the kernel path"
+    assert weight_support(w, dtype) is None and ic.fuses(x, w), f"{label}: should take the fused GEMV"
     residual_before = kw["residual"].clone() if "residual" in kw else None
     ref = quant.fused_linear_reference(
         x, w, bias, ops=reference, **{**kw, **({"residual": residual_before.clone()} if "residual" in kw else {})}
     ).float()
-    y = ic.int8_linear(x, w, bias, out=case["out"], **kw)
+    y, names = launched(ic, ic.linear, x, w, bias, out=case["out"], **kw)
     torch.cuda.synchronize()
+    mode = "norm_" * ("norm" in kw) + "residual_" * ("residual" in kw) + "swiglu_" * bool(kw.get("swiglu"))
+    assert by_kind(names) == {f"int8_gemv_{mode}": 1}, f"{label}: launched {dict(names)}"
     if "residual" in kw:
         assert y is kw["residual"], f"{label}: the residual is the result, updated in place"
         buf = case["buf"]
@@ -420,6 +485,7 @@ def check_fused(ic, case: dict, label: str) -> None:
         tol = TOL_REF[dtype] * (2 if "swiglu" in kw else 1)
         rel = ((y.float() - ref).norm() / ref.norm()).item()
         assert rel < tol, f"{label}: relative error vs the reference composition {rel:.3g}"
+    return next(iter(names))
 
 
 def _case_id(c: tuple) -> str:
@@ -438,51 +504,66 @@ def test_fused_modes_match_reference(ic, case, dtype, tokens) -> None:
 
 @pytest.mark.parametrize("rows_per_warp", [1, 2, 4])
 @pytest.mark.parametrize("mode", ["norm", "residual", "norm_swiglu"])
-def test_fused_modes_every_variant(ic, mode, rows_per_warp) -> None:
+def test_fused_modes_every_variant(int8_linear, mode, rows_per_warp) -> None:
     """Each rows-per-warp variant of each mode (SwiGLU takes at least a pair: 1 runs
     as 2) on ragged shapes, both dtypes, 1 and 3 tokens."""
-    prev = ic.set_tuning(rows_per_warp=rows_per_warp)
-    try:
-        for rows, inp, group in ((66, 512, 32), (2 * 301, 256, 16), (8, 2048, 256)):
-            for dtype in DTYPES16:
-                for tokens in (1, 3):
-                    c = fused_inputs(mode, rows, inp, group, dtype, tokens, bias=True)
-                    check_fused(ic, c, f"{mode} r{rows_per_warp} {rows}x{inp} g{group} {dtype} T{tokens}")
-    finally:
-        ic.set_tuning(prev[1], **prev[0])
+    ic = int8_linear(rows_per_warp=rows_per_warp)
+    r = max(rows_per_warp, 2) if "swiglu" in mode else rows_per_warp
+    for rows, inp, group in ((66, 512, 32), (2 * 301, 256, 16), (8, 2048, 256)):
+        for dtype in DTYPES16:
+            for tokens in (1, 3):
+                c = fused_inputs(mode, rows, inp, group, dtype, tokens, bias=True)
+                label = f"{mode} r{rows_per_warp} {rows}x{inp} g{group} {dtype} T{tokens}"
+                assert check_fused(ic, c, label).endswith(f"_r{r}"), label
 
 
-def test_fused_fallbacks_compose(ic) -> None:
-    """Fusions the kernel does not take compose the unfused ops around the plain
-    linear (the plain kernel where it applies): exactly fused_linear_reference."""
-    from edge.kernels import reference
-
+def test_unplanned_fusions_compose_or_raise(ic) -> None:
+    """Fusions the GEMV has no mode for (MODES), and prefill chunks, compose the layer
+    ops around the plain linear (the plain GEMV for decode inputs, the GEMM for
+    prefill): exactly fused_linear_reference with that matmul. Decode arguments a
+    mode's kernel cannot read raise instead of running anything else."""
     g = _gen()
     dt = torch.bfloat16
     w = random_weight(512, 512, 128, g)
     ln = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(dt)
     x1 = torch.randn(1, 512, generator=g, device="cuda").to(dt)
     x5 = torch.randn(5, 512, generator=g, device="cuda").to(dt)
-    cases = [
-        (x5, {"norm": (ln, EPS)}, "5 tokens, norm"),
-        (x5, {"norm": (ln, EPS), "swiglu": True}, "5 tokens, norm + swiglu"),
-        (x5, {"residual": torch.ones(5, 512, device="cuda", dtype=dt)}, "5 tokens, residual"),
-        (x1, {"norm": (ln.float(), EPS)}, "float32 norm weight"),
-        (x1, {"swiglu": True}, "swiglu without norm"),
-        (x1, {"norm": (ln, EPS), "residual": torch.ones(1, 512, device="cuda", dtype=dt)}, "norm + residual"),
-        (x1, {"residual": x1}, "residual aliasing the input"),
+    composed = [  # (x, fusions, launches: the plain GEMV for decode, none for prefill)
+        (x5, {"norm": (ln, EPS)}, {}, "5 tokens, norm"),
+        (x5, {"norm": (ln, EPS), "swiglu": True}, {}, "5 tokens, norm + swiglu"),
+        (x5, {"residual": torch.ones(5, 512, device="cuda", dtype=dt)}, {}, "5 tokens, residual"),
+        (x1, {"swiglu": True}, {"int8_gemv_": 1}, "swiglu without norm"),
+        (
+            x1,
+            {"norm": (ln, EPS), "residual": torch.ones(1, 512, device="cuda", dtype=dt)},
+            {"int8_gemv_": 1},
+            "norm + residual",
+        ),
     ]
-    for x, kw, label in cases:
-        assert not ic.supports(x, w, **kw), label
+    for x, kw, launches, label in composed:
         res = kw.get("residual")
         kw_ref = dict(kw, residual=res.clone()) if res is not None else kw
-        want = quant.fused_linear_reference(x.clone(), w, ops=reference, matmul=ic.int8_linear, **kw_ref)
-        got = ic.int8_linear(x, w, **kw)
+        want = quant.fused_linear_reference(x.clone(), w, ops=reference, matmul=ic.linear, **kw_ref)
+        got, names = launched(ic, ic.linear, x, w, **kw)
+        assert by_kind(names) == launches, f"{label}: launched {dict(names)}"
         assert torch.equal(got, want), label
         if res is not None:
             assert got is res, label
+    unplanned = [
+        (x1, {"residual": x1}, "residual aliasing the input"),
+        (x1, {"norm": (ln.float(), EPS)}, "float32 norm weight"),
+        (x1, {"residual": torch.ones(1, 512, device="cuda")}, "float32 residual"),
+    ]
+    for x, kw, label in unplanned:
+        before = x.clone()
+        try:
+            ic.linear(x, w, **kw)
+        except UnplannedArguments:
+            assert torch.equal(x, before), f"{label}: the input changed"
+            continue
+        pytest.fail(f"{label}: ran instead of raising UnplannedArguments")
     with pytest.raises(ValueError, match="exclusive"):
-        ic.int8_linear(x1, w, out=torch.empty(1, 512, device="cuda", dtype=dt), residual=torch.zeros_like(x1))
+        ic.linear(x1, w, out=torch.empty(1, 512, device="cuda", dtype=dt), residual=torch.zeros_like(x1))
 
 
 def test_fused_modes_graph_capture(ic) -> None:
@@ -497,10 +578,10 @@ def test_fused_modes_graph_capture(ic) -> None:
     x = torch.randn(1, hidden, generator=g, device="cuda").to(dt)
 
     def layer(x: torch.Tensor) -> torch.Tensor:
-        a = ic.int8_linear(x, qkv, norm=(ln1, EPS))[:, :1024]
-        ic.int8_linear(a, o, residual=x)
-        act = ic.int8_linear(x, gate_up, norm=(ln2, EPS), swiglu=True)
-        return ic.int8_linear(act, down, residual=x)
+        a = ic.linear(x, qkv, norm=(ln1, EPS))[:, :1024]
+        ic.linear(a, o, residual=x)
+        act = ic.linear(x, gate_up, norm=(ln2, EPS), swiglu=True)
+        return ic.linear(act, down, residual=x)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -522,10 +603,41 @@ def test_fused_modes_graph_capture(ic) -> None:
 # ---- the model's fused int8 plan -------------------------------------------------------
 
 
-def _unfused(ic) -> None:
-    """Register the int8 GEMV without its fusions: the model runs its unfused plan with
-    the same GEMV kernel for every projection."""
-    quant.register_int8_linear("cuda", ic.int8_linear)
+class _NotFusing:
+    """A backend's int8 GEMV whose ``fuses`` says no: the model then takes its unfused
+    plan (add_rms_norm, silu_mul) with the same plain GEMV for every projection; a
+    fusion is the layer ops composed around it."""
+
+    def __init__(self, gemv: Int8CudaLinear, layer_ops: Any) -> None:
+        self.gemv, self.ops = gemv, layer_ops
+        self.name = f"{gemv.name}, not fusing"
+
+    def linear(self, x, w, bias=None, *, norm=None, residual=None, swiglu=False):
+        if norm is None and residual is None and not swiglu:
+            return self.gemv.linear(x, w, bias)
+        return quant.fused_linear_reference(
+            x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=self.gemv.linear
+        )
+
+    def fuses(self, x: torch.Tensor, w: Int8Weight) -> bool:
+        return False
+
+    def argmax(self, x, w, bias, out, *, norm=None):
+        return None
+
+
+def _unfused(engine, **options):
+    """An eager engine on ``engine``'s model whose backend is ``engine``'s with the q8_0
+    linear replaced by the same GEMV, not fusing (no captured step: the graph kernels
+    would still fuse)."""
+    from edge.engine import Engine
+
+    b = engine.backend
+    gemv = b.eager.linears.impls[QUANT_METHOD]
+    assert isinstance(gemv, Int8CudaLinear)
+    linears = Linears({**b.eager.linears.impls, QUANT_METHOD: _NotFusing(gemv, b.eager.layer)})
+    backend = dataclasses.replace(b, eager=dataclasses.replace(b.eager, linears=linears), graph=None)
+    return Engine(engine.model, engine.tokenizer, engine.model_dir, backend=backend, cuda_graph=False, **options)
 
 
 def _decode(engine, ids: list[int], steps: int, forced: list[int] | None = None) -> tuple[list[int], torch.Tensor]:
@@ -543,7 +655,7 @@ def _decode(engine, ids: list[int], steps: int, forced: list[int] | None = None)
         seq.release()
 
 
-def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint, tmp_path) -> None:
+def test_int8_model_fused_plan_matches_unfused_plan(hf_checkpoint, tmp_path) -> None:
     """A random int8 model (non-flat logits: initializer_range 0.1; llama, qwen2 with
     qkv bias, qwen3 with an untied int8 lm_head) in bf16, fused and unfused plans,
     against the same int8 weights run in float32 (the torch reference path).
@@ -566,16 +678,17 @@ def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint,
     assert graph.model.int8_projections
     ids = list(range(3, 30))
     x = torch.zeros(1, graph.cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-    assert quant.fuses(x, graph.model.layers[0]["qkv"]), "decode should take the fused plan"
+    qkv = graph.model.layers[0]["qkv"]
+    assert eager.backend.eager.linears.fuses(x, qkv), "decode should take the fused plan"
     steps = 24
     fused_free, _ = _decode(eager, ids, steps)
     graph_tokens = graph.generate(ids, SamplingParams(max_tokens=steps, ignore_eos=True)).token_ids
     assert graph_tokens == fused_free, name
     tokens, want = _decode(exact, ids, steps)
     fused_picks, fused = _decode(eager, ids, steps, forced=tokens)
-    _unfused(ic)
-    assert not quant.fuses(x, graph.model.layers[0]["qkv"])
-    _, unfused = _decode(eager, ids, steps, forced=tokens)
+    plain = _unfused(eager, max_seq_len=256, num_blocks=64)
+    assert not plain.backend.eager.linears.fuses(x, qkv) and eager.backend.eager.linears.fuses(x, qkv)
+    _, unfused = _decode(plain, ids, steps, forced=tokens)
 
     def rel(a: torch.Tensor) -> float:
         return ((a - want).norm() / want.norm()).item()
@@ -588,60 +701,81 @@ def test_int8_model_fused_plan_matches_unfused_plan(ic, registry, hf_checkpoint,
             assert gap <= 2 * (fused[i] - want[i]).abs().max(), f"{name}: step {i} picks {a}, not {b}"
 
 
-def test_int8_decode_runs_the_fused_kernels(ic, registry, monkeypatch) -> None:
+def test_int8_decode_runs_the_fused_kernels(monkeypatch) -> None:
     """The fused plan really runs on CUDA: a decode step launches each layer's four
-    GEMVs in their fused modes and nothing falls back to the composition, and it runs
-    3 kernels per layer fewer than the unfused plan (10 -> 7)."""
+    GEMVs in their fused modes and nothing is composed, and it runs 3 kernels per
+    layer fewer than the unfused plan (8 -> 5: the norms, residual adds and SwiGLU
+    inside the GEMVs), counted by the backend's launcher and by the profiler."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from edge.engine import Engine
-    from edge.kernels import fused_cuda, int8_cuda
+    from edge.kernels import int8_cuda
 
-    engine = Engine.from_pretrained(
-        None, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=False, kernels="cuda", num_blocks=64
-    )
-    assert engine.model.ops is fused_cuda and quant._INT8_LINEAR["cuda"] is ic.int8_linear
+    engine = _int8_engine(cuda_graph=False, kernels="cuda", num_blocks=64)
+    assert set(engine.backend.eager.layer.names.values()) == {"cuda"}
+    assert isinstance(engine.backend.eager.linears.impls[QUANT_METHOD], Int8CudaLinear)
+    assert not isinstance(engine.model.lm_head, Int8Weight), "the default model's lm_head is its (float) embedding"
+    plain = _unfused(engine, num_blocks=64)
     layers = engine.cfg.num_layers
-    seq = engine.new_sequence()
+    # Per layer: attention with q/k norm + RoPE + K/V store inside; once: the embedding
+    # and the final norm the float lm_head's linear applies (cuBLAS and torch's argmax:
+    # not launcher kernels).
+    want_fused = {
+        "embedding": 1,
+        "int8_gemv_norm_": layers,
+        "paged_decode_tc_rope": layers,
+        "int8_gemv_residual_": 2 * layers,
+        "int8_gemv_norm_swiglu_": layers,
+        "rms_norm_bf16": 1,
+    }
+    # Unfused: the first norm, add_rms_norm after o and down (the last one is the
+    # final norm), silu_mul, the plain GEMV for every projection.
+    want_plain = {
+        "embedding": 1,
+        "rms_norm_bf16": 1,
+        "int8_gemv_": 4 * layers,
+        "paged_decode_tc_rope": layers,
+        "add_rms_norm_bf16": 2 * layers,
+        "silu_mul_bf16": layers,
+    }
+    ids = list(range(3, 20))
+    seqs = {e: e.new_sequence() for e in (engine, plain)}
     try:
-        tok = int(torch.argmax(engine.prefill(seq, list(range(3, 20)))))
+        toks = {e: int(torch.argmax(e.prefill(seq, ids))) for e, seq in seqs.items()}
 
-        def step() -> None:
-            nonlocal tok
-            tok = int(torch.argmax(engine.forward(seq, [tok])))
+        def step(e) -> Counter[str]:
+            before = Counter(e.backend.launch_counts())
+            toks[e] = int(torch.argmax(e.forward(seqs[e], [toks[e]])))
+            return by_kind(Counter(e.backend.launch_counts()) - before)
 
-        launched: list[str] = []
-        kernel = int8_cuda._kernel
-
-        def spy(dev, dtype, rows, infix=""):  # noqa: ANN001, ANN202
-            launched.append(infix)
-            return kernel(dev, dtype, rows, infix)
-
-        def no_fallback(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-            raise AssertionError("a fused int8 linear fell back to the composition")
+        def no_composition(*args, **kwargs):
+            raise AssertionError("a fused int8 linear was composed from the layer ops")
 
         with monkeypatch.context() as m:
-            m.setattr(int8_cuda, "_kernel", spy)
-            m.setattr(int8_cuda, "fused_linear_reference", no_fallback)
-            step()
-        counts = {infix: launched.count(infix) for infix in set(launched)}
-        assert counts == {"norm_": layers, "residual_": 2 * layers, "norm_swiglu_": layers}, counts
+            m.setattr(int8_cuda, "fused_linear_reference", no_composition)
+            assert step(engine) == want_fused
+        assert step(plain) == want_plain
 
-        def kernels_per_step() -> int:
-            step()  # warm
+        def kernels_per_step(e) -> int:
+            step(e)  # warm
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                step()
+                step(e)
                 torch.cuda.synchronize()
-            return sum(1 for e in prof.events() if e.device_type == DeviceType.CUDA)
+            return sum(1 for ev in prof.events() if ev.device_type == DeviceType.CUDA)
 
-        fused = kernels_per_step()
-        _unfused(ic)
-        unfused = kernels_per_step()
+        fused, unfused = kernels_per_step(engine), kernels_per_step(plain)
         assert unfused - fused == 3 * layers, (fused, unfused)
     finally:
-        seq.release()
+        for seq in seqs.values():
+            seq.release()
+
+
+def _int8_engine(**options):
+    """The embedded default model (tied float lm_head), bf16, int8 projections, on CUDA."""
+    from edge.engine import Engine
+
+    return Engine.from_pretrained(None, device="cuda", dtype="bfloat16", quantize="int8", **options)
 
 
 # ---------------------------------------------------------------------------------------
@@ -665,18 +799,14 @@ BENCH_SHAPES = [
     ("8b gate_up+norm+swiglu", 24576, 4096, "norm_swiglu"),
     ("8b down+residual", 4096, 12288, "residual"),
 ]
+# Int8Tuning fields (int8_gemv.cu's CFG_INT8_* defines) of each swept tuning.
 SWEEP = [
     {},
-    {"CFG_INT8_WARPS": 8},
-    {"CFG_INT8_UNROLL_R1": 8, "CFG_INT8_UNROLL_R2": 4, "CFG_INT8_UNROLL_R4": 4},
-    {"CFG_INT8_UNROLL_R1": 2, "CFG_INT8_UNROLL_R2": 2, "CFG_INT8_UNROLL_R4": 1},
-    {"CFG_INT8_MIN_BLOCKS": 6},
-    {
-        "CFG_INT8_WARPS": 8,
-        "CFG_INT8_UNROLL_R1": 2,
-        "CFG_INT8_UNROLL_R2": 2,
-        "CFG_INT8_UNROLL_R4": 1,
-    },
+    {"warps": 8},
+    {"unroll_r1": 8, "unroll_r2": 4, "unroll_r4": 4},
+    {"unroll_r1": 2, "unroll_r2": 2, "unroll_r4": 1},
+    {"min_blocks": 6},
+    {"warps": 8, "unroll_r1": 2, "unroll_r2": 2, "unroll_r4": 1},
 ]
 
 
@@ -706,14 +836,13 @@ def _copy_bandwidth(nbytes: int = 1 << 31) -> float:
     return 2 * nbytes / (_median_us(lambda: dst.copy_(src), reps=20) * 1e-6)
 
 
-def _graph_us(fn, launches: int, replays: int = 20, overlap: bool = False) -> float:
+def _graph_us(fn, launches: int, replays: int = 20) -> float:
     """Median microseconds per launch of ``fn`` (which launches once per call) over
     replays of a CUDA graph of ``launches`` calls: no Python or launch overhead, only
-    the kernels and the graph's node-to-node gaps, as in captured decode (``overlap``:
-    captured as overlapped launches, as the decode graph is on sm_90+)."""
+    the kernels and the graph's node-to-node gaps, as in captured decode (overlapped
+    when ``fn`` launches through an overlapped launcher, as the decode graph does on
+    sm_90+)."""
     import statistics
-
-    from edge.kernels import nvrtc
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -722,7 +851,7 @@ def _graph_us(fn, launches: int, replays: int = 20, overlap: bool = False) -> fl
             fn()  # compiles and loads outside the capture
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), nvrtc.overlapped(overlap):
+    with torch.cuda.graph(graph):
         for _ in range(launches):
             fn()
     graph.replay()
@@ -746,11 +875,11 @@ def _bench_shape(
     dtype: torch.dtype,
     group: int,
     copy_bw: float,
-    sweep: bool,
+    linears: dict[tuple[int, int | None], Int8CudaLinear],
     mode: str = "",
 ) -> dict:
-    from edge.kernels import int8_cuda
-
+    """One shape through every tuning of ``linears`` ((SWEEP index, forced rows per
+    warp or None) -> the int8 linear of that tuning)."""
     g = torch.Generator(device="cuda").manual_seed(out * 7 + inp)
     # Enough copies of the weight, cycled, that no launch finds its weight in L2.
     copies = max(2, min(16, (512 << 20) // (out * inp)))
@@ -770,26 +899,25 @@ def _bench_shape(
         moved += outputs * x.element_size()
     it = [0]
 
-    def call() -> None:
-        int8_cuda.int8_linear(x, ws[it[0] % copies], out=None if mode == "residual" else y, **kw)
-        it[0] += 1
+    def caller(lin: Int8CudaLinear) -> Callable[[], None]:
+        def call() -> None:
+            lin.linear(x, ws[it[0] % copies], out=None if mode == "residual" else y, **kw)
+            it[0] += 1
+
+        return call
 
     launches = copies * max(1, 32 // copies)
     row: dict = {"shape": label, "out": out, "in": inp}
-    for i, knobs in enumerate(SWEEP if sweep else SWEEP[:1]):
-        for r in (None, 1, 2, 4) if sweep else (None,):
-            int8_cuda.set_tuning(rows_per_warp=r, **knobs)
-            us = _graph_us(call, launches)
-            frac = moved / (us * 1e-6) / copy_bw
-            row[f"t{i}" + ("" if r is None else f"r{r}")] = round(frac, 3)
-            if i == 0 and r is None:
-                row["us"] = round(us, 2)
-                row["GBps"] = round(moved / (us * 1e-6) / 1e9, 1)
-                row["rows_per_warp"] = int8_cuda.plan(
-                    out, 1, torch.cuda.current_device()
-                )[0]
-                row["us_overlapped"] = round(_graph_us(call, launches, overlap=True), 2)
-    int8_cuda.set_tuning()
+    for (i, r), lin in linears.items():
+        us = _graph_us(caller(lin), launches)
+        frac = moved / (us * 1e-6) / copy_bw
+        row[f"t{i}" + ("" if r is None else f"r{r}")] = round(frac, 3)
+        if i == 0 and r is None:
+            row["us"] = round(us, 2)
+            row["GBps"] = round(moved / (us * 1e-6) / 1e9, 1)
+            row["rows_per_warp"] = lin.plan(out, 1, 2 if "swiglu" in mode else 1)[0]
+            overlapped = lin.with_launcher(lin.launcher.overlapped(), reference)
+            row["us_overlapped"] = round(_graph_us(caller(overlapped), launches), 2)
 
     # The reference (dequantize + matmul) on the same weights, for scale.
     def ref() -> None:
@@ -805,6 +933,14 @@ def bench(
 ) -> list[dict]:
     import json
 
+    from edge.kernels.launcher import Launcher
+
+    launcher = Launcher(torch.cuda.current_device())  # one kernel cache for every tuning
+    linears = {
+        (i, r): Int8CudaLinear(launcher, reference, Int8Tuning(rows_per_warp=r, **knobs))
+        for i, knobs in enumerate(SWEEP if sweep else SWEEP[:1])
+        for r in ((None, 1, 2, 4) if sweep else (None,))
+    }
     copy_bw = _copy_bandwidth()
     torch.cuda.empty_cache()
     print(
@@ -812,7 +948,7 @@ def bench(
     )
     rows = []
     for label, out, inp, *mode in BENCH_SHAPES:
-        rows.append(_bench_shape(label, out, inp, dtype, group, copy_bw, sweep, *mode))
+        rows.append(_bench_shape(label, out, inp, dtype, group, copy_bw, linears, *mode))
         print(json.dumps(rows[-1]), flush=True)
         torch.cuda.empty_cache()
     print(f"fraction of copy bandwidth ({dtype}, group {group}, default tuning):")
@@ -873,28 +1009,35 @@ def test_argmax_matches_torch_argmax_of_the_logits(ic, dtype, rows, inp, group) 
                     b = None if bias is None else bias + shift
                     if b is None and shift:
                         continue
-                    want = torch.argmax(ic.int8_linear(x, w, b, norm=norm), dim=-1)
+                    want = torch.argmax(ic.linear(x, w, b, norm=norm), dim=-1)
                     out = torch.full((tokens,), -7, dtype=torch.int64, device="cuda")
-                    got = ic.int8_argmax(x, w, b, out=out, norm=norm)
+                    got, names = launched(ic, ic.argmax, x, w, b, out=out, norm=norm)
                     case = f"T{tokens} bias={b is not None} shift={shift} norm={norm is not None}"
                     assert got is out and torch.equal(out, want), case
+                    mode = "int8_gemv_norm_argmax_" if norm is not None else "int8_gemv_argmax_"
+                    assert by_kind(names) == {mode: 1, "int8_argmax_take": 1}, f"{case}: {dict(names)}"
     # A tie: the winning row copied to a lower and a higher row; the lowest one wins.
     x = (torch.randn(1, inp, generator=g, device="cuda") * 3).to(dtype)
-    win = int(torch.argmax(ic.int8_linear(x, w)))
+    win = int(torch.argmax(ic.linear(x, w)))
     rows_tied = sorted({win, max(0, win - 3), min(rows - 1, win + 2)})
     for r in rows_tied:
         w.weight[r].copy_(w.weight[win])
         w.scale[r].copy_(w.scale[win])
-    assert int(ic.int8_argmax(x, w)[0]) == rows_tied[0] == int(torch.argmax(ic.int8_linear(x, w)))
-    assert ic.int8_argmax(x.float(), w) is None, "float32 activations: the caller's logits"
+    assert int(ic.argmax(x, w)[0]) == rows_tied[0] == int(torch.argmax(ic.linear(x, w)))
+    # float32 activations: no GEMV is planned for them (the backend's plan takes the
+    # reference linear, whose logits the caller reduces), and asking anyway raises.
+    assert weight_support(w, torch.float32) is not None
+    with pytest.raises(UnplannedArguments):
+        ic.argmax(x.float(), w)
 
 
-def test_greedy_graph_decode_takes_the_token_from_the_lm_head(ic, tmp_path) -> None:
+def test_greedy_graph_decode_takes_the_token_from_the_lm_head(tmp_path) -> None:
     """An int8 model with its own (int8) lm_head decodes greedily through the graph
     with the argmax epilogue: the replay runs the argmax GEMV (the final norm folded
     in) and its take, not torch's argmax, no separate norm and no fill (the kernels'
     workspaces are made before capture); the tokens equal eager decode's, which takes
-    the argmax of the logits."""
+    the argmax of the logits. The kernels the captured step launches, recorded at
+    capture, are exactly the fused int8 plan's."""
     from torch.profiler import ProfilerActivity, profile
 
     from edge.engine import Engine
@@ -902,15 +1045,33 @@ def test_greedy_graph_decode_takes_the_token_from_the_lm_head(ic, tmp_path) -> N
     from edge.sampling import SamplingParams
 
     path = make_model(tmp_path / "m", preset="tiny", tie_word_embeddings=False, dtype="bfloat16")
-    graph = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=True, kernels="cuda")
-    eager = Engine(graph.model, graph.tokenizer, graph.model_dir, cuda_graph=False, kernels="cuda")
+    graph = Engine.from_pretrained(
+        path, device="cuda", dtype="bfloat16", quantize="int8", cuda_graph=True, kernels="cuda", num_blocks=64
+    )
+    eager = Engine(graph.model, graph.tokenizer, graph.model_dir, cuda_graph=False, kernels="cuda", num_blocks=64)
     assert isinstance(graph.model.lm_head, Int8Weight)
+    assert isinstance(graph.backend.graph.linears.impls[QUANT_METHOD], Int8CudaLinear)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     prompt = "The kiosk robot greets every visitor"
     tokens = graph.generate(prompt, params).token_ids
     assert tokens == eager.generate(prompt, params).token_ids
     decoder = graph._decoders[0]
     (step,) = decoder.graphs.values()
+    layers = graph.cfg.num_layers
+    # Per layer: the qkv GEMV with the norm, attention with q/k norm + RoPE + K/V store,
+    # o and down GEMVs adding into the residual, the gate_up GEMV with norm + SwiGLU;
+    # then the lm_head's argmax GEMV (final norm folded in), its take, and the step end.
+    assert set(decoder.captured_kernels) == {(True, False)}
+    assert by_kind(decoder.captured_kernels[(True, False)]) == {
+        "embedding": 1,
+        "int8_gemv_norm_": layers,
+        "paged_decode_tc_rope": layers,
+        "int8_gemv_residual_": 2 * layers,
+        "int8_gemv_norm_swiglu_": layers,
+        "int8_gemv_norm_argmax_": 1,
+        "int8_argmax_take": 1,
+        "decode_step_end": 1,
+    }
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         step.replay()

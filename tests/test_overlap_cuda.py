@@ -1,15 +1,19 @@
 """Overlapped launches (programmatic dependent launch, sm_90+) in a captured decode step.
 
-Inside ``nvrtc.overlapped`` each kernel may start while the previous one is finishing,
-so it must read nothing the previous kernel writes before its grid-dependency wait. An
-int8 decoder layer (norm + qkv GEMV, q/k norm + RoPE storing k and v in the pool,
-attention over the pool, o GEMV + residual, norm + gate_up GEMV + SwiGLU, down GEMV +
-residual) is captured with overlapped launches and replayed at positions on and around
-page boundaries; every replay must equal the same launches made eagerly, one after the
-other, bit for bit: the residual stream, the attention output and the pool rows.
+Through a launcher's ``overlapped()`` sibling each kernel may start while the previous
+one is finishing, so it must read nothing the previous kernel writes before its
+grid-dependency wait. An int8 decoder layer (norm + qkv GEMV, q/k norm + RoPE storing k
+and v in the pool, attention over the pool, o GEMV + residual, norm + gate_up GEMV +
+SwiGLU, down GEMV + residual) is captured with the overlapped sibling's kernels and
+replayed at positions on and around page boundaries; every replay must equal the same
+launches made eagerly through the serial launcher, one after the other, bit for bit:
+the residual stream, the attention output and the pool rows.
 """
 
 from __future__ import annotations
+
+from collections import Counter
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +23,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU"),
 ]
 
+from edge.kernels import reference
 from edge.kernels.reference import PagedKV
 from edge.quant import Int8Weight, quantize_tensor
 
@@ -28,20 +33,33 @@ DT = torch.bfloat16
 
 
 @pytest.fixture(scope="module")
-def kernels():
-    from edge.kernels import fused_cuda, int8_cuda, nvrtc, paged_cuda
+def kernels() -> dict[str, Any]:
+    """One backend's layer kernels on a serial launcher, and the same kernels on its
+    overlapped sibling (what ``select_backend`` builds for the captured step)."""
+    from edge.kernels.fused_cuda import FusedCuda
+    from edge.kernels.int8_cuda import Int8CudaLinear
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.nvrtc import KernelsUnavailable
+    from edge.kernels.paged_cuda import DecodeTuning, PagedAttentionCuda
 
     try:
-        for mod in (fused_cuda, int8_cuda):
-            mod.load("cuda")
-        paged_cuda.load(0, dtypes=(DT,), head_dims=(D,))
-    except nvrtc.KernelsUnavailable as exc:
-        pytest.skip(f"CUDA kernels unavailable: {exc}")
-    return nvrtc, fused_cuda, int8_cuda, paged_cuda
+        launcher = Launcher(torch.cuda.current_device())
+        fc = FusedCuda(launcher)
+        ic = Int8CudaLinear(launcher, reference)
+        pc = PagedAttentionCuda(launcher, reference, DecodeTuning(), dtypes=(DT,), head_dims=(D,))
+    except KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
+        pytest.fail(f"GPU present but the CUDA kernels are unavailable: {exc}")
+    ol = launcher.overlapped()
+    return {
+        "launcher": launcher,
+        "serial": (fc, ic, pc),
+        "overlapped": (fc.with_launcher(ol), ic.with_launcher(ol, reference), pc.with_launcher(ol, reference)),
+    }
 
 
 def test_overlap_is_used_where_the_gpu_has_it(kernels) -> None:
-    nvrtc = kernels[0]
+    from edge.kernels import nvrtc
+
     major, _ = torch.cuda.get_device_capability()
     try:
         nvrtc.core().LaunchConfig(grid=(1,), block=(32,), programmatic_stream_serialization=True)
@@ -49,6 +67,13 @@ def test_overlap_is_used_where_the_gpu_has_it(kernels) -> None:
     except TypeError:
         cuda_core_has_it = False
     assert nvrtc.overlap_supported(0) == (major >= 9 and cuda_core_has_it)
+    launcher = kernels["launcher"]
+    assert not launcher.overlap, "eager launches never overlap"
+    assert launcher.overlapped().overlap == nvrtc.overlap_supported(torch.cuda.current_device())
+    for serial, overlapped in zip(kernels["serial"], kernels["overlapped"]):
+        assert serial.launcher is launcher and overlapped.launcher is not launcher
+        assert overlapped.launcher.overlap == launcher.overlapped().overlap
+        assert overlapped.launcher.counts is launcher.counts, "siblings share one launch count"
 
 
 def _weight(out: int, inp: int, g: torch.Generator) -> Int8Weight:
@@ -58,7 +83,7 @@ def _weight(out: int, inp: int, g: torch.Generator) -> Int8Weight:
 
 
 def test_overlapped_layer_step_equals_serial_launches(kernels) -> None:
-    nvrtc, fc, ic, pc = kernels
+    counts = kernels["launcher"].counts
     g = torch.Generator(device="cuda").manual_seed(11)
     w_qkv = _weight((HEADS + 2 * KV_HEADS) * D, HIDDEN, g)
     w_o = _weight(HIDDEN, HEADS * D, g)
@@ -80,25 +105,30 @@ def test_overlapped_layer_step_equals_serial_launches(kernels) -> None:
             "attn": torch.empty(HEADS, D, device="cuda", dtype=DT),
         }
 
-    def step(s: dict[str, torch.Tensor]) -> None:
+    def step(ops: tuple, s: dict[str, torch.Tensor]) -> Counter[str]:
+        """One layer through ``ops`` (fused, int8 linear, attention); the launches by name."""
+        fc, ic, pc = ops
+        before = Counter(counts)
         h = s["h"]
         positions = s["pos"].long()
-        qkv = ic.int8_linear(h, w_qkv, norm=(ln1, EPS))
+        qkv = ic.linear(h, w_qkv, norm=(ln1, EPS))
         q, _ = fc.qk_norm_rope(qkv, qk_w, cos, sin, positions, HEADS, KV_HEADS, D, EPS, PagedKV(s["k"], s["v"], table))
         pc.decode_attention(q[0], s["k"], s["v"], table, MAX_LEN, D**-0.5, pos=s["pos"], out=s["attn"])
-        ic.int8_linear(s["attn"].view(1, -1), w_o, residual=h)
-        act = ic.int8_linear(h, w_gu, norm=(ln2, EPS), swiglu=True)
-        ic.int8_linear(act, w_down, residual=h)
+        ic.linear(s["attn"].view(1, -1), w_o, residual=h)
+        act = ic.linear(h, w_gu, norm=(ln2, EPS), swiglu=True)
+        ic.linear(act, w_down, residual=h)
+        return Counter(counts) - before
 
     serial, overlapped = state(), state()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        step(state())  # warm-up off the capture stream
+        step(kernels["overlapped"], state())  # warm-up on the capture stream: its workspaces exist before capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph), nvrtc.overlapped():
-        step(overlapped)
+    with torch.cuda.graph(graph, stream=side):
+        captured = step(kernels["overlapped"], overlapped)
+    assert sum(captured.values()) == 6, f"one launch per op, nothing composed: {captured}"
 
     # 6299: the newest row lies in the second stage of its split (8-warp CTAs; 2147 and
     # 6299 at 4 warps: second / third), which attention issues before its
@@ -109,7 +139,7 @@ def test_overlapped_layer_step_equals_serial_launches(kernels) -> None:
             s["h"].copy_(h)
             s["pos"].fill_(p)
             s["attn"].fill_(float("nan"))
-        step(serial)
+        assert step(kernels["serial"], serial) == captured, "the serial step launches other kernels"
         graph.replay()
         torch.cuda.synchronize()
         for name in ("h", "attn", "k", "v"):

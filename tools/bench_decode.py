@@ -29,6 +29,7 @@ from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
 from edge.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
 from edge.tokenizer import Tokenizer
+from orin_shape import restrict_sms
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -64,20 +65,6 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
         times.append(a.elapsed_time(b) / 1e3)
     del src, dst
     return 2 * nbytes / statistics.median(times)
-
-
-def restrict_sms(n: int) -> object:
-    """Make a green context of ``n`` SMs current for this process (before any stream
-    exists, so every stream torch makes later belongs to it). Returns the context."""
-    from torch.cuda.green_contexts import GreenContext
-
-    torch.cuda.init()
-    ctx = GreenContext.create(num_sms=n)
-    if hasattr(ctx, "set_context"):
-        ctx.set_context()
-    if hasattr(ctx, "Stream"):
-        torch.cuda.set_stream(ctx.Stream())
-    return ctx
 
 
 def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
@@ -268,7 +255,7 @@ def _hf_generate_compiled(hf, ids: torch.Tensor, n: int) -> float:  # noqa: ANN0
 
 
 def run(args: argparse.Namespace) -> dict:
-    green = restrict_sms(args.sms) if args.sms else None
+    green = restrict_sms(args.sms) if args.sms else None  # first: before any stream exists
     torch.cuda.reset_peak_memory_stats()
     bw = copy_bandwidth()
     engine, raw = build_engine(args)

@@ -32,6 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--prefill-chunk", type=int, default=256)
     p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt length for the prefix-reuse test")
+    p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
 
 
 def _timed(handle) -> list[tuple[float, int]]:  # noqa: ANN001 - RequestHandle
@@ -62,6 +63,10 @@ def _watch_state(sched: Scheduler, request_id: str, until: threading.Event) -> d
 
 def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
     if engine is None:
+        if getattr(args, "sms", None):
+            from orin_shape import restrict_sms
+
+            restrict_sms(args.sms)  # first: before any stream exists
         engine, _ = build_engine(args)
     greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels")}

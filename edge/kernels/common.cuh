@@ -1,6 +1,6 @@
 // Shared helpers for the edge paged-attention kernels (compiled at run time by NVRTC,
 // see edge/kernels/nvrtc.py). Plain CUDA C++17, sm_80+ features only (mma.sync,
-// ldmatrix, cp.async): runs on sm_87 (Orin) and sm_90 (H100/H200) alike.
+// ldmatrix, cp.async): runs on sm_87 (Orin) and sm_90 alike.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -428,10 +428,8 @@ __device__ __forceinline__ int active_splits(int kv_len, int nsplit, int min_row
 // counter, last_arrival), whose words are then all there.
 
 // Mergers among nsplit active splits, at most `cap` (the host's: 0 or 1 unless the whole
-// grid is resident; 0 counts as 1): one below 16 splits (a single merger was faster at 8:
-// 5.3 vs 6.0-6.2 us at 512 keys on an H200), else at most one per 2 splits (every split a
-// merger was 1.7-2.9 us slower at 8192 keys on an H100; likely their polls compete with the
-// splits still streaming).
+// grid is resident; 0 counts as 1): one below 16 splits, else at most one per 2 splits
+// (fewer or more measured slower: docs/kernels.md, "The split merge through flagged words").
 __device__ __forceinline__ int split_mergers(int nsplit, int cap) {
   return nsplit < 16 || cap <= 1 ? 1 : min(cap, nsplit >> 1);
 }
@@ -554,9 +552,8 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
             todo &= ~(1u << u);
         if (todo) __nanosleep(64);
       }
-      // Measured, cause not pinned down: with the CTA's polls joined here before any
-      // thread folds and stores, 32 splits of 8192 keys took 15.6-15.8 instead of
-      // 17.1 us on an H100 (docs/kernels.md, ninth session).
+      // Joining the CTA's polls before any thread folds measured faster (docs/kernels.md, "The split
+      // merge through flagged words"); the cause is not pinned down.
       __syncthreads();
 #pragma unroll
       for (int u = 0; u < U; ++u)

@@ -18,7 +18,7 @@
 // the q/k norm and its weight, so that float16/bfloat16 match transformers' order).
 // Every kernel is one launch for any number of tokens T (decode T = 1, prefill chunks),
 // uses no workspace and no host-visible state, and its grid depends on shapes only:
-// safe inside CUDA graphs. sm_80+ only (runs on sm_87 Orin and sm_90 H100/H200).
+// safe inside CUDA graphs. sm_80+ only (sm_87 Orin; sm_90 too).
 //
 // One program holds every instantiation: *_f16, *_bf16, *_f32 (and _d64 / _d128 for the
 // head dim of qk_norm_rope).
@@ -165,7 +165,7 @@ __device__ __forceinline__ void qk_norm_rope_head(
 
 // The end of a graph decode step: the sampled token goes straight into the host's pinned
 // ring (slot *ring_pos % ring_len, mapped memory), so no device-to-host copy sits
-// between two replays on the stream (measured ~12 us a step on an H100); then the ring
+// between two replays on the stream (docs/kernels.md has its cost); then the ring
 // position and the decode position advance. The host reads the slot once the step's
 // event has completed.
 extern "C" __global__ void __launch_bounds__(32)

@@ -27,7 +27,7 @@
 //
 // Shared memory and __syncthreads only in the norm modes; no host-visible state: safe in
 // CUDA graphs.
-// sm_80+ PTX only (runs on sm_87 Orin and sm_90 H100/H200).
+// sm_80+ PTX only (sm_87 Orin; sm_90 too).
 #include "common.cuh"
 
 namespace {
@@ -96,8 +96,8 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //               the largest value wins and, among equal values, the lowest row: what
 //               torch.argmax gives on the stored logits (NaN counts as the largest).
 //               int8_argmax_take turns best into the token id and resets it. This
-//               takes the float cast and torch's two-pass argmax (~18 us a step on an
-//               H100) off the end of every graph step.
+//               takes the float cast and torch's two-pass argmax off the end of every
+//               graph step.
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
 // (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
@@ -172,9 +172,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   warp_rows<R, kOuts>(q, scale, row0, out, in, groups, qrow, srow);
   // Weights are constants of the step: the lines of the first iteration are prefetched
   // into L2 before the grid-dependency wait, so with overlapped launches (common.cuh)
-  // they stream in under the previous kernel's tail. (Holding them in registers across
-  // the wait, or prefetching more than one iteration, measured slower on an H200:
-  // docs/kernels.md.)
+  // they stream in under the previous kernel's tail (register holding or deeper
+  // prefetch measured slower: docs/kernels.md).
   if (row0 < out) prefetch_rows<R, U>(qrow, lane, in);
   // The epilogue's other inputs are loaded now, not after the loop, so that no round
   // trip follows the warp's last weights: lane o < kOuts ends with output row0 + o.
@@ -187,8 +186,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   }
   extern __shared__ __align__(16) unsigned char smem_w[];
   const uint4* sw = reinterpret_cast<const uint4*>(smem_w);
-  // The argmax lm_head (~9,500 CTAs of 16 rows) reads the norm weight beside x through
-  // L1 instead of staging it in every CTA: 208.5 -> 208.0 us on an H100.
+  // The argmax lm_head (thousands of CTAs) reads the norm weight beside x through L1
+  // rather than staging it in every CTA.
   constexpr bool kStaged = kNorm && kEpi != kArgmax;
   if (kStaged) stage_norm_weight<T>(reinterpret_cast<T*>(smem_w), norm_w, in);
   edge::await_inputs();
@@ -298,11 +297,11 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 
 }  // namespace
 
-// Compile-time knobs (int8_cuda.py: TUNING): CFG_INT8_WARPS (warps per CTA, above),
+// Compile-time knobs (int8_cuda.py: Int8Tuning): CFG_INT8_WARPS (warps per CTA, above),
 // chunks in flight per lane and row for the 1-, 2- and 4-row variants, and the minimum
 // resident CTAs per SM asked of the register allocator (0: no constraint). 4 (at most 128
 // registers a thread) leaves room for the next kernel's CTAs to start beside a GEMV's
-// when launches overlap: int8 8B decode 349 -> 356 tok/s on an H200; 6 spills (235).
+// when launches overlap.
 #ifndef CFG_INT8_UNROLL_R1
 #define CFG_INT8_UNROLL_R1 4
 #endif

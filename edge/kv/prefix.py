@@ -2,7 +2,7 @@
 
 A full block is keyed by a hash chain of its tokens: the key of block ``i`` is
 ``block_hash(key of block i-1, tokens of block i)``, so one key names a whole prefix
-and a lookup of a prompt walks the chain block by block (seed 004). A hit is trusted
+and a lookup of a prompt walks the chain block by block. A hit is trusted
 only after comparing the block's tokens *and* its parent entry, so by induction the
 whole prefix is identical: a hash collision can cost a miss, never false sharing.
 

@@ -1,4 +1,4 @@
-"""Two-slot ping-pong scheduler (seed 001 ch. 9.4).
+"""Two-slot ping-pong scheduler.
 
 One loop thread owns the engine. Two slots share the engine's block pool, each with
 its own ``SamplerState`` and ``PagedSequence``. At most one slot DECODES (the active

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One GPU call: the steps named on the command line, logs and JSON under $OUT, a
+# status table last.  STACK=cu12 first installs the CUDA 12 Python stack carried in
+# .whl/cu12 (cuda-bindings 12.x, cuda-core, NVRTC 12.6) over the machine's CUDA 13 one.
+#   bash tools/gpu_session.sh tests verify verify-int8 bench-8b ...
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+export EDGE_CACHE_DIR=${EDGE_CACHE_DIR:-/tmp/edge-cache}
+OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+if [ "${STACK:-cu13}" = cu12 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl || exit 1
+    export PYTHONPATH=/tmp/cu12:.
+else
+    export PYTHONPATH=.
+fi
+python3 -c "import cuda.bindings, cuda.core, torch; from edge.kernels import nvrtc; print('cuda-bindings', cuda.bindings.__version__, 'cuda-core', cuda.core.__version__, 'nvrtc', nvrtc.nvrtc_version(), 'torch', torch.__version__, torch.cuda.get_device_name())" | tee "$OUT/stack-${STACK:-cu13}.txt"
+status=()
+step() {  # name, command...
+    local name=$1; shift
+    local t0=$SECONDS
+    if "$@" >"$OUT/$name.log" 2>&1; then r=ok; else r="FAIL($?)"; fi
+    status+=("$(printf '%-26s %-8s %4ss  %s' "$name" "$r" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)")")
+}
+B="python3 tools/bench.py"
+for s in "$@"; do
+    case $s in
+        tests) step tests python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
+        tests16) step tests-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
+        tests8) step tests-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
+        quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
+        verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
+        verify-int8) step verify-int8 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int8 ;;
+        bench-8b) step bench-8b sh -c "$B decode --preset qwen3-8b --compare-hf --decode-tokens 128 --repeats 2 > $OUT/decode-8b.json" ;;
+        bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 > $OUT/decode-8b-int8.json" ;;
+        bench-8b-int8-8k) step bench-8b-int8-8k sh -c "$B decode --preset qwen3-8b --quantize int8 --context 8192 --max-seq-len 8448 --decode-tokens 128 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k.json" ;;
+        bench-16) for q in none int8; do step bench-8b-$q-16sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-$q-16sms.json"; done ;;
+        bench-8) for q in none int8; do step bench-8b-$q-8sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 8 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-$q-8sms.json"; done ;;
+        bench-16-8k) step bench-8b-int8-8k-16sms sh -c "$B decode --preset qwen3-8b --quantize int8 --sms 16 --context 8192 --max-seq-len 8448 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k-16sms.json" ;;
+        sched16) step sched-16sms sh -c "$B scheduler --preset qwen3-8b --sms 16 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-16sms.json" ;;
+        sched8) step sched-8sms sh -c "$B scheduler --preset qwen3-8b --sms 8 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-8sms.json" ;;
+        *) echo "unknown step $s"; exit 2 ;;
+    esac
+done
+echo
+printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
