@@ -182,6 +182,69 @@ def step_kernels(engine: Engine, prompt: list[int]) -> dict[str, int]:
         return decoder.captured_kernels[(True, False)]
 
 
+def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
+    """Host-to-device copies per graph decode step, from the CUDA profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with prefilled(engine, prompt, graph=True) as (seq, decoder, _, _):
+        crossings = sum(1 for i in range(n) if (seq.length + i) % engine.page_size == 0)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                decoder.launch(seq, True)
+            torch.cuda.synchronize()
+    h2d = [e for e in prof.events() if "HtoD" in e.name]
+    return {
+        "steps": n,
+        "page_crossings": crossings,
+        "h2d_copies": len(h2d),
+        "table_bytes_synced_per_crossing": 4,
+        "h2d_copies_per_step_inside_page": (len(h2d) - crossings) / max(n - crossings, 1),
+    }
+
+
+def energy_per_token(engine: Engine, prompt: list[int], n: int) -> dict:
+    """Joules per decoded token from the monitor's NVML source (power integrated by
+    the same EnergyMeter the service uses), during graph decode."""
+    from edge.monitor import Monitor, MonitorConfig
+
+    monitor = Monitor(MonitorConfig(period_s=0.02, source="nvml", metrics=False))
+    if monitor.source.name != "nvml":
+        return {"source": monitor.source.name, "joules_per_token": None}
+    monitor.start()
+    try:
+        time.sleep(0.1)
+        monitor.energy.begin("bench")
+        seconds = time_decode(engine, prompt, n, graph=True)
+        time.sleep(0.05)  # one more sample past the end of the window
+        joules = monitor.energy.end("bench")
+        latest = monitor.sampler.latest
+    finally:
+        monitor.stop()
+    return {
+        "source": "nvml",
+        "tokens": n,
+        "seconds": seconds,
+        "joules": joules,
+        "joules_per_token": joules / n if joules is not None else None,
+        "temperature_c": latest.temperatures_c if latest else None,
+        "power_w": latest.power_w if latest else None,
+    }
+
+
+def time_ttft(engine: Engine, length: int, repeats: int) -> float:
+    """Milliseconds from submitting a prompt of ``length`` tokens to the first token on the host."""
+    prompt = prompt_ids(engine, length, seed=1)
+    times = []
+    for _ in range(repeats + 1):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        seq = engine.new_sequence()
+        int(torch.argmax(engine.prefill(seq, prompt)))
+        times.append(time.perf_counter() - t0)
+        seq.release()
+    return statistics.median(times[1:]) * 1e3
+
+
 def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int, compile: bool = True) -> dict:
     """transformers on the same weights, same GPU, same run: ``generate()`` with
     ``cache_implementation="static"`` (compiled by torch.compile, as its documentation
@@ -231,11 +294,10 @@ def hf_decode(engine: Engine, raw: dict, prompt: list[int], n: int, compile: boo
 
 
 def _hf_generate_compiled(hf, ids: torch.Tensor, n: int) -> float:  # noqa: ANN001
-    """Decode tok/s of ``generate(cache_implementation="static")`` with the forward
-    compiled (transformers' documented fast path): the time of n + 1 new tokens minus
+    """Decode tok/s of ``generate(cache_implementation="static")``, which transformers
+    compiles by itself (its documented fast path): the time of n + 1 new tokens minus
     that of 1 (the prefill), after warm-up runs that trigger the compilation."""
     hf.generation_config.cache_implementation = "static"
-    hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
     kw = {"do_sample": False, "pad_token_id": 0, "eos_token_id": None}
 
     def seconds(new: int) -> float:
