@@ -12,7 +12,7 @@ request to completion on the calling thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -70,6 +70,7 @@ class Engine:
         sms: int | None = None,
         backend: Backend | None = None,
         blocking_waits: bool = True,
+        stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
@@ -84,7 +85,9 @@ class Engine:
         fill; default: the current context's). ``model`` itself is not changed: the
         engine runs ``model.with_backend(...)``. ``backend`` gives a planned backend
         instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
-        is done (False: spins a CPU core, which Orin's few cores cannot spare)."""
+        is done (False: spins a CPU core, which Orin's few cores cannot spare).
+        ``stream_factory(priority)`` makes the CUDA streams the engine's users create
+        (default ``torch.cuda.Stream``; an SM-restricted green context passes its own)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
@@ -156,6 +159,7 @@ class Engine:
         self._decoders: dict[int, SlotDecoder] = {}
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.blocking_waits = blocking_waits
+        self._stream_factory = stream_factory
 
     @classmethod
     def from_pretrained(
@@ -278,6 +282,12 @@ class Engine:
         if slot not in self._decoders:
             self._decoders[slot] = SlotDecoder(self, self._graph_pool)
         return self._decoders[slot]
+
+    def new_stream(self, priority: int = 0) -> torch.cuda.Stream:
+        """A CUDA stream for this engine's work (graph capture, scheduler slots)."""
+        if self._stream_factory is not None:
+            return self._stream_factory(priority)
+        return torch.cuda.Stream(self.device, priority=priority)
 
     def capture_graphs(self, slots: tuple[int, ...] = (0, 1)) -> int:
         """Capture every decode graph of ``slots`` now (serving start-up), so that no

@@ -97,7 +97,7 @@ class SlotDecoder:
         self.kv = GraphStepKV(self)
         # Every graph of the slot is captured on this stream: its kernel workspaces are
         # the slot's own, and never another slot's.
-        self.capture_stream = torch.cuda.Stream(dev)
+        self.capture_stream = engine.new_stream()
 
     # -- binding a request -----------------------------------------------------------
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
 from edge.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
 from edge.tokenizer import Tokenizer
-from orin_shape import restrict_sms
+from orin_shape import restrict_sms, stream_factory
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -67,12 +68,13 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
+def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine, dict]:
     dtype = parse_dtype(args.dtype)
     device = torch.device("cuda")
     if args.model:
         engine = Engine.from_pretrained(
-            args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args)
+            args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args),
+            stream_factory=streams,
         )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
@@ -84,7 +86,8 @@ def build_engine(args: argparse.Namespace) -> tuple[Engine, dict]:
     tokenizer = Tokenizer.from_pretrained(default_model_path())
     # Size the pool for the benchmark's longest sequence twice over, not the whole GPU.
     blocks = 2 * (-(-args.max_seq_len // args.page_size)) + 8
-    engine = Engine(model, tokenizer, Path(f"preset:{args.preset}"), page_size=args.page_size, max_seq_len=args.max_seq_len, num_blocks=blocks)
+    engine = Engine(model, tokenizer, Path(f"preset:{args.preset}"), page_size=args.page_size, max_seq_len=args.max_seq_len,
+                    num_blocks=blocks, stream_factory=streams)
     return engine, raw
 
 
@@ -320,10 +323,11 @@ def run(args: argparse.Namespace) -> dict:
     green = restrict_sms(args.sms) if args.sms else None  # first: before any stream exists
     torch.cuda.reset_peak_memory_stats()
     bw = copy_bandwidth()
-    engine, raw = build_engine(args)
+    streams = stream_factory(green) if green is not None else None
+    engine, raw = build_engine(args, streams)
     serial = Engine(
         engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False,
+        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False, stream_factory=streams,
     )
     prompt = prompt_ids(engine, args.context, seed=0)
     n = args.decode_tokens
@@ -356,7 +360,7 @@ def run(args: argparse.Namespace) -> dict:
     result["cpu_per_token"] = cpu_per_token(engine, prompt, n)
     spinning = Engine(
         engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, blocking_waits=False,
+        num_blocks=engine.kv.pool.num_blocks, blocking_waits=False, stream_factory=streams,
     )
     result["cpu_per_token_spinning_waits"] = cpu_per_token(spinning, prompt, n)
     del spinning

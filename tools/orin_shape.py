@@ -9,12 +9,15 @@ that way (tests/conftest.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 
 def restrict_sms(n: int) -> Any:
     """Make a green context of ``n`` SMs current for this process; returns it (keep it
-    alive for the life of the process)."""
+    alive for the life of the process). Streams made later must come from
+    :func:`stream_factory` (``Engine(stream_factory=...)``): torch's own stream pool
+    may belong to the whole device."""
     import torch
     from torch.cuda.green_contexts import GreenContext
 
@@ -25,3 +28,15 @@ def restrict_sms(n: int) -> Any:
     if hasattr(ctx, "Stream"):
         torch.cuda.set_stream(ctx.Stream())
     return ctx
+
+
+def stream_factory(ctx: Any) -> Callable[[int], Any]:
+    """``Engine(stream_factory=...)`` for a green context: its streams (default priority)."""
+    import torch
+
+    def make(priority: int = 0) -> Any:
+        if hasattr(ctx, "Stream"):
+            return ctx.Stream()
+        return torch.cuda.Stream(priority=priority)  # made while the green context is current
+
+    return make
