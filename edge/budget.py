@@ -475,9 +475,10 @@ def compute_budget(
         if num_blocks < per_seq:
             raise BudgetError(
                 f"not enough memory for one full-context sequence: {memory.kind} memory available "
-                f"{fmt_bytes(available)} (of {fmt_bytes(total)}, {memory.source}) x utilization {utilization:g} "
-                f"= {fmt_bytes(available * utilization)}, less the reserve {fmt_bytes(reserve)} kept free "
-                f"= {fmt_bytes(available - reserve)}, minus activations {fmt_bytes(activations)} and graph "
+                f"{fmt_bytes(available)} (of {fmt_bytes(total)}, {memory.source}): the lower of "
+                f"{fmt_bytes(available * utilization)} (x utilization {utilization:g}) and "
+                f"{fmt_bytes(available - reserve)} (less the reserve {fmt_bytes(reserve)} kept free), "
+                f"minus activations {fmt_bytes(activations)} and graph "
                 f"buffers {fmt_bytes(graphs)} leaves {fmt_bytes(max(0, headroom))} for the KV cache; "
                 f"max_seq_len {max_seq_len} needs {per_seq} blocks x {fmt_bytes(block_bytes)} = {fmt_bytes(need)} "
                 f"(weights already loaded: {fmt_bytes(weights)}). Lower max_seq_len, use a smaller dtype or "

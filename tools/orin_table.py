@@ -35,12 +35,14 @@ from edge.budget import (  # noqa: E402
 from edge.config import ModelConfig  # noqa: E402
 from edge.loader import expected_shapes  # noqa: E402
 from edge.quant import DEFAULT_GROUP_SIZE, quantized_names  # noqa: E402
-from edge.random_model import PRESETS, model_config  # noqa: E402
+from edge.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 FORMATS = ("bf16", "int8")
+# The presets with the shapes of published checkpoints (edge/random_model.py).
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b")
 
 
 @dataclass(frozen=True)
@@ -124,7 +126,7 @@ def budget_table(max_seq_len: int) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for board in BOARDS:
-        for preset in (p for p in PRESETS if p != "tiny"):
+        for preset in MODELS:
             cfg = preset_config(preset)
             for fmt in FORMATS:
                 available, b = board_budget(board, cfg, fmt, max_seq_len)
@@ -148,7 +150,7 @@ def projection_table(context: int, fractions: dict[str, float]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for board in BOARDS:
-        for preset in (p for p in PRESETS if p != "tiny"):
+        for preset in MODELS:
             cfg = preset_config(preset)
             for fmt in FORMATS:
                 if isinstance(board_budget(board, cfg, fmt, context)[1], str):
