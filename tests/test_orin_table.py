@@ -31,7 +31,8 @@ def tool():  # noqa: ANN201
 
 
 @pytest.mark.parametrize("tied", [True, False])
-def test_byte_counts_are_the_engines(tool, tmp_path: Path, tied: bool) -> None:  # noqa: ANN001
+def test_byte_counts_are_the_engines(tool, tmp_path: Path, tied: bool, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: ANN001
+    monkeypatch.syspath_prepend(str(ROOT / "tools"))  # bench_decode imports its sibling tools
     bench = load_tool("bench_decode")
     path = make_model(tmp_path / "m", preset="tiny", num_hidden_layers=2, tie_word_embeddings=tied)
     cfg = ModelConfig.from_pretrained(path)
