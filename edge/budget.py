@@ -3,16 +3,19 @@
 At start the engine sizes its paged block pool from the memory really available,
 after the weights are loaded and the activations of the worst step measured:
 
-    kv_bytes = available * utilization - activations - graph buffers
-    blocks   = kv_bytes // block_bytes
+    kv_bytes = min(available * utilization, available - reserve) - activations - graph buffers
+    blocks   = min(kv_bytes // block_bytes, cap)
 
 * ``available`` is probed after the weights are loaded (so they are already out of it):
   - integrated GPU (Jetson Orin, ``get_device_properties().is_integrated``): CPU and GPU
     share one DRAM, so the figure is what the OS reports available, ``MemAvailable``
-    of /proc/meminfo (or the cgroup's headroom if lower);
+    of /proc/meminfo (or the process's cgroup headroom if lower);
   - discrete GPU: the free figure of ``torch.cuda.mem_get_info``;
-  - CPU: ``MemAvailable``, or the cgroup limit minus usage if lower
-    (cgroup v2 ``memory.max - memory.current``; v1 ``memory.limit_in_bytes - usage``).
+  - CPU: ``MemAvailable``, or the cgroup headroom if lower.
+  The cgroup is the process's own, named in ``/proc/self/cgroup`` (a systemd service's
+  ``MemoryMax=``, a container's limit), with its ancestors: v2 ``memory.max`` minus
+  ``memory.current``, v1 ``memory.limit_in_bytes`` minus ``memory.usage_in_bytes``, less
+  the inactive page cache in either.
 * ``activations``: on a GPU a warm-up runs one ``prefill_chunk``-token prefill at the
   end of a full context and one decode step against a one-block scratch pool, and
   takes the peak of ``torch.cuda.max_memory_allocated`` above the baseline (the
@@ -21,12 +24,14 @@ after the weights are loaded and the activations of the worst step measured:
 * ``graph buffers``: with CUDA graphs, each of the two slots' captured decode step
   keeps its intermediates in the graph pool: reserved as 2 x the measured decode peak
   plus ``GRAPH_OVERHEAD``.
-* ``utilization`` (default 0.9) leaves the rest to the OS and other processes (on
-  Orin, the voice front-end shares the same memory).
-
-The CPU default is capped at ``CPU_DEFAULT_SEQUENCES`` (4) full-context sequences —
-two scheduler slots plus as much again for cached prefixes — so a tiny model in a
-test does not take 20 GB of RAM. GPUs are not capped: the pool takes the budget.
+* ``utilization`` (default 0.9) leaves the rest to the OS and other processes.
+* ``reserve`` (integrated GPU only; ``--memory-reserve``, default ``DEFAULT_RESERVE``,
+  1.5 GiB, sized for an 8 GB board) is kept free besides: on Orin the OS, its page cache
+  and the voice front-end (ASR/TTS models) live in the same DRAM as the KV cache.
+* ``cap``: where the pool shares memory with everything else (CPU, integrated GPU) it
+  holds at most ``SHARED_MEMORY_SEQUENCES`` (4) full-context sequences — the two
+  scheduler slots plus as much again for cached prefixes — so a 64 GB AGX Orin does not
+  pin 45 GB for a one-conversation service. Discrete GPUs are not capped.
 
 Explicit sizes: ``kv_blocks=N`` or ``kv_memory=BYTES`` (``--kv-memory 2GiB``) replace
 the computation (a request above what is available is logged as a warning, not
@@ -35,7 +40,7 @@ or explicit — must hold one full-context sequence (``ceil(max_seq_len / page_s
 blocks), else ``BudgetError`` names the figures.
 
 The probes are injectable: pass a ``MemoryInfo`` (tests fake integrated and discrete
-figures) or point ``probe_memory`` at fake /proc/meminfo and cgroup files.
+figures) or point ``probe_memory`` at fake /proc/meminfo, /proc/self/cgroup and cgroup files.
 """
 
 from __future__ import annotations
@@ -58,13 +63,19 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_UTILIZATION = 0.9
-CPU_DEFAULT_SEQUENCES = 4
+# Default cap where the pool shares memory with everything else (CPU, integrated GPU): full
+# contexts for the two scheduler slots plus as many again for cached prefixes.
+SHARED_MEMORY_SEQUENCES = 4
+# Kept free on an integrated GPU for the OS's page cache and the processes beside the engine
+# (a voice front-end with its ASR/TTS models): sized for an 8 GB board.
+DEFAULT_RESERVE = 3 << 29  # 1.5 GiB
 GRAPH_SLOTS = 2
 GRAPH_OVERHEAD = 16 << 20  # graph objects, static inputs, sampler state per engine
 ACTIVATION_MARGIN = 1.25  # on the CPU shape estimate
 ACTIVATION_FLOOR = 16 << 20  # allocator slack, small buffers
 MEMINFO = "/proc/meminfo"
 CGROUP_ROOT = "/sys/fs/cgroup"
+PROC_SELF_CGROUP = "/proc/self/cgroup"
 
 
 class BudgetError(ValueError):
@@ -96,10 +107,11 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]*)?|\.[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: str | int | float) -> int:
+def parse_bytes(value: str | int | float, *, allow_zero: bool = False) -> int:
     """``"2GiB"``, ``"512MiB"``, ``"1.5G"`` (SI: 10^9), ``"4096"`` -> bytes.
 
-    Raises BudgetError (a ValueError) for anything else, negative or zero sizes included.
+    Raises BudgetError (a ValueError) for anything else, negative sizes included, and zero
+    unless ``allow_zero`` (a reserve may be none at all).
     """
     if isinstance(value, bool):
         raise BudgetError(f"malformed memory size {value!r}")
@@ -114,9 +126,16 @@ def parse_bytes(value: str | int | float) -> int:
                 "e.g. 2GiB, 512MiB, 1.5GB, 1048576"
             )
         n = float(m.group(1)) * _UNITS[unit]
+    if allow_zero and n == 0:
+        return 0
     if not math.isfinite(n) or n < 1:
         raise BudgetError(f"memory size {value!r} must be at least one byte")
     return int(n)
+
+
+def parse_reserve(value: str | int | float) -> int:
+    """A memory reserve: like :func:`parse_bytes`, and ``0`` keeps none."""
+    return parse_bytes(value, allow_zero=True)
 
 
 def fmt_bytes(n: int | float) -> str:
@@ -174,38 +193,95 @@ def _read_int(path: Path) -> int | None:
         return None
 
 
-def cgroup_headroom(root: str | os.PathLike[str] = CGROUP_ROOT) -> tuple[int, int] | None:
-    """(limit, limit - usage) of the process's memory cgroup, None when unlimited.
+@dataclass(frozen=True)
+class CgroupMemory:
+    """The memory limit of this process's cgroup and what is left under it (bytes)."""
 
-    cgroup v2 (``memory.max``/``memory.current`` at ``root``) or v1
-    (``memory/memory.limit_in_bytes``/``memory.usage_in_bytes``; limits near 2^63
-    mean none).
+    limit: int  # the least limit over the cgroup and its ancestors
+    headroom: int  # the least of limit - (usage - inactive file pages) over them
+    path: str  # the cgroup, as /proc/self/cgroup names it
+    version: int  # 1 or 2
+
+
+def own_cgroup(proc_cgroup: str | os.PathLike[str] = PROC_SELF_CGROUP) -> tuple[int, str]:
+    """(version, path) of this process's memory cgroup from ``/proc/self/cgroup``: the v1
+    hierarchy whose controllers include ``memory`` if there is one, else the v2 (``0::``)
+    path; (2, "/") when the file cannot be read."""
+    try:
+        text = Path(proc_cgroup).read_text()
+    except OSError:
+        return 2, "/"
+    v2 = "/"
+    for line in text.splitlines():
+        hierarchy, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if "memory" in controllers.split(","):
+            return 1, path or "/"
+        if hierarchy == "0" and not controllers:
+            v2 = path or "/"
+    return 2, v2
+
+
+def _inactive_file(stat: Path, version: int) -> int:
+    """Page-cache bytes the kernel reclaims first: not counted as used (as container runtimes do)."""
+    try:
+        lines = stat.read_text().splitlines()
+    except OSError:
+        return 0
+    fields = dict(line.split(maxsplit=1) for line in lines if " " in line)
+    key = "total_inactive_file" if version == 1 and "total_inactive_file" in fields else "inactive_file"
+    try:
+        return int(fields.get(key, 0))
+    except ValueError:
+        return 0
+
+
+def cgroup_headroom(
+    root: str | os.PathLike[str] = CGROUP_ROOT, proc_cgroup: str | os.PathLike[str] = PROC_SELF_CGROUP
+) -> CgroupMemory | None:
+    """Limit and headroom of this process's own memory cgroup (named in ``/proc/self/cgroup``)
+    under the cgroup mount ``root``; None when neither it nor an ancestor is limited.
+
+    cgroup v2: ``memory.max`` / ``memory.current`` in ``root/<path>``; v1:
+    ``memory.limit_in_bytes`` / ``memory.usage_in_bytes`` in ``root/memory/<path>`` (limits
+    near 2^63 mean none). Every ancestor up to ``root`` counts (a slice's ``MemoryMax=``
+    binds the services in it); directories absent from this mount (a container that sees
+    only its own subtree) are skipped.
     """
-    base = Path(root)
-    for limit_file, usage_file in (
-        (base / "memory.max", base / "memory.current"),
-        (base / "memory" / "memory.limit_in_bytes", base / "memory" / "memory.usage_in_bytes"),
-    ):
-        limit = _read_int(limit_file)
+    version, path = own_cgroup(proc_cgroup)
+    base = Path(root) / "memory" if version == 1 else Path(root)
+    limit_name, usage_name = (
+        ("memory.limit_in_bytes", "memory.usage_in_bytes") if version == 1 else ("memory.max", "memory.current")
+    )
+    parts = [p for p in path.split("/") if p]
+    limits: list[tuple[int, int]] = []
+    for depth in range(len(parts), -1, -1):
+        d = base.joinpath(*parts[:depth])
+        limit = _read_int(d / limit_name)
         if limit is None or limit >= 1 << 60:
             continue
-        usage = _read_int(usage_file) or 0
-        return limit, max(0, limit - usage)
-    return None
+        usage = max(0, (_read_int(d / usage_name) or 0) - _inactive_file(d / "memory.stat", version))
+        limits.append((limit, max(0, limit - usage)))
+    if not limits:
+        return None
+    return CgroupMemory(min(lim for lim, _ in limits), min(h for _, h in limits), path, version)
 
 
-def host_memory(meminfo: str | os.PathLike[str] = MEMINFO, cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT) -> tuple[int, int, str]:
-    """(total, available, source) of host RAM: MemAvailable, or the cgroup's headroom if lower."""
+def host_memory(
+    meminfo: str | os.PathLike[str] = MEMINFO,
+    cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT,
+    proc_cgroup: str | os.PathLike[str] = PROC_SELF_CGROUP,
+) -> tuple[int, int, str]:
+    """(total, available, source) of host RAM: MemAvailable, or the own cgroup's headroom if lower."""
     info = read_meminfo(meminfo)
     if "MemAvailable" not in info or "MemTotal" not in info:
         raise BudgetError(f"{meminfo} lacks MemTotal/MemAvailable; pass kv_blocks= or kv_memory=")
     total, avail, source = info["MemTotal"], info["MemAvailable"], f"{meminfo} MemAvailable"
-    cg = cgroup_headroom(cgroup_root) if cgroup_root is not None else None
+    cg = cgroup_headroom(cgroup_root, proc_cgroup) if cgroup_root is not None else None
     if cg is not None:
-        limit, headroom = cg
-        total = min(total, limit)
-        if headroom < avail:
-            avail, source = headroom, f"cgroup {cgroup_root} limit - usage"
+        total = min(total, cg.limit)
+        if cg.headroom < avail:
+            avail, source = cg.headroom, f"cgroup v{cg.version} {cg.path} limit {fmt_bytes(cg.limit)} - usage"
     return total, avail, source
 
 
@@ -214,6 +290,7 @@ def probe_memory(
     *,
     meminfo: str | os.PathLike[str] = MEMINFO,
     cgroup_root: str | os.PathLike[str] | None = CGROUP_ROOT,
+    proc_cgroup: str | os.PathLike[str] = PROC_SELF_CGROUP,
     integrated: bool | None = None,
     mem_get_info: Callable[[], tuple[int, int]] | None = None,
 ) -> MemoryInfo:
@@ -227,7 +304,7 @@ def probe_memory(
             props = torch.cuda.get_device_properties(dev)
             integrated = bool(getattr(props, "is_integrated", False))
         if integrated:
-            total, avail, source = host_memory(meminfo, cgroup_root)
+            total, avail, source = host_memory(meminfo, cgroup_root, proc_cgroup)
             return MemoryInfo("integrated", total, avail, source)
         if mem_get_info is None:
             free, total = torch.cuda.mem_get_info(dev)
@@ -236,7 +313,7 @@ def probe_memory(
         return MemoryInfo("discrete", int(total), int(free), "torch.cuda.mem_get_info")
     if dev.type != "cpu":
         raise BudgetError(f"no memory probe for device {dev}; pass kv_blocks= or kv_memory=")
-    total, avail, source = host_memory(meminfo, cgroup_root)
+    total, avail, source = host_memory(meminfo, cgroup_root, proc_cgroup)
     return MemoryInfo("cpu", total, avail, source)
 
 
@@ -305,6 +382,8 @@ class MemoryBudget:
     page_size: int
     max_seq_len: int
     capped: bool = False
+    reserve: int = 0  # kept free for the OS and other processes (integrated GPU)
+    headroom: int = 0  # bytes the probe left for the KV cache, before any cap (0: explicit size)
 
     @property
     def tokens(self) -> int:
@@ -318,12 +397,13 @@ class MemoryBudget:
         return asdict(self) | {"tokens": self.tokens, "full_sequences": round(self.full_sequences, 2)}
 
     def describe(self) -> str:
-        cap = " (capped)" if self.capped else ""
+        cap = f" (capped at {self.full_sequences:g} sequences)" if self.capped else ""
         return (
             f"KV budget [{self.kind}, {self.source}]: total {fmt_bytes(self.total)}, "
-            f"available {fmt_bytes(self.available)} x {self.utilization:g}, weights {fmt_bytes(self.weights)}, "
+            f"available {fmt_bytes(self.available)} x {self.utilization:g}, reserve {fmt_bytes(self.reserve)}, "
+            f"weights {fmt_bytes(self.weights)}, "
             f"activations {fmt_bytes(self.activations)}, graphs {fmt_bytes(self.graphs)} -> "
-            f"KV {fmt_bytes(self.kv_bytes)}{cap} = {self.num_blocks} blocks x "
+            f"headroom {fmt_bytes(self.headroom)}, KV {fmt_bytes(self.kv_bytes)}{cap} = {self.num_blocks} blocks x "
             f"{self.page_size} tokens = {self.tokens} tokens "
             f"({self.full_sequences:.1f} sequences of {self.max_seq_len})"
         )
@@ -342,16 +422,20 @@ def compute_budget(
     kv_blocks: int | None = None,
     kv_memory: int | str | None = None,
     max_blocks: int | None = None,
+    reserve: int = 0,
 ) -> MemoryBudget:
     """The block count for a pool of ``block_bytes`` blocks (pure arithmetic).
 
     ``kv_blocks`` / ``kv_memory`` set it explicitly; otherwise
-    ``(memory.available * utilization - activations - graphs) // block_bytes``, capped at
-    ``max_blocks`` if given. Raises BudgetError when the result cannot hold one
-    ``max_seq_len`` sequence, naming every figure.
+    ``(min(available * utilization, available - reserve) - activations - graphs) //
+    block_bytes``, capped at ``max_blocks`` if given: at least ``reserve`` bytes and
+    ``1 - utilization`` of what is available stay free. Raises BudgetError when the result
+    cannot hold one ``max_seq_len`` sequence, naming every figure.
     """
     if not 0 < utilization <= 1:
         raise BudgetError(f"memory utilization must be in (0, 1], got {utilization}")
+    if reserve < 0:
+        raise BudgetError(f"memory reserve must be >= 0, got {reserve}")
     if kv_blocks is not None and kv_memory is not None:
         raise BudgetError("give kv_blocks or kv_memory, not both")
     if block_bytes < 1 or page_size < 1 or max_seq_len < 1:
@@ -360,7 +444,8 @@ def compute_budget(
     need = per_seq * block_bytes
     total = memory.total if memory else 0
     available = memory.available if memory else 0
-    headroom = int(available * utilization) - activations - graphs if memory else None
+    usable = min(int(available * utilization), available - reserve)
+    headroom = usable - activations - graphs if memory else None
     capped = False
 
     if kv_blocks is not None:
@@ -390,12 +475,14 @@ def compute_budget(
         if num_blocks < per_seq:
             raise BudgetError(
                 f"not enough memory for one full-context sequence: {memory.kind} memory available "
-                f"{fmt_bytes(available)} (of {fmt_bytes(total)}, {memory.source}) x utilization {utilization:g} "
-                f"= {fmt_bytes(available * utilization)}, minus activations {fmt_bytes(activations)} and graph "
+                f"{fmt_bytes(available)} (of {fmt_bytes(total)}, {memory.source}): the lower of "
+                f"{fmt_bytes(available * utilization)} (x utilization {utilization:g}) and "
+                f"{fmt_bytes(available - reserve)} (less the reserve {fmt_bytes(reserve)} kept free), "
+                f"minus activations {fmt_bytes(activations)} and graph "
                 f"buffers {fmt_bytes(graphs)} leaves {fmt_bytes(max(0, headroom))} for the KV cache; "
                 f"max_seq_len {max_seq_len} needs {per_seq} blocks x {fmt_bytes(block_bytes)} = {fmt_bytes(need)} "
                 f"(weights already loaded: {fmt_bytes(weights)}). Lower max_seq_len, use a smaller dtype or "
-                f"int8 weights, free memory, or raise the utilization"
+                f"int8 weights, free memory, lower --memory-reserve or raise the utilization"
             )
         if max_blocks is not None and num_blocks > max_blocks:
             num_blocks, capped = max(max_blocks, per_seq), True
@@ -423,6 +510,34 @@ def compute_budget(
         page_size=page_size,
         max_seq_len=max_seq_len,
         capped=capped,
+        reserve=reserve,
+        headroom=max(0, headroom) if memory is not None and kind != "explicit" else 0,
+    )
+
+
+def default_budget(
+    memory: MemoryInfo | None,
+    *,
+    block_bytes: int,
+    page_size: int,
+    max_seq_len: int,
+    reserve: int | str | None = None,
+    **figures: Any,
+) -> MemoryBudget:
+    """:func:`compute_budget` under the engine's policy for the kind of memory: shared
+    memory (CPU, integrated GPU) is capped at ``SHARED_MEMORY_SEQUENCES`` full contexts,
+    and an integrated GPU keeps ``reserve`` (default ``DEFAULT_RESERVE``) free.
+    ``figures``: weights, activations, graphs, utilization, kv_blocks, kv_memory."""
+    kept = parse_reserve(DEFAULT_RESERVE if reserve is None else reserve)
+    shared = memory is not None and memory.kind in ("cpu", "integrated")
+    return compute_budget(
+        block_bytes=block_bytes,
+        page_size=page_size,
+        max_seq_len=max_seq_len,
+        memory=memory,
+        max_blocks=SHARED_MEMORY_SEQUENCES * blocks_per_sequence(max_seq_len, page_size) if shared else None,
+        reserve=kept if memory is not None and memory.kind == "integrated" else 0,
+        **figures,
     )
 
 
@@ -521,6 +636,7 @@ def plan_kv_budget(
     utilization: float = DEFAULT_UTILIZATION,
     memory: MemoryInfo | Callable[[], MemoryInfo] | None = None,
     cuda_graph: bool = False,
+    reserve: int | str | None = None,
 ) -> MemoryBudget:
     """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
     (unless ``memory`` is given), compute the block count. See the module docstring."""
@@ -551,19 +667,16 @@ def plan_kv_budget(
             if kv_blocks is None and kv_memory is None:
                 raise BudgetError(f"cannot probe memory ({exc}); pass kv_blocks= or kv_memory=") from exc
             memory = None
-    max_blocks = None
-    if dev.type == "cpu":
-        max_blocks = CPU_DEFAULT_SEQUENCES * blocks_per_sequence(max_seq_len, page_size)
-    return compute_budget(
+    return default_budget(
+        memory,
         block_bytes=block,
         page_size=page_size,
         max_seq_len=max_seq_len,
-        memory=memory,
         weights=weights,
         activations=activations,
         graphs=graphs,
         utilization=utilization,
         kv_blocks=kv_blocks,
         kv_memory=kv_memory,
-        max_blocks=max_blocks,
+        reserve=reserve,
     )

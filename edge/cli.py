@@ -33,6 +33,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-utilization", type=float, default=0.9, help="fraction of available memory to use (default 0.9)"
     )
+    p.add_argument("--memory-reserve", type=_reserve_size, help=RESERVE_HELP)
+
+
+RESERVE_HELP = "memory kept free for the OS and other processes on an integrated GPU, e.g. 2GiB, 0 (default 1.5GiB)"
 
 
 def _byte_size(text: str) -> int:
@@ -40,6 +44,15 @@ def _byte_size(text: str) -> int:
 
     try:
         return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _reserve_size(text: str) -> int:
+    from edge.budget import parse_reserve
+
+    try:
+        return parse_reserve(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -71,6 +84,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
         memory_utilization=args.memory_utilization,
+        memory_reserve=args.memory_reserve,
     )
 
 
@@ -205,7 +219,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype",
-        "page_size", "max_seq_len", "kv_blocks", "prefill_chunk", "config", "log_level")}
+        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "config",
+        "log_level")}
     settings, file_vars = resolve(cli)
     export_file_vars(file_vars)
     if not args.verbose:
@@ -265,6 +280,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--page-size", type=int, help="tokens per KV block [EDGE_PAGE_SIZE] (default 16)")
     s.add_argument("--max-seq-len", type=int, help="context length [EDGE_MAX_SEQ_LEN]")
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
+    s.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB [EDGE_KV_MEMORY]")
+    s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
     s.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--config", help="KEY=VALUE environment file, as systemd's EnvironmentFile [EDGE_CONFIG]")

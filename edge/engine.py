@@ -71,12 +71,14 @@ class Engine:
         backend: Backend | None = None,
         blocking_waits: bool = True,
         stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
+        memory_reserve: int | str | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
         ``kv_blocks``/``kv_memory`` explicitly, or what is available x
-        ``memory_utilization`` after weights and activations; ``memory_info`` fakes the
-        probe.
+        ``memory_utilization`` after weights and activations, keeping ``memory_reserve``
+        free on an integrated GPU (default ``edge.budget.DEFAULT_RESERVE``); ``memory_info``
+        fakes the probe.
 
         The engine plans its own backend (edge/backend.py) from ``kernels`` ("auto":
         the CUDA kernels on a GPU, which must then load; "reference": the torch
@@ -131,6 +133,7 @@ class Engine:
                     kv_memory=kv_memory,
                     utilization=memory_utilization,
                     memory=memory_info,
+                    reserve=memory_reserve,
                     cuda_graph=cuda_graph is not False and graph_ok,
                 )
                 log.info("%s", self.budget.describe())

@@ -1,14 +1,19 @@
 """Safetensors checkpoint directory -> tensors on the target device.
 
-Files are memory-mapped by ``safetensors``; each tensor is copied exactly once to its
-device and dtype and the host view dropped right away. On Orin the page cache and the
-"device" copy live in the same DRAM, so holding both would double the footprint.
+Tensors are read in row chunks of at most ``READ_CHUNK_BYTES``: each chunk is read from a
+fresh memory map of its file, which is unmapped before the chunk is copied to its device
+and dtype, and the chunk dropped right after. No shard stays mapped, so the process's
+resident memory while loading is the weights loaded so far plus about two chunks. On
+Orin the mapped pages and the "device" copy live in the same DRAM: keeping a shard mapped
+would double the footprint of its weights.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -18,6 +23,7 @@ from edge.config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+READ_CHUNK_BYTES = 64 << 20
 
 
 class CheckpointError(RuntimeError):
@@ -61,12 +67,23 @@ def file_metadata(model_dir: str | Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def iter_tensors(model_dir: str | Path, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, memory-mapped host tensor) shard by shard.
+@dataclass(frozen=True)
+class TensorRows:
+    """Rows ``[row, row + len(data))`` of the checkpoint tensor ``name`` of ``shape``; ``data``
+    is a host tensor that owns its memory (no view of a file mapping)."""
 
-    The caller copies each one to its destination and drops it before the next, so
-    at most one tensor's pages are touched on the host at a time.
-    """
+    name: str
+    shape: tuple[int, ...]
+    row: int
+    data: torch.Tensor
+
+
+def iter_tensor_rows(
+    model_dir: str | Path, names: list[str], chunk_bytes: int = READ_CHUNK_BYTES
+) -> Iterator[TensorRows]:
+    """Yield every tensor of ``names`` as row chunks of at most ``chunk_bytes`` (one row at
+    least), file by file, each chunk read through a mapping that is closed before it is
+    yielded. The caller copies each chunk to its destination and drops it."""
     files = checkpoint_files(model_dir)
     missing = [n for n in names if n not in files]
     if missing:
@@ -76,14 +93,29 @@ def iter_tensors(model_dir: str | Path, names: list[str]) -> Iterator[tuple[str,
     for n in names:
         by_file.setdefault(files[n], []).append(n)
     for path, shard_names in sorted(by_file.items()):
-        with _open(path) as f:
-            for n in shard_names:
-                try:
-                    yield n, f.get_tensor(n)
-                except CheckpointError:
-                    raise
-                except Exception as exc:
-                    raise CheckpointError(f"cannot read tensor {n} from {path.name}: {exc}") from exc
+        for n in shard_names:
+            try:
+                yield from _rows(path, n, chunk_bytes)
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"cannot read tensor {n} from {path.name}: {exc}") from exc
+
+
+def _rows(path: Path, name: str, chunk_bytes: int) -> Iterator[TensorRows]:
+    with _open(path) as f:
+        shape = tuple(f.get_slice(name).get_shape())
+        if len(shape) == 0 or math.prod(shape) == 0:
+            yield TensorRows(name, shape, 0, f.get_tensor(name))
+            return
+        first = f.get_slice(name)[0:1]
+    row_bytes = first.element_size() * math.prod(shape[1:])
+    step = max(1, chunk_bytes // row_bytes)
+    for r0 in range(0, shape[0], step):
+        with _open(path) as f:  # a fresh mapping per chunk: its pages leave the process with it
+            data = f.get_slice(name)[r0 : r0 + step]
+        yield TensorRows(name, shape, r0, data)
+        del data
 
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -148,17 +180,28 @@ def fused_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int
 
 
 def load_weights(
-    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunk_bytes: int = READ_CHUNK_BYTES,
 ) -> dict[str, torch.Tensor]:
     """Load and shape-check a float checkpoint into fused device tensors of ``dtype``."""
-    return fuse_weights(iter_tensors(model_dir, list(expected_shapes(cfg))), cfg, device, dtype)
+    return place_rows(iter_tensor_rows(model_dir, list(expected_shapes(cfg)), chunk_bytes), cfg, device, dtype)
 
 
 def fuse_weights(
     tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, device: torch.device, dtype: torch.dtype
 ) -> dict[str, torch.Tensor]:
-    """Place (name, tensor) pairs into fused destinations allocated once on the device:
-    one copy per tensor, no host-side concatenation. Every expected tensor must come."""
+    """Place whole (name, tensor) pairs into fused device tensors (see :func:`place_rows`)."""
+    return place_rows((TensorRows(n, tuple(t.shape), 0, t) for n, t in tensors), cfg, device, dtype)
+
+
+def place_rows(
+    pieces: Iterable[TensorRows], cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Place row chunks into fused destinations allocated once on the device: one copy
+    per chunk, no host-side concatenation. Every expected tensor must come whole."""
     shapes = expected_shapes(cfg)
     layout = fused_layout(shapes)
     dest_shapes: dict[str, list[int]] = {}
@@ -167,17 +210,19 @@ def fuse_weights(
         current = dest_shapes.setdefault(dest, [0, *shape[1:]])
         current[0] = max(current[0], row + shape[0])
     out = {d: torch.empty(s, device=device, dtype=dtype) for d, s in dest_shapes.items()}
-    seen: set[str] = set()
-    for name, src in tensors:
+    rows_seen: dict[str, int] = {}
+    for piece in pieces:
+        name = piece.name
         if name not in shapes:
             continue
-        if tuple(src.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, config.json implies {shapes[name]}")
+        if piece.shape != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {piece.shape}, config.json implies {shapes[name]}")
         dest, row = layout[name]
-        out[dest][row : row + src.shape[0]].copy_(src)
-        seen.add(name)
-        del src
-    missing = sorted(set(shapes) - seen)
+        n = piece.data.shape[0]
+        out[dest][row + piece.row : row + piece.row + n].copy_(piece.data)
+        rows_seen[name] = rows_seen.get(name, 0) + n
+        del piece  # before the next chunk is read
+    missing = sorted(n for n in shapes if rows_seen.get(n, 0) != shapes[n][0])
     if missing:
         raise CheckpointError(f"tensors missing: {', '.join(missing[:5])}")
     return out

@@ -55,12 +55,13 @@ import torch.nn.functional as F
 from edge.config import ModelConfig
 from edge.kernels import reference
 from edge.loader import (
+    READ_CHUNK_BYTES,
     CheckpointError,
     checkpoint_files,
     expected_shapes,
     file_metadata,
     fused_layout,
-    iter_tensors,
+    iter_tensor_rows,
 )
 
 log = logging.getLogger(__name__)
@@ -368,6 +369,7 @@ def load_quantized_weights(
     quantize: str | None = None,
     group_size: int | None = None,
     keep_lm_head_float: bool = False,
+    chunk_bytes: int = READ_CHUNK_BYTES,
 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Load a checkpoint into fused device weights with int8 projections.
 
@@ -377,6 +379,7 @@ def load_quantized_weights(
     device in row chunks, quantized there and written into its rows of the fused
     destination (q/k/v and gate/up scales stack like their rows, groups being along
     the input dimension). Float tensors are cast to ``dtype``; scales are kept float32.
+    Tensors are read in row chunks of at most ``chunk_bytes`` (edge/loader.py).
     """
     method = parse_quantize(quantize)
     stored = checkpoint_quantization(model_dir)
@@ -421,37 +424,40 @@ def load_quantized_weights(
     names = list(shapes)
     if stored is not None:
         names += [scale_name(n) for n in sorted(qnames)]
-    for name, host in iter_tensors(model_dir, names):
+    for piece in iter_tensor_rows(model_dir, names, chunk_bytes):
+        name, shape, r0, host = piece.name, piece.shape, piece.row, piece.data
+        del piece  # the chunk goes with ``host``, before the next one is read
         if name.endswith(SCALE_SUFFIX) and name not in shapes:
             base = name[: -len(SCALE_SUFFIX)]
             rows, cols = shapes[base]
             want = (rows, cols // g)
-            if tuple(host.shape) == (rows * cols // g,):  # some writers store scales flat
-                host = host.view(want)
-            if tuple(host.shape) != want or not host.is_floating_point():
+            flat = shape == (rows * cols // g,)  # some writers store scales flat
+            if not (flat or shape == want) or not host.is_floating_point():
                 raise CheckpointError(
-                    f"scale {name} is {host.dtype} {tuple(host.shape)}, expected float {want} (group_size {g})"
+                    f"scale {name} is {host.dtype} {shape}, expected float {want} (group_size {g})"
                 )
             dest, row = layout[base]
-            scales[dest][row : row + rows].copy_(host)
+            target = scales[dest][row : row + rows]
+            (target.view(-1) if flat else target)[r0 : r0 + host.shape[0]].copy_(host)
             del host
             continue
-        if tuple(host.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {tuple(host.shape)}, config.json implies {shapes[name]}")
+        if shape != shapes[name]:
+            raise CheckpointError(f"tensor {name} has shape {shape}, config.json implies {shapes[name]}")
         dest, row = layout[name]
         rows = host.shape[0]
+        at = slice(row + r0, row + r0 + rows)
         if name in qnames and stored is not None:
             if host.dtype != torch.int8:
                 raise CheckpointError(f"tensor {name} has a scale but dtype {host.dtype}, expected int8")
-            out[dest][row : row + rows].copy_(host)
+            out[dest][at].copy_(host)
         elif name in qnames:
             if not host.is_floating_point():
                 raise CheckpointError(f"tensor {name} is {host.dtype}; route B quantizes float checkpoints only")
-            quantize_into(host, out[dest][row : row + rows], scales[dest][row : row + rows], g, name)
+            quantize_into(host, out[dest][at], scales[dest][at], g, name)
         else:
             if not host.is_floating_point():
                 raise CheckpointError(f"tensor {name} is {host.dtype} without a {SCALE_SUFFIX} tensor; expected float")
-            out[dest][row : row + rows].copy_(host)
+            out[dest][at].copy_(host)
         del host
     weights: dict[str, torch.Tensor | Int8Weight] = {}
     for d, t in out.items():

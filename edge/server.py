@@ -129,6 +129,10 @@ class Service:
             options: dict[str, Any] = {}
             if s.kv_blocks:
                 options["kv_blocks"] = s.kv_blocks
+            if s.kv_memory:
+                options["kv_memory"] = s.kv_memory
+            if s.memory_reserve is not None:
+                options["memory_reserve"] = s.memory_reserve
             engine = Engine.from_pretrained(
                 s.model,
                 device=s.device,

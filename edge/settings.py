@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from edge.budget import parse_bytes, parse_reserve
+
 log = logging.getLogger(__name__)
 
 
@@ -68,7 +70,9 @@ class Settings:
     dtype: str | None = None
     page_size: int = 16
     max_seq_len: int | None = None
-    kv_blocks: int | None = None  # KV block pool size (default: two full contexts)
+    kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
+    kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
+    memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.budget.DEFAULT_RESERVE)
     prefill_chunk: int | None = None
     prefix_cache: bool = True
     cuda_graph: bool | None = None  # None: on a GPU
@@ -92,6 +96,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_PAGE_SIZE": ("page_size", _positive_int),
     "EDGE_MAX_SEQ_LEN": ("max_seq_len", _positive_int),
     "EDGE_KV_BLOCKS": ("kv_blocks", _positive_int),
+    "EDGE_KV_MEMORY": ("kv_memory", parse_bytes),
+    "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", _positive_int),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),

@@ -9,10 +9,14 @@ import pytest
 import torch
 
 from edge.budget import (
-    CPU_DEFAULT_SEQUENCES,
+    DEFAULT_RESERVE,
+    SHARED_MEMORY_SEQUENCES,
     BudgetError,
+    CgroupMemory,
     MemoryInfo,
+    cgroup_headroom,
     compute_budget,
+    default_budget,
     estimate_activation_bytes,
     kv_block_bytes,
     parse_bytes,
@@ -95,23 +99,65 @@ def test_probe_discrete_uses_mem_get_info(tmp_path: Path) -> None:
     assert m == MemoryInfo("discrete", 80 * GiB, 30 * GiB, "torch.cuda.mem_get_info")
 
 
+V2_ROOT = "0::/\n"
+V1_ROOT = "9:name=systemd:/\n4:memory:/\n2:cpu,cpuacct:/\n0::/\n"
+
+
+def proc_cgroup(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "proc-self-cgroup"
+    p.write_text(text)
+    return p
+
+
+def cgroup_dir(root: Path, rel: str, **files: int | str) -> Path:
+    d = root / rel.strip("/") if rel.strip("/") else root
+    d.mkdir(parents=True, exist_ok=True)
+    for name, value in files.items():
+        (d / name.replace("_", ".", 1)).write_text(f"{value}\n")
+    return d
+
+
 def test_probe_cpu_takes_the_lower_cgroup_headroom(tmp_path: Path) -> None:
     meminfo = write_meminfo(tmp_path / "meminfo", 32 * 1024 * 1024, 20 * 1024 * 1024)
     cg = tmp_path / "cg"
-    cg.mkdir()
-    (cg / "memory.max").write_text(f"{8 * GiB}\n")
-    (cg / "memory.current").write_text(f"{3 * GiB}\n")
-    m = probe_memory("cpu", meminfo=meminfo, cgroup_root=cg)
-    assert (m.kind, m.total, m.available) == ("cpu", 8 * GiB, 5 * GiB) and "cgroup" in m.source
+    cgroup_dir(cg, "/", memory_max=8 * GiB, memory_current=3 * GiB)
+    v2 = proc_cgroup(tmp_path, V2_ROOT)
+    m = probe_memory("cpu", meminfo=meminfo, cgroup_root=cg, proc_cgroup=v2)
+    assert (m.kind, m.total, m.available) == ("cpu", 8 * GiB, 5 * GiB) and "cgroup v2 /" in m.source
     (cg / "memory.max").write_text("max\n")  # unlimited: MemAvailable
-    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=cg).available == 20 * GiB
+    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=cg, proc_cgroup=v2).available == 20 * GiB
     v1 = tmp_path / "v1"
-    (v1 / "memory").mkdir(parents=True)
-    (v1 / "memory" / "memory.limit_in_bytes").write_text(f"{4 * GiB}\n")
-    (v1 / "memory" / "memory.usage_in_bytes").write_text(f"{1 * GiB}\n")
-    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=v1).available == 3 * GiB
+    cgroup_dir(v1, "memory", memory_limit_in_bytes=4 * GiB, memory_usage_in_bytes=1 * GiB)
+    v1_proc = proc_cgroup(tmp_path, V1_ROOT)
+    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=v1, proc_cgroup=v1_proc).available == 3 * GiB
     (v1 / "memory" / "memory.limit_in_bytes").write_text("9223372036854771712\n")  # v1 "no limit"
-    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=v1).available == 20 * GiB
+    assert probe_memory("cpu", meminfo=meminfo, cgroup_root=v1, proc_cgroup=v1_proc).available == 20 * GiB
+
+
+def test_cgroup_is_the_process_own_not_the_root(tmp_path: Path) -> None:
+    """A systemd service on the host: /proc/self/cgroup names its cgroup; the root cgroup has no
+    limit (or a larger one); the slice above the service may bind too."""
+    cg = tmp_path / "cg"
+    cgroup_dir(cg, "/", memory_max=100 * GiB, memory_current=10 * GiB)
+    svc = cgroup_dir(cg, "system.slice/edge.service", memory_max=6 * GiB, memory_current=4 * GiB)
+    (svc / "memory.stat").write_text(f"anon {3 * GiB}\nfile {GiB}\ninactive_file {GiB}\nactive_file 0\n")
+    own = proc_cgroup(tmp_path, "0::/system.slice/edge.service\n")
+    c = cgroup_headroom(cg, own)
+    # The page cache the kernel reclaims first is not counted as used.
+    assert c == CgroupMemory(limit=6 * GiB, headroom=3 * GiB, path="/system.slice/edge.service", version=2)
+    cgroup_dir(cg, "system.slice", memory_max=5 * GiB, memory_current=int(4.5 * GiB))  # the slice binds harder
+    assert cgroup_headroom(cg, own) == CgroupMemory(5 * GiB, GiB // 2, "/system.slice/edge.service", 2)
+    # v1: the memory hierarchy's own line, not the others; hierarchical inactive file pages.
+    v1 = tmp_path / "v1"
+    cgroup_dir(v1, "memory")
+    d = cgroup_dir(v1, "memory/system.slice/edge.service", memory_limit_in_bytes=2 * GiB,
+                   memory_usage_in_bytes=GiB)
+    (d / "memory.stat").write_text(f"inactive_file 1\ntotal_inactive_file {GiB // 4}\n")
+    own_v1 = proc_cgroup(tmp_path, "5:cpu,cpuacct:/other\n4:memory:/system.slice/edge.service\n0::/\n")
+    assert cgroup_headroom(v1, own_v1) == CgroupMemory(2 * GiB, 2 * GiB - 3 * GiB // 4, "/system.slice/edge.service", 1)
+    # In a container the own path may be absent from the mount: its root is the container's cgroup.
+    assert cgroup_headroom(cg, proc_cgroup(tmp_path, "0::/docker/abc\n")).limit == 100 * GiB
+    assert cgroup_headroom(cg, tmp_path / "no-proc-file").limit == 100 * GiB
 
 
 def test_probe_without_meminfo_is_a_clear_error(tmp_path: Path) -> None:
@@ -152,7 +198,7 @@ def test_discrete_budget_and_utilization() -> None:
 def test_cap_only_when_asked() -> None:
     mem = MemoryInfo("cpu", 64 * GiB, 40 * GiB)
     b = compute_budget(block_bytes=BLOCK, page_size=16, max_seq_len=256, memory=mem, max_blocks=4 * 16)
-    assert b.num_blocks == 64 and b.capped and "(capped)" in b.describe()
+    assert b.num_blocks == 64 and b.capped and "(capped at 4 sequences)" in b.describe()
 
 
 def test_explicit_sizes() -> None:
@@ -237,7 +283,7 @@ def test_engine_sizes_the_pool_from_faked_memory(model: Model, caplog: pytest.Lo
 
 def test_engine_cpu_default_is_capped(model: Model) -> None:
     e = engine(model, memory_info=MemoryInfo("cpu", 64 * GiB, 40 * GiB))
-    assert e.kv.pool.num_blocks == CPU_DEFAULT_SEQUENCES * 512 // 16 and e.budget.capped
+    assert e.kv.pool.num_blocks == SHARED_MEMORY_SEQUENCES * 512 // 16 and e.budget.capped
     e = engine(model)  # the real probe of this machine
     assert e.budget.kind == "cpu" and e.kv.pool.num_blocks >= 512 // 16
 
@@ -254,3 +300,100 @@ def test_engine_explicit_and_errors(model: Model) -> None:
     with pytest.raises(ValueError, match="not both"):
         engine(model, num_blocks=40, kv_blocks=40)
     assert engine(model, kv_cache="contiguous").budget is None
+
+
+# -- boards: unified memory with a cap and a reserve --------------------------------------
+
+
+def preset_cfg(preset: str) -> ModelConfig:
+    from edge.random_model import model_config
+
+    return ModelConfig.from_dict(model_config(preset=preset))
+
+
+def board_budget(preset: str, total: float, available: float, activations: float, graphs: float,
+                 reserve: int | str | None = None, max_seq_len: int = 4096):  # noqa: ANN201
+    block = kv_block_bytes(preset_cfg(preset), 16, torch.bfloat16)
+    mem = MemoryInfo("integrated", int(total * GiB), int(available * GiB), "fake meminfo")
+    b = default_budget(mem, block_bytes=block, page_size=16, max_seq_len=max_seq_len, reserve=reserve,
+                       activations=int(activations * GiB), graphs=int(graphs * GiB))
+    return b, block
+
+
+def test_agx_orin_64gb_is_capped_at_four_contexts() -> None:
+    # qwen3-8b bf16 loaded (16.4 GB): 42 GiB still available of the 61.4 GiB L4T reports.
+    b, block = board_budget("qwen3-8b", 61.4, 42, activations=0.9, graphs=0.1)
+    assert block == 36 * 16 * 8 * 128 * 2 * 2  # 2.25 MiB
+    assert b.capped and b.num_blocks == SHARED_MEMORY_SEQUENCES * 4096 // 16 and b.full_sequences == 4
+    assert b.kv_bytes == 1024 * block == int(2.25 * GiB)  # not the ~37 GiB the headroom allows
+    assert b.headroom == int(42 * GiB * 0.9) - int(0.9 * GiB) - int(0.1 * GiB) and b.reserve == DEFAULT_RESERVE
+    long, _ = board_budget("qwen3-8b", 61.4, 42, activations=0.9, graphs=0.1, max_seq_len=32768)
+    assert long.capped and long.full_sequences == 4 and long.kv_bytes == 18 * GiB
+    text = b.describe()
+    for piece in ("integrated", "reserve 1.5 GiB", "headroom 36.8 GiB", "KV 2.2 GiB (capped at 4 sequences)"):
+        assert piece in text, (piece, text)
+
+
+def test_orin_nx_16gb_keeps_the_reserve_free() -> None:
+    # qwen3-8b int8 (8.8 GiB) on the 15.3 GiB board: 4 GiB left.
+    b, block = board_budget("qwen3-8b", 15.3, 4.0, activations=0.6, graphs=0.1)
+    assert not b.capped
+    assert b.num_blocks == (int(4.0 * GiB) - DEFAULT_RESERVE - int(0.6 * GiB) - int(0.1 * GiB)) // block
+    left = int(4.0 * GiB) - b.kv_bytes - int(0.6 * GiB) - int(0.1 * GiB)
+    assert DEFAULT_RESERVE <= left < DEFAULT_RESERVE + block
+    # With no reserve, utilization bounds the headroom instead, and the cap the pool.
+    none, _ = board_budget("qwen3-8b", 15.3, 4.0, activations=0.6, graphs=0.1, reserve="0")
+    assert none.headroom == int(4.0 * GiB * 0.9) - int(0.6 * GiB) - int(0.1 * GiB) and none.capped
+
+
+def test_orin_nano_8gb_reserve_and_its_error() -> None:
+    # qwen3-1.7b bf16 (3.8 GiB with its embedding) on the 7.3 GiB board: 2.5 GiB left.
+    b, block = board_budget("qwen3-1.7b", 7.3, 2.5, activations=0.4, graphs=0.05)
+    assert block == 28 * 16 * 8 * 128 * 2 * 2  # 1.75 MiB: 448 MiB per 4096-token context
+    assert b.num_blocks == (int(2.5 * GiB) - DEFAULT_RESERVE - int(0.4 * GiB) - int(0.05 * GiB)) // block
+    assert 1 < b.full_sequences < 2
+    with pytest.raises(BudgetError) as exc:
+        board_budget("qwen3-1.7b", 7.3, 2.5, activations=0.4, graphs=0.05, reserve="2GiB")
+    for piece in ("less the reserve 2.0 GiB", "lower --memory-reserve", "needs 256 blocks"):
+        assert piece in str(exc.value), piece
+
+
+def test_discrete_gpu_has_no_cap_and_no_reserve() -> None:
+    mem = MemoryInfo("discrete", 80 * GiB, 60 * GiB)
+    b = default_budget(mem, block_bytes=BLOCK, page_size=16, max_seq_len=4096, reserve="8GiB")
+    assert not b.capped and b.reserve == 0 and b.num_blocks == int(60 * GiB * 0.9) // BLOCK
+
+
+def test_board_service_under_memory_max(tmp_path: Path) -> None:
+    """The 16 GB board with the unit's MemoryMax=8G: the service's own cgroup bounds the pool."""
+    meminfo = write_meminfo(tmp_path / "meminfo", int(15.3 * 1024 * 1024), 12 * 1024 * 1024)
+    cg = tmp_path / "cg"
+    cgroup_dir(cg, "system.slice/edge.service", memory_max=8 * GiB, memory_current=5 * GiB)
+    own = proc_cgroup(tmp_path, "0::/system.slice/edge.service\n")
+    mem = probe_memory("cuda", meminfo=meminfo, cgroup_root=cg, proc_cgroup=own, integrated=True)
+    assert (mem.kind, mem.total, mem.available) == ("integrated", 8 * GiB, 3 * GiB)
+    assert "cgroup v2 /system.slice/edge.service limit 8.0 GiB" in mem.source
+    b = default_budget(mem, block_bytes=BLOCK, page_size=16, max_seq_len=4096, activations=256 * MiB)
+    assert b.num_blocks == (3 * GiB - DEFAULT_RESERVE - 256 * MiB) // BLOCK and not b.capped
+
+
+def test_engine_on_integrated_memory_logs_the_whole_budget(model: Model, caplog: pytest.LogCaptureFixture) -> None:
+    block = kv_block_bytes(model.cfg, 16, torch.float32)
+    act = estimate_activation_bytes(model.cfg, 64, 512, torch.float32)
+    avail = GiB + act + 40 * block  # after a 1 GiB reserve: room for 40 blocks
+    with caplog.at_level(logging.INFO, logger="edge.engine"):
+        e = engine(model, memory_info=MemoryInfo("integrated", 8 * GiB, avail, "fake"), memory_reserve="1GiB")
+    assert e.budget.num_blocks == 40 and e.budget.reserve == GiB and not e.budget.capped
+    assert "reserve 1.0 GiB" in caplog.text and "40 blocks" in caplog.text
+    big = engine(model, memory_info=MemoryInfo("integrated", 64 * GiB, 40 * GiB, "fake"))
+    assert big.budget.capped and big.kv.pool.num_blocks == SHARED_MEMORY_SEQUENCES * 512 // 16
+
+
+def test_cli_reserve_flag(capsys: pytest.CaptureFixture) -> None:
+    from edge.cli import build_parser, main
+
+    assert build_parser().parse_args(["generate", "--memory-reserve", "0"]).memory_reserve == 0
+    assert build_parser().parse_args(["serve", "--memory-reserve", "2GiB"]).memory_reserve == 2 * GiB
+    with pytest.raises(SystemExit):
+        main(["generate", "--memory-reserve", "-1GiB"])
+    assert "--memory-reserve" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from edge.config import ConfigError, ModelConfig
 from edge.engine import Engine
-from edge.loader import CheckpointError, load_weights
+from edge.loader import CheckpointError, fuse_weights, iter_tensor_rows, load_weights
 from edge.random_model import make_model
 
 
@@ -103,3 +103,19 @@ def test_missing_required_field(model_dir: Path) -> None:
     del raw["hidden_size"]
     with pytest.raises(ConfigError, match="hidden_size"):
         ModelConfig.from_dict(raw)
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 3000, 70_000])
+def test_row_chunks_load_the_same_weights(model_dir: Path, chunk_bytes: int) -> None:
+    """Reading in row chunks (one row, a few rows, several tensors' worth) gives what
+    safetensors' own whole-file load gives."""
+    cfg = ModelConfig.from_pretrained(model_dir)
+    whole = fuse_weights(load_file(model_dir / "model.safetensors").items(), cfg, torch.device("cpu"), torch.float32)
+    chunked = load_weights(model_dir, cfg, torch.device("cpu"), torch.float32, chunk_bytes=chunk_bytes)
+    assert whole.keys() == chunked.keys()
+    assert all(torch.equal(whole[k], chunked[k]) for k in whole)
+    pieces = list(iter_tensor_rows(model_dir, ["model.embed_tokens.weight"], chunk_bytes))
+    vocab, hidden = pieces[0].shape
+    per = max(1, chunk_bytes // (hidden * 4))
+    assert [p.row for p in pieces] == list(range(0, vocab, per))
+    assert all(p.data.shape[0] <= per for p in pieces)

@@ -310,12 +310,29 @@ def test_jtop_source_reads_stats():
     assert src._jtop.closed
 
 
-def test_jtop_connection_error_logged_once(caplog):
-    caplog.set_level(logging.INFO, logger="edge.monitor")
+class JtopException(Exception):
+    """Stands for jtop.core.exceptions.JtopException."""
+
+
+@pytest.mark.parametrize("preferred", [None, "jtop"])
+def test_unreachable_jtop_falls_back_to_sysfs_in_one_line(tmp_path, monkeypatch, caplog, preferred):
+    # jetson-stats installed, but the socket refuses this user (not in group jtop).
+    fail = JtopException("I can't access jtop.service.\nPlease logout or reboot this board.")
+    monkeypatch.setitem(sys.modules, "jtop", types.SimpleNamespace(jtop=lambda **kw: FakeJtop(fail=fail)))
+    root = str(write_fake_sysfs(tmp_path))
+    caplog.set_level(logging.DEBUG, logger="edge.monitor")
     for _ in range(3):
-        with pytest.raises(SourceUnavailable):
-            JtopSource(factory=lambda: FakeJtop(fail=PermissionError("jtop.sock: denied")))
-    assert sum("jtop.service" in r.getMessage() for r in caplog.records) == 1
+        assert open_source(preferred, root).name == "sysfs"
+    lines = [r for r in caplog.records if r.levelno >= logging.INFO]
+    assert len(lines) == 1 and lines[0].levelno == logging.WARNING, [r.getMessage() for r in lines]
+    msg = lines[0].getMessage()
+    assert "\n" not in msg and msg.endswith("using sysfs")
+    for piece in ("jtop.service unreachable", "JtopException: I can't access jtop.service. Please logout",
+                  "group jtop"):
+        assert piece in msg, piece
+    with pytest.raises(SourceUnavailable) as exc:
+        JtopSource(factory=lambda: FakeJtop(fail=PermissionError("jtop.sock: denied")))
+    assert exc.value.broken and "PermissionError: jtop.sock: denied" in str(exc.value)
 
 
 def test_nvml_source_with_fake_module():

@@ -22,6 +22,7 @@ from edge.quant import (
     QuantError,
     dequantize,
     int8_linear_reference,
+    load_quantized_weights,
     quantize_checkpoint,
     quantize_tensor,
 )
@@ -469,6 +470,29 @@ def test_bad_quantized_checkpoints(tiny_src: Path, tmp_path: Path) -> None:
         Engine.from_pretrained(dst, device="cpu", max_seq_len=64, quantize="int8", quant_group_size=64)
     with pytest.raises(QuantError, match="unsupported quantization 'int4'"):
         Engine.from_pretrained(tiny_src, device="cpu", max_seq_len=64, quantize="int4")
+
+
+def test_row_chunked_loading_is_the_same(tiny_src: Path, tmp_path: Path) -> None:
+    """Routes A (with standard and flat scales) and B read in small row chunks load what
+    whole-tensor reads load."""
+    from edge.config import ModelConfig
+
+    dst = Path(quantize_checkpoint(tiny_src, tmp_path / "q8")["dst"])
+    flat = Path(quantize_checkpoint(tiny_src, tmp_path / "flat")["dst"])
+    tensors = load_file(str(flat / "model.safetensors"))
+    with safe_open(str(flat / "model.safetensors"), "pt") as f:
+        meta = f.metadata()
+    save_file({k: (v.reshape(-1) if k.endswith("_scale") else v) for k, v in tensors.items()},
+              str(flat / "model.safetensors"), metadata=meta)
+    cfg = ModelConfig.from_pretrained(tiny_src)
+    cpu = torch.device("cpu")
+    for src, how in ((dst, None), (flat, None), (tiny_src, "int8")):
+        whole = load_quantized_weights(src, cfg, cpu, torch.float32, how, chunk_bytes=1 << 30)
+        for chunk in (1, 700):
+            parts = load_quantized_weights(src, cfg, cpu, torch.float32, how, chunk_bytes=chunk)
+            assert whole.keys() == parts.keys()
+            for k, w in whole.items():
+                assert all(torch.equal(a, b) for a, b in zip(quant.weight_tensors(w), quant.weight_tensors(parts[k]))), k
 
 
 # -- accuracy against the float parent, and route A == route B -----------------------

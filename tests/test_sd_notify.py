@@ -165,7 +165,7 @@ def test_service_under_a_fake_notify_socket(tmp_path: Path) -> None:
 def test_unit_file_verifies(tmp_path: Path) -> None:
     unit = (ROOT / "systemd" / "edge.service").read_text()
     for needle in ("Type=notify", "WatchdogSec=30", "Restart=on-failure", "EnvironmentFile=/etc/edge/edge.env",
-                   "User=edge", "SupplementaryGroups=video render", "NoNewPrivileges=yes", "ProtectSystem=strict",
+                   "User=edge", "SupplementaryGroups=video render jtop", "NoNewPrivileges=yes", "ProtectSystem=strict",
                    "StandardOutput=journal"):
         assert needle in unit, needle
     directives = [line.strip() for line in unit.splitlines() if line.strip() and not line.startswith("#")]

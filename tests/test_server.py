@@ -35,7 +35,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 
 @pytest.fixture(scope="module")
 def uds_server(tmp_path_factory: pytest.TempPathFactory):
-    srv = ServerProc(tmp_path_factory.mktemp("uds"), uds=True, api_key="s3cret-key")
+    # The KV pool size from the command line, the reserve from the environment (parsed; CPU: unused).
+    srv = ServerProc(tmp_path_factory.mktemp("uds"), "--kv-memory", "48MiB", uds=True, api_key="s3cret-key",
+                     env=server_env(EDGE_MEMORY_RESERVE="1GiB"))
     try:
         yield srv.wait_ready()
     finally:
@@ -346,7 +348,10 @@ def test_16_concurrent_clients_all_answered(server: ServerProc) -> None:
 
 def test_unix_socket_with_api_key(uds_server: ServerProc) -> None:
     with uds_server.client(auth=False) as c:
-        assert c.get("/health").status_code == 200  # probes stay open
+        health = c.get("/health")
+        assert health.status_code == 200  # probes stay open
+        budget = health.json()["engine"]["kv_budget"]
+        assert budget["source"] == "kv_memory=48.0 MiB" and budget["num_blocks"] == (48 << 20) // budget["block_bytes"]
         for method, path, body in (("POST", CHAT, chat_body()), ("GET", "/v1/models", None),
                                    ("POST", "/v1/cancel/x", None)):
             r = c.request(method, path, json=body)

@@ -66,10 +66,19 @@ EMPTY=
 
 
 @pytest.mark.parametrize("var,value", [("EDGE_PORT", "eighty"), ("EDGE_PORT", "70000"), ("EDGE_QUEUE_SIZE", "0"),
-                                       ("EDGE_PREFIX_CACHE", "maybe"), ("EDGE_SHUTDOWN_GRACE_S", "-1")])
+                                       ("EDGE_PREFIX_CACHE", "maybe"), ("EDGE_SHUTDOWN_GRACE_S", "-1"),
+                                       ("EDGE_KV_MEMORY", "2 gigs"), ("EDGE_KV_MEMORY", "0"),
+                                       ("EDGE_MEMORY_RESERVE", "-1GiB")])
 def test_bad_values_name_the_variable(var: str, value: str) -> None:
     with pytest.raises(ValueError, match=var):
         resolve({}, {var: value})
+
+
+def test_memory_settings() -> None:
+    s, _ = resolve({}, {"EDGE_KV_MEMORY": "2GiB", "EDGE_MEMORY_RESERVE": "0"})
+    assert (s.kv_memory, s.memory_reserve) == (2 << 30, 0)
+    s, _ = resolve({"memory_reserve": 3 << 29}, {"EDGE_MEMORY_RESERVE": "4GiB"})
+    assert s.memory_reserve == 3 << 29 and s.kv_memory is None
 
 
 def test_booleans_and_empty_values() -> None:

@@ -42,8 +42,9 @@ _CACHE_FORMAT = "edge-nvrtc-1"
 # Headers whose contents go into the cache key (besides the local includes).
 _SYSTEM_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp")
 _INSTALL_HINT = (
-    "install the CUDA run-time compiler extras: pip install 'edge-llm[nvrtc]' "
-    "(cuda-python, nvidia-cuda-nvrtc, nvidia-cuda-runtime matching your CUDA major version)"
+    "install the CUDA Python stack of your driver's CUDA major version: pip install 'edge-llm[cuda]' "
+    "(CUDA 13) or 'edge-llm[cuda12]' (CUDA 12); on a Jetson 'edge-llm[jetson]' with "
+    "constraints-jetpack6.txt and JetPack's CUDA toolkit (README, Installing on a Jetson)"
 )
 
 

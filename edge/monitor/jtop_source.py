@@ -1,9 +1,11 @@
 """jetson-stats (``jtop``) source.
 
 Needs the ``jetson-stats`` package (optional extra ``edge-llm[jetson]``) and a
-running ``jtop.service`` the process may connect to. ``jtop`` is imported
-lazily; a missing package or a refused connection is logged once per process
-and the source reports itself unavailable so :func:`open_source` moves on.
+running ``jtop.service`` whose socket (``/run/jtop.sock``, group ``jtop``) the
+process may connect to, with a client of the service's major.minor version.
+``jtop`` is imported lazily; a missing package is logged once per process, and
+an unreachable service makes the source unavailable as *broken*, so
+:func:`open_source` falls back (to sysfs on a Jetson) with one warning line.
 
 jtop units: temperatures in °C, power in mW, GPU load in percent, GPU
 frequency in kHz.
@@ -51,10 +53,10 @@ class JtopSource(Source):
             self._jtop = factory(interval=interval_s) if interval_s else factory()
             self._jtop.start()
         except Exception as e:  # JtopException, PermissionError, ConnectionRefusedError
-            log_once(log, ("jtop-start", type(e).__name__), logging.WARNING,
-                     "jtop source unavailable (is jtop.service running and may this user "
-                     "connect to it?): %s: %s", type(e).__name__, e)
-            raise SourceUnavailable(f"jtop start failed: {e}") from e
+            reason = " ".join(str(e).split()) or type(e).__name__
+            raise SourceUnavailable(
+                f"jtop.service unreachable ({type(e).__name__}: {reason}); it must run and this user "
+                "must be in group jtop (the unit's SupplementaryGroups=)", broken=True) from e
         self._open = True
 
     def _get(self, attr: str) -> Any:

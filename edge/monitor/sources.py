@@ -17,6 +17,7 @@ import time
 from abc import ABC, abstractmethod
 from typing import Any, Callable
 
+from .log_once import log_once
 from .sample import Sample
 
 log = logging.getLogger(__name__)
@@ -25,7 +26,16 @@ SOURCE_ORDER: tuple[str, ...] = ("jtop", "sysfs", "nvml", "none")
 
 
 class SourceUnavailable(RuntimeError):
-    """Raised by a source's constructor when it cannot work on this machine."""
+    """Raised by a source's constructor when it cannot work on this machine.
+
+    ``broken``: the source is installed but cannot be reached (e.g. jtop.service refuses
+    the connection), which :func:`open_source` reports as a warning when it falls back,
+    rather than an absent package or device, which is normal on other machines.
+    """
+
+    def __init__(self, message: str, *, broken: bool = False) -> None:
+        super().__init__(message)
+        self.broken = broken
 
 
 class Source(ABC):
@@ -108,7 +118,9 @@ def open_source(preferred: str | None = None, sysfs_root: str | None = None, *,
     ``preferred`` (one of :data:`SOURCE_ORDER`, or ``"auto"``/None) is tried
     first, then the rest in the default order; ``none`` always works, so this
     never fails. ``sysfs_root`` overrides ``$EDGE_SYSFS_ROOT`` (default
-    ``/sys``). Each unavailable source is logged once per process and reason.
+    ``/sys``). Falling back past a broken source (installed but unreachable, such as
+    jtop without access to its socket) is one warning line per process and reason,
+    naming the source used instead.
     """
     if preferred is not None:
         preferred = preferred.strip().lower()
@@ -121,14 +133,20 @@ def open_source(preferred: str | None = None, sysfs_root: str | None = None, *,
     if preferred is not None:
         order.remove(preferred)
         order.insert(0, preferred)
+    broken: list[tuple[str, SourceUnavailable]] = []
     for name in order:
         try:
             src = OPENERS[name](sysfs_root, period_s)
         except SourceUnavailable as e:
-            # The source logged its own reason (once); this is the trail.
             log.debug("monitor source %s unavailable: %s", name, e)
+            if e.broken:
+                broken.append((name, e))
             continue
-        if preferred is not None and name != preferred:
+        if broken:
+            what = "; ".join(f"{n}: {e}" for n, e in broken)
+            log_once(log, ("fallback", name, what), logging.WARNING,
+                     "monitor source %s unavailable (%s); using %s", broken[0][0], what, name)
+        elif preferred is not None and name != preferred:
             log.warning("monitor source %r unavailable; using %r", preferred, name)
         elif name == "none":
             log.warning("no thermal/power source found; monitoring without readings "

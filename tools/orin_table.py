@@ -1,0 +1,187 @@
+"""The tables of docs/orin.md: which presets fit each Orin board in which format, with the
+engine's default KV budget (edge/budget.py), and the decode roofline at the board's bandwidth.
+
+    python tools/orin_table.py [--max-seq-len 4096] [--fraction 'AGX Orin 64 GB=0.8' ...]
+
+Nothing is measured here: a board's memory after loading is MemTotal less what the OS and
+the engine's CUDA context take (the assumptions below); the activations are the engine's
+shape estimate for one prefill chunk attending to itself (the CUDA attention kernels
+stream the context's K/V instead of materializing scores over it; on a GPU the engine
+measures them); a projected tok/s needs the fraction of the roofline measured at the
+board's SM count (``--fraction``), else the column says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edge.budget import (  # noqa: E402
+    GRAPH_OVERHEAD,
+    GRAPH_SLOTS,
+    BudgetError,
+    MemoryBudget,
+    MemoryInfo,
+    default_budget,
+    estimate_activation_bytes,
+    kv_block_bytes,
+)
+from edge.config import ModelConfig  # noqa: E402
+from edge.loader import expected_shapes  # noqa: E402
+from edge.quant import DEFAULT_GROUP_SIZE, quantized_names  # noqa: E402
+from edge.random_model import model_config  # noqa: E402
+
+GiB = 1 << 30
+PAGE_SIZE = 16
+PREFILL_CHUNK = 512
+FORMATS = ("bf16", "int8")
+# The presets with the shapes of published checkpoints (edge/random_model.py).
+MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b")
+
+
+@dataclass(frozen=True)
+class Board:
+    name: str
+    mem_total: int  # MemTotal as L4T r36 reports it (the carve-outs are not in it), approximate
+    sms: int
+    bandwidth: float  # bytes/s, NVIDIA's figure for the module
+
+
+# OS (headless L4T, jtop.service) and the engine process's torch + CUDA context before the
+# weights: assumptions until measured on a board.
+OS_USED = GiB
+CUDA_CONTEXT = int(0.8 * GiB)
+
+BOARDS = (
+    Board("AGX Orin 64 GB", int(61.4 * GiB), 16, 204.8e9),
+    Board("Orin NX 16 GB", int(15.3 * GiB), 8, 102.4e9),
+    Board("Orin Nano 8 GB", int(7.4 * GiB), 8, 68e9),
+)
+
+
+def preset_config(preset: str) -> ModelConfig:
+    return ModelConfig.from_dict(model_config(preset=preset))
+
+
+def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """What the loaded model holds (``Model.weight_bytes``): bf16 tensors, and for int8 the
+    projections (and an untied lm_head) as int8 with one float32 scale per group."""
+    shapes = expected_shapes(cfg)
+    int8 = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt == "int8" else set()
+    total = 0
+    for name, shape in shapes.items():
+        n = 1
+        for d in shape:
+            n *= d
+        total += n + 4 * (n // group_size) if name in int8 else 2 * n
+    return total
+
+
+def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int) -> int:
+    """Bytes one decode step reads (as tools/bench_decode.py counts them): every weight but
+    the embedding table, of which one row (a tied table is read whole as lm_head), and the
+    K/V of ``context`` tokens."""
+    total = weight_bytes(cfg, fmt)
+    if not cfg.tie_word_embeddings:
+        total -= 2 * (cfg.vocab_size - 1) * cfg.hidden_size
+    return total + 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+def activations_and_graphs(cfg: ModelConfig) -> tuple[int, int]:
+    """Estimated (activations, graph buffers) on the GPU: one chunk, one decode step."""
+    activations = estimate_activation_bytes(cfg, PREFILL_CHUNK, PREFILL_CHUNK, torch.bfloat16)
+    return activations, GRAPH_SLOTS * estimate_activation_bytes(cfg, 1, 1, torch.bfloat16) + GRAPH_OVERHEAD
+
+
+def board_budget(board: Board, cfg: ModelConfig, fmt: str, max_seq_len: int) -> tuple[int, MemoryBudget | str]:
+    """(available after loading, the default budget or why none fits)."""
+    weights = weight_bytes(cfg, fmt)
+    available = board.mem_total - OS_USED - CUDA_CONTEXT - weights
+    if available <= 0:
+        return available, "weights do not fit"
+    activations, graphs = activations_and_graphs(cfg)
+    memory = MemoryInfo("integrated", board.mem_total, available, "projected")
+    try:
+        return available, default_budget(
+            memory, block_bytes=kv_block_bytes(cfg, PAGE_SIZE, torch.bfloat16), page_size=PAGE_SIZE,
+            max_seq_len=max_seq_len, weights=weights, activations=activations, graphs=graphs)
+    except BudgetError:
+        return available, "no room for one context"
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:.1f}"
+
+
+def budget_table(max_seq_len: int) -> str:
+    rows = [
+        f"| board | preset | format | weights GiB | available after loading GiB | activations + graphs GiB "
+        f"| default KV GiB | contexts of {max_seq_len} | bound by |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for board in BOARDS:
+        for preset in MODELS:
+            cfg = preset_config(preset)
+            for fmt in FORMATS:
+                available, b = board_budget(board, cfg, fmt, max_seq_len)
+                head = f"| {board.name} | {preset} | {fmt} | {gib(weight_bytes(cfg, fmt))} | "
+                if isinstance(b, str):
+                    rows.append(head + f"{gib(max(available, 0))} | — | — | 0 | {b} |")
+                    continue
+                # Which limit sized the pool: the cap, the reserve, or the utilization.
+                by = ("cap (4 contexts)" if b.capped else
+                      "reserve" if b.available - b.reserve < b.available * b.utilization else "utilization")
+                rows.append(head + f"{gib(b.available)} | {gib(b.activations + b.graphs)} | {gib(b.kv_bytes)} "
+                            f"| {b.full_sequences:.1f} | {by} |")
+            rows.append(f"| {board.name} | {preset} | int4 | pending #24 | | | | | |")
+    return "\n".join(rows)
+
+
+def projection_table(context: int, fractions: dict[str, float]) -> str:
+    rows = [
+        f"| board | SMs | GB/s | preset | format | MB read per token at context {context} | roofline tok/s "
+        "| roofline fraction at the board's SMs | projected tok/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for board in BOARDS:
+        for preset in MODELS:
+            cfg = preset_config(preset)
+            for fmt in FORMATS:
+                if isinstance(board_budget(board, cfg, fmt, context)[1], str):
+                    continue
+                per_token = decode_bytes_per_token(cfg, fmt, context)
+                roof = board.bandwidth / per_token
+                f = fractions.get(board.name)
+                proj = f"{f * roof:.0f}" if f is not None else "pending GPU run"
+                frac = f"{f:.2f}" if f is not None else f"pending ({board.sms} SMs)"
+                rows.append(f"| {board.name} | {board.sms} | {board.bandwidth / 1e9:g} | {preset} | {fmt} | "
+                            f"{per_token / 1e6:.0f} | {roof:.1f} | {frac} | {proj} |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--max-seq-len", type=int, default=4096)
+    p.add_argument("--fraction", action="append", default=[], metavar="BOARD=F",
+                   help="measured roofline fraction at the board's SM count, e.g. 'AGX Orin 64 GB=0.8'")
+    args = p.parse_args(argv)
+    fractions = {}
+    for item in args.fraction:
+        name, _, value = item.rpartition("=")
+        if name not in {b.name for b in BOARDS}:
+            p.error(f"--fraction: unknown board {name!r}; boards: {', '.join(b.name for b in BOARDS)}")
+        fractions[name] = float(value)
+    print(budget_table(args.max_seq_len))
+    print()
+    print(projection_table(args.max_seq_len, fractions))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
