@@ -153,6 +153,9 @@ def cmd_info(args: argparse.Namespace) -> int:
             "integrated": bool(getattr(props, "is_integrated", False)),
             "bf16": torch.cuda.is_bf16_supported(),
         }
+    from edge.platform_info import probe_platform
+
+    info["platform"] = probe_platform().as_dict()
     info["model"] = load_engine(args).info()
     try:
         from edge.monitor import Monitor
