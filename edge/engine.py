@@ -21,6 +21,7 @@ import torch
 from edge.backend import Backend, select_backend
 from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
 from edge.config import ModelConfig, parse_dtype
+from edge.errors import PromptTooLong
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder
 from edge.kernels.int8_cuda import Int8Tuning
@@ -36,10 +37,6 @@ log = logging.getLogger(__name__)
 
 KV_KINDS = ("paged", "contiguous")
 DEFAULT_MAX_SEQ_LEN = 4096
-
-
-class PromptTooLong(ValueError):
-    """The prompt does not fit the context with room for one generated token."""
 
 
 def default_device() -> torch.device:

@@ -16,6 +16,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from edge.budget import parse_bytes
+
 log = logging.getLogger(__name__)
 
 
@@ -74,6 +76,7 @@ class Settings:
     cuda_graph: bool | None = None  # None: on a GPU
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
+    max_body: int = 8 << 20  # bytes of a request body; larger ones get 413 unread
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 
@@ -97,6 +100,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
     "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", _positive_int),
     "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", _non_negative_float),
+    "EDGE_MAX_BODY": ("max_body", parse_bytes),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}

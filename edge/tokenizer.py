@@ -16,13 +16,11 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from edge.errors import ChatTemplateError
+
 Message = Mapping[str, Any]
 
 REPLACEMENT_CHAR = "\ufffd"
-
-
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or the template rejected the conversation."""
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -1,0 +1,199 @@
+"""Attacks on a live ``edge serve`` and the figures they produce (used by test_hostile.py).
+
+Run directly to print the figures docs/reliability.md quotes, as JSON:
+
+    EDGE_CACHE_DIR=/tmp/edge-cache python tests/hostile_support.py [--senders 2] [--mb 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_server_support import CHAT, HELLO, ServerProc  # noqa: E402
+
+
+@dataclass
+class StreamProbe:
+    """A long streaming request in a thread, recording when each event arrives."""
+
+    server: ServerProc
+    max_tokens: int | None = 3000
+    times: list[float] = field(default_factory=list)
+    status: int | None = None
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self, warm_events: int = 8, timeout: float = 60.0) -> StreamProbe:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while len(self.times) < warm_events:
+            if time.monotonic() > deadline or (self.status not in (None, 200)):
+                raise RuntimeError(f"stream did not start: status {self.status}, {len(self.times)} events")
+            time.sleep(0.01)
+        return self
+
+    def _run(self) -> None:
+        body: dict = {"messages": HELLO, "ignore_eos": True, "stream": True, "temperature": 0}
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        with self.server.client(timeout=120.0) as c, c.stream("POST", CHAT, json=body) as r:
+            self.status = r.status_code
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    self.times.append(time.monotonic())
+                if self._stop.is_set():
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+
+    def gaps_ms(self, t0: float, t1: float) -> list[float]:
+        """Gaps between consecutive events, for gaps ending in [t0, t1]."""
+        ts = list(self.times)
+        return [(b - a) * 1e3 for a, b in zip(ts, ts[1:]) if t0 <= b <= t1]
+
+
+@dataclass
+class HealthProbe:
+    """GET /health every ``period_s``, recording latency and status."""
+
+    server: ServerProc
+    period_s: float = 0.02
+    latencies_ms: list[float] = field(default_factory=list)
+    statuses: list[int] = field(default_factory=list)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> HealthProbe:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        with self.server.client(timeout=60.0) as c:
+            while not self._stop.is_set():
+                t = time.monotonic()
+                r = c.get("/health")
+                self.latencies_ms.append((time.monotonic() - t) * 1e3)
+                self.statuses.append(r.status_code)
+                self._stop.wait(self.period_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(60)
+
+
+def big_chat_body(n_bytes: int) -> bytes:
+    """A chat request whose one message is ``n_bytes`` of ordinary text, JSON-encoded once."""
+    words = "the quick brown fox jumps over the lazy dog "
+    text = (words * (n_bytes // len(words) + 1))[:n_bytes]
+    return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
+
+
+def send_raw(server: ServerProc, body: bytes, path: str = CHAT, timeout: float = 120.0,
+             headers: dict[str, str] | None = None) -> httpx.Response:
+    with server.client(timeout=timeout) as c:
+        return c.post(path, content=body, headers={"Content-Type": "application/json", **(headers or {})})
+
+
+def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int = 1,
+                        rounds: int = 1) -> dict:
+    """A stream and /health probes running while ``senders`` clients each post
+    ``rounds`` prompts of ``n_bytes``: the stream's largest gap, /health latency, 503s."""
+    body = big_chat_body(n_bytes)
+    stream = StreamProbe(server).start()
+    health = HealthProbe(server).start()
+    time.sleep(0.5)  # a baseline before the attack
+    t_base = time.monotonic()
+    statuses: list[int] = []
+    lock = threading.Lock()
+
+    def attacker() -> None:
+        for _ in range(rounds):
+            r = send_raw(server, body)
+            with lock:
+                statuses.append(r.status_code)
+
+    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(senders)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    t1 = time.monotonic() + 0.3  # gaps that end just after the last answer count too
+    time.sleep(0.3)
+    health.stop()
+    stream.stop()
+    gaps = stream.gaps_ms(t0, t1)
+    base = stream.gaps_ms(t_base - 0.5, t0)
+    return {
+        "prompt_bytes": n_bytes,
+        "senders": senders,
+        "rounds": rounds,
+        "attack_s": round(t1 - 0.3 - t0, 3),
+        "attack_statuses": sorted(statuses),
+        "stream_status": stream.status,
+        "stream_max_gap_ms": round(max(gaps), 1) if gaps else None,
+        "stream_events_during_attack": len(gaps),
+        "stream_median_gap_ms_before": round(statistics.median(base), 1) if base else None,
+        "stream_max_gap_ms_before": round(max(base), 1) if base else None,
+        "health_max_ms": round(max(health.latencies_ms), 1),
+        "health_median_ms": round(statistics.median(health.latencies_ms), 1),
+        "health_polls": len(health.statuses),
+        "count_503": health.statuses.count(503) + statuses.count(503),
+    }
+
+
+def short_behind_long(server: ServerProc, long_tokens: int | None = 3000) -> dict:
+    """Latency of a 5-token request sent while a ``long_tokens`` stream decodes
+    (None: the long request omits max_tokens, i.e. the rest of the context)."""
+    stream = StreamProbe(server, max_tokens=long_tokens).start()
+    t0 = time.monotonic()
+    with server.client(timeout=300.0) as c:
+        r = c.post(CHAT, json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5, "ignore_eos": True})
+    waited = time.monotonic() - t0
+    stream.stop()
+    n = len(stream.times)
+    return {"long_max_tokens": long_tokens, "short_status": r.status_code, "short_latency_s": round(waited, 2),
+            "long_events_seen": n}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="measure a live edge serve under a large-prompt attack")
+    p.add_argument("--mb", type=float, default=5.0, help="prompt size in MiB")
+    p.add_argument("--senders", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--short-behind-long", action="store_true", help="measure item 9 instead")
+    args = p.parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = ServerProc(Path(tmp))
+        try:
+            srv.wait_ready()
+            if args.short_behind_long:
+                out = {"runs": [short_behind_long(srv, 3000), short_behind_long(srv, None)]}
+            else:
+                out = large_prompt_attack(srv, int(args.mb * (1 << 20)), args.senders, args.rounds)
+        finally:
+            out_code = srv.stop()
+        out["server_exit"] = out_code
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
