@@ -248,8 +248,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         return p
     if not p:
         raise bad_request("'prompt' must not be empty", param="prompt", code="empty_array")
-    if all(isinstance(x, int) for x in p):
-        return list(p)  # type: ignore[arg-type]
+    if isinstance(p[0], int):  # the model validated p as one of list[int], list[str], list[list[int]]
+        return p  # type: ignore[return-value]
     if len(p) != 1:
         raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt",
                           code="unsupported_parameter")

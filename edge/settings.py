@@ -76,7 +76,7 @@ class Settings:
     cuda_graph: bool | None = None  # None: on a GPU
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
-    max_body: int = 8 << 20  # bytes of a request body; larger ones get 413 unread
+    max_body: int | None = None  # request body bytes before 413 (None: from the context, edge/api/completions.py)
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 

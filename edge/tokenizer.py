@@ -170,7 +170,25 @@ class Tokenizer:
     # ------------------------------------------------------------------ text
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``encode``, with the GIL released while the Rust tokenizer runs (its
+        ``encode_batch`` releases it, ``encode`` does not): other Python threads, such
+        as an event loop or an engine loop, keep running during a long text."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._with_bos(ids, add_special_tokens)
+
+    @cached_property
+    def chars_per_token(self) -> int:
+        """The most characters of input one token can stand for: the longest vocabulary
+        entry (byte-level entries spell one byte per character, so this bounds UTF-8
+        bytes too), times 4 when a normalizer may compose up to 4 code points into one
+        (the longest canonical decomposition in Unicode)."""
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self._tok.normalizer is not None else 1)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         # tokenizer.json post-processors usually add BOS themselves (Llama 3); this covers
         # the ones whose config asks for it without a post-processor that does it.
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:

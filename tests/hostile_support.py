@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
@@ -20,7 +21,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_server_support import CHAT, HELLO, ServerProc  # noqa: E402
+from test_server_support import CHAT, HELLO, ServerProc, server_env  # noqa: E402
 
 
 @dataclass
@@ -105,44 +106,68 @@ def big_chat_body(n_bytes: int) -> bytes:
     return json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 4}).encode()
 
 
-def send_raw(server: ServerProc, body: bytes, path: str = CHAT, timeout: float = 120.0,
-             headers: dict[str, str] | None = None) -> httpx.Response:
-    with server.client(timeout=timeout) as c:
-        return c.post(path, content=body, headers={"Content-Type": "application/json", **(headers or {})})
+ATTACKER = """
+import sys, httpx
+url, uds, path, n, body_file = sys.argv[1], sys.argv[2] or None, sys.argv[3], int(sys.argv[4]), sys.argv[5]
+body = open(body_file, "rb").read()
+transport = httpx.HTTPTransport(uds=uds) if uds else None
+with httpx.Client(base_url=url, transport=transport, timeout=120.0) as c:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for _ in range(n):
+        r = c.post(path, content=body, headers={"Content-Type": "application/json"})
+        print(r.status_code, flush=True)
+"""
 
 
-def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int = 1,
-                        rounds: int = 1) -> dict:
+class Attackers:
+    """``senders`` processes, each posting one body ``rounds`` times once told to go.
+    Separate processes, started and warmed up beforehand, so that neither their start
+    nor their sending competes with the measuring threads of this process."""
+
+    def __init__(self, server: ServerProc, body: bytes, senders: int, rounds: int, path: str = CHAT) -> None:
+        self.body_file = server.tmp / f"attack-{len(body)}.json"
+        self.body_file.write_bytes(body)
+        self.procs = [subprocess.Popen([sys.executable, "-c", ATTACKER, server.base_url, server.uds or "", path,
+                                        str(rounds), str(self.body_file)],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                      for _ in range(senders)]
+        for proc in self.procs:
+            assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+
+    def run(self) -> list[int]:
+        for proc in self.procs:
+            assert proc.stdin is not None
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+        statuses: list[int] = []
+        for proc in self.procs:
+            out, _ = proc.communicate(timeout=300)
+            statuses += [int(line) for line in out.split()]
+        return statuses
+
+
+def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int = 1, rounds: int = 1,
+                        path: str = CHAT, body: bytes | None = None) -> dict:
     """A stream and /health probes running while ``senders`` clients each post
-    ``rounds`` prompts of ``n_bytes``: the stream's largest gap, /health latency, 503s."""
-    body = big_chat_body(n_bytes)
+    ``rounds`` prompts of ``n_bytes``: the stream's largest gap, /health latency, 503s;
+    the same figures for a quiet window of the same length before the attack."""
+    body = big_chat_body(n_bytes) if body is None else body
+    attackers = Attackers(server, body, senders, rounds, path)
     stream = StreamProbe(server).start()
     health = HealthProbe(server).start()
-    time.sleep(0.5)  # a baseline before the attack
-    t_base = time.monotonic()
-    statuses: list[int] = []
-    lock = threading.Lock()
-
-    def attacker() -> None:
-        for _ in range(rounds):
-            r = send_raw(server, body)
-            with lock:
-                statuses.append(r.status_code)
-
-    threads = [threading.Thread(target=attacker, daemon=True) for _ in range(senders)]
+    time.sleep(1.0)  # the quiet window
     t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    n_quiet = len(health.latencies_ms)
+    statuses = attackers.run()
     t1 = time.monotonic() + 0.3  # gaps that end just after the last answer count too
     time.sleep(0.3)
     health.stop()
     stream.stop()
     gaps = stream.gaps_ms(t0, t1)
-    base = stream.gaps_ms(t_base - 0.5, t0)
+    quiet = stream.gaps_ms(t0 - 1.0, t0)
     return {
-        "prompt_bytes": n_bytes,
+        "body_bytes": len(body),
         "senders": senders,
         "rounds": rounds,
         "attack_s": round(t1 - 0.3 - t0, 3),
@@ -150,10 +175,10 @@ def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int
         "stream_status": stream.status,
         "stream_max_gap_ms": round(max(gaps), 1) if gaps else None,
         "stream_events_during_attack": len(gaps),
-        "stream_median_gap_ms_before": round(statistics.median(base), 1) if base else None,
-        "stream_max_gap_ms_before": round(max(base), 1) if base else None,
-        "health_max_ms": round(max(health.latencies_ms), 1),
-        "health_median_ms": round(statistics.median(health.latencies_ms), 1),
+        "quiet_stream_max_gap_ms": round(max(quiet), 1) if quiet else None,
+        "quiet_stream_median_gap_ms": round(statistics.median(quiet), 1) if quiet else None,
+        "health_max_ms": round(max(health.latencies_ms[n_quiet:]), 1),
+        "quiet_health_max_ms": round(max(health.latencies_ms[:n_quiet]), 1),
         "health_polls": len(health.statuses),
         "count_503": health.statuses.count(503) + statuses.count(503),
     }
@@ -179,9 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--senders", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--short-behind-long", action="store_true", help="measure item 9 instead")
+    p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        srv = ServerProc(Path(tmp))
+        srv = ServerProc(Path(tmp), env=server_env(**dict(kv.split("=", 1) for kv in args.env)))
         try:
             srv.wait_ready()
             if args.short_behind_long:

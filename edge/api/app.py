@@ -61,7 +61,7 @@ class _MetricsMiddleware:
 
 
 def create_app(service: Service) -> FastAPI:
-    prompts = PromptEncoder()
+    prompts = PromptEncoder(waiting=service.settings.queue_size)
     completions = Completions(service, prompts)
 
     @contextlib.asynccontextmanager

@@ -36,6 +36,10 @@ if TYPE_CHECKING:
     from edge.generation import Chunk
     from edge.service import Service
 
+# Default body limit: room for a context of prompt even at a dozen bytes per character
+# of JSON-escaped text, and small enough that parsing it never holds the GIL for long.
+MIN_BODY_BYTES = 2 << 20
+BODY_BYTES_PER_TOKEN = 64
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 _LINE_BREAKS = (("\u0085", "\\u0085"), ("\u2028", "\\u2028"), ("\u2029", "\\u2029"))
@@ -86,6 +90,10 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
+def body_limit(max_body: int | None, max_seq_len: int) -> int:
+    return max_body if max_body is not None else max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_seq_len)
+
+
 def request_id(service: Service, request: Request, prefix: str) -> str:
     rid = request.headers.get("x-request-id")
     if rid is None or rid == "":
@@ -110,13 +118,13 @@ class Completions:
         t0 = time.perf_counter()
         check_auth(svc, request)
         check_ready(svc)
-        body = await read_body(request, svc.settings.max_body)
+        engine = svc.engine
+        assert engine is not None
+        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len))
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
         req = schema.parse_request(body, model)
         del body
         schema.check_unsupported(req)
-        engine = svc.engine
-        assert engine is not None
         ids = await self.prompts.prompt_ids(engine, req, kind)
         params = schema.sampling_params(req, len(ids), engine.max_seq_len, svc.settings.default_max_tokens)
         rid = request_id(svc, request, "chatcmpl" if kind == "chat" else "cmpl")
