@@ -204,12 +204,15 @@ class InProcessService:
         self._dir = tempfile.TemporaryDirectory(prefix="edge-chat-")
         settings.uds = str(Path(self._dir.name) / "edge.sock")
         self.uds = settings.uds
-        self.server, self.service, sockets = build_server(settings)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, name="edge-server",
-                                        daemon=True)
+        self.server, self.service, listener = build_server(settings)
+        assert listener is not None
+        self._listener = listener
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener.sock]},
+                                        name="edge-server", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=15.0)
+        self._listener.close()
         self._dir.cleanup()

@@ -15,13 +15,9 @@ Settings are in :mod:`edge.settings`. torch is imported by the loading thread, n
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import signal
-import socket
 import threading
-from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -29,6 +25,7 @@ import uvicorn
 from edge.api.app import create_app
 from edge.service import Service
 from edge.settings import Settings
+from edge.uds import UnixListener
 
 log = logging.getLogger("edge.server")
 
@@ -45,27 +42,11 @@ class _Server(uvicorn.Server):
         super().handle_exit(sig, frame)
 
 
-def _bind_uds(path: str) -> socket.socket:
-    """Bind the Unix socket ourselves: remove a stale one, owner+group access only."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        if p.is_socket():
-            p.unlink()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    old = os.umask(0o117)
-    try:
-        sock.bind(str(p))
-    finally:
-        os.umask(old)
-    os.chmod(p, 0o660)
-    sock.listen(128)
-    sock.set_inheritable(True)
-    return sock
-
-
 def build_server(settings: Settings, *, environ: dict[str, str] | None = None) -> tuple[_Server, Service,
-                                                                                            list[socket.socket]]:
+                                                                                            UnixListener | None]:
+    """The server, its service and, with ``settings.uds``, the bound Unix socket (raises
+    SocketUnavailable when another server owns the path)."""
+    listener = UnixListener.bind(settings.uds, settings.uds_mode, settings.uds_group) if settings.uds else None
     service = Service(settings, environ)
     app = create_app(service)
     level = settings.log_level.lower()
@@ -87,13 +68,12 @@ def build_server(settings: Settings, *, environ: dict[str, str] | None = None) -
         server.should_exit = True
 
     service.request_exit = request_exit
-    sockets = [_bind_uds(settings.uds)] if settings.uds else []
-    return server, service, sockets
+    return server, service, listener
 
 
 def serve(settings: Settings) -> int:
     """Run the service until SIGTERM/SIGINT; the exit code (0 on a clean shutdown)."""
-    server, service, sockets = build_server(settings)
+    server, service, listener = build_server(settings)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     log.info("edge serve: listening on %s, model %s", where, settings.model or "(embedded default)")
     # uvicorn re-raises the signal it caught after shutting down; with these no-op
@@ -103,15 +83,12 @@ def serve(settings: Settings) -> int:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, lambda *_: None)
     try:
-        server.run(sockets=sockets or None)
+        server.run(sockets=[listener.sock] if listener else None)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        for sock in sockets:
-            sock.close()
-        if settings.uds:
-            with contextlib.suppress(OSError):
-                Path(settings.uds).unlink()
+        if listener is not None:
+            listener.close()
     if not server.started and service.exit_code == 0:
         return 1  # could not bind
     return service.exit_code

@@ -48,6 +48,13 @@ def _port(text: str) -> int:
     return v
 
 
+def _file_mode(text: str) -> int:
+    v = int(text, 8)
+    if not 0 <= v <= 0o777:
+        raise ValueError(f"must be an octal file mode such as 0660, got {text!r}")
+    return v
+
+
 def _non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
@@ -64,6 +71,8 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None  # listen on this Unix socket instead of TCP
+    uds_mode: int = 0o660  # permissions of the socket file
+    uds_group: str | None = None  # group of the socket file (name or number; default: ours)
     api_key_file: str | None = None  # bearer key required on /v1/* when set
     queue_size: int = 8
     device: str | None = None
@@ -88,6 +97,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_HOST": ("host", str),
     "EDGE_PORT": ("port", _port),
     "EDGE_UDS": ("uds", str),
+    "EDGE_UDS_MODE": ("uds_mode", _file_mode),
+    "EDGE_UDS_GROUP": ("uds_group", str),
     "EDGE_API_KEY_FILE": ("api_key_file", str),
     "EDGE_QUEUE_SIZE": ("queue_size", _positive_int),
     "EDGE_DEVICE": ("device", str),
