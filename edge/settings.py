@@ -55,6 +55,10 @@ def _file_mode(text: str) -> int:
     return v
 
 
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
 def _non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
@@ -74,6 +78,8 @@ class Settings:
     uds_mode: int = 0o660  # permissions of the socket file
     uds_group: str | None = None  # group of the socket file (name or number; default: ours)
     api_key_file: str | None = None  # bearer key required on /v1/* when set
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and the bind address ("*": any)
+    cors_origins: tuple[str, ...] = ()  # origins sent CORS headers (none by default)
     queue_size: int = 8
     device: str | None = None
     dtype: str | None = None
@@ -100,6 +106,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_UDS_MODE": ("uds_mode", _file_mode),
     "EDGE_UDS_GROUP": ("uds_group", str),
     "EDGE_API_KEY_FILE": ("api_key_file", str),
+    "EDGE_ALLOWED_HOSTS": ("allowed_hosts", _comma_list),
+    "EDGE_CORS_ORIGINS": ("cors_origins", _comma_list),
     "EDGE_QUEUE_SIZE": ("queue_size", _positive_int),
     "EDGE_DEVICE": ("device", str),
     "EDGE_DTYPE": ("dtype", str),

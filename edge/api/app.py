@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import JSONResponse, Response
 
 from edge import api_schema as schema
@@ -27,6 +28,7 @@ from edge.api.errors import (
     describe,
     error_response,
 )
+from edge.api.guard import HostPolicy, RequestGuard
 from edge.api.prompts import PromptEncoder
 from edge.service import Service
 
@@ -75,7 +77,13 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="edge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    app.add_middleware(_MetricsMiddleware, service=service)
+    s = service.settings
+    if s.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(s.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+                           expose_headers=["X-Request-Id"])
+    app.add_middleware(RequestGuard, hosts=None if s.uds else HostPolicy(s.host, s.allowed_hosts))
+    app.add_middleware(_MetricsMiddleware, service=service)  # the outermost: counts the guard's refusals too
 
     async def _known_error(request: Request, exc: Exception) -> JSONResponse:
         status = describe(exc)[0]
