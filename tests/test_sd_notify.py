@@ -121,6 +121,7 @@ def test_service_health_rule_follows_the_engine_loop() -> None:
     from edge.settings import Settings
 
     svc = Service(Settings(), environ={"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "200000"})
+    assert svc.state == "starting" and svc.healthy()  # before the loader thread even exists
     svc.state = "ready"
     sched = _FakeScheduler()
     svc.scheduler = sched
@@ -153,6 +154,8 @@ def test_service_under_a_fake_notify_socket(tmp_path: Path) -> None:
         assert any(s.startswith("STATUS=ready") for s in statuses), statuses
         lines = sink.lines()
         assert lines.index("READY=1") > next(i for i, s in enumerate(lines) if s.startswith("STATUS=loading"))
+        assert "WATCHDOG=1" in lines[: lines.index("READY=1")]  # pinged while loading
+        assert "withholding" not in srv.log() and " ERROR " not in srv.log(), srv.log()
         srv.signal()
         assert srv.proc.wait(15) == 0, srv.log()
         assert "STOPPING=1" in sink.lines()
