@@ -33,6 +33,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--memory-utilization", type=float, default=0.9, help="fraction of available memory to use (default 0.9)"
     )
+    p.add_argument("--skip-weight-check", action="store_true", help="load weights holding NaN or infinity anyway")
 
 
 def _byte_size(text: str) -> int:
@@ -71,6 +72,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
         memory_utilization=args.memory_utilization,
+        check_weights=not args.skip_weight_check,
     )
 
 
@@ -182,6 +184,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             Settings(
                 model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                 max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
+                skip_weight_check=args.skip_weight_check,
                 log_level="debug" if args.verbose else "warning",
             )
         )
@@ -206,6 +209,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype",
         "page_size", "max_seq_len", "kv_blocks", "prefill_chunk", "config", "log_level")}
+    cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     export_file_vars(file_vars)
     if not args.verbose:
@@ -267,6 +271,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
     s.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
+    s.add_argument("--skip-weight-check", action="store_true",
+                   help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")
     s.add_argument("--config", help="KEY=VALUE environment file, as systemd's EnvironmentFile [EDGE_CONFIG]")
     s.set_defaults(func=cmd_serve)
 

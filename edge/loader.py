@@ -15,13 +15,10 @@ import torch
 from safetensors import safe_open
 
 from edge.config import ModelConfig
+from edge.validate import CheckpointError, check_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -171,8 +168,7 @@ def fuse_weights(
     for name, src in tensors:
         if name not in shapes:
             continue
-        if tuple(src.shape) != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {tuple(src.shape)}, config.json implies {shapes[name]}")
+        check_tensor(name, src, shapes[name])
         dest, row = layout[name]
         out[dest][row : row + src.shape[0]].copy_(src)
         seen.add(name)

@@ -100,6 +100,7 @@ class Service:
                 page_size=s.page_size,
                 max_seq_len=s.max_seq_len,
                 cuda_graph=s.cuda_graph,
+                check_weights=not s.skip_weight_check,
                 **options,
             )
             self.engine = engine
@@ -140,12 +141,23 @@ class Service:
                      engine.max_seq_len, time.monotonic() - self.started_at)
             self.notifier.ready(f"ready: {self.model_id} on {info['device']}")
         except Exception as exc:
-            log.exception("model load failed")
+            if isinstance(exc, self._model_errors()):
+                log.error("model load failed: %s", exc)  # the message says it all: no traceback
+            else:
+                log.exception("model load failed")
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
             self.notifier.status(f"failed: {self.error}"[:200])
             self.exit_code = 1
             self.request_exit(1)
+
+    @staticmethod
+    def _model_errors() -> tuple[type[Exception], ...]:
+        """Errors that describe a broken model directory, not a bug."""
+        from edge.tokenizer import TokenizerError
+        from edge.validate import CheckpointError, ConfigError, NotAModelDirectory
+
+        return ConfigError, CheckpointError, NotAModelDirectory, TokenizerError, FileNotFoundError
 
     def _warm_up(self, engine: Engine, sched: Any) -> None:
         """One short generation through the scheduler: compiles kernels, captures CUDA

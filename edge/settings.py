@@ -89,6 +89,7 @@ class Settings:
     prefill_chunk: int | None = None
     prefix_cache: bool = True
     cuda_graph: bool | None = None  # None: on a GPU
+    skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
     max_body: int | None = None  # request body bytes before 413 (None: from the context, edge/api/completions.py)
@@ -117,6 +118,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", _positive_int),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
+    "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),
     "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", _positive_int),
     "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", _non_negative_float),
     "EDGE_MAX_BODY": ("max_body", parse_bytes),

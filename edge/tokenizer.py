@@ -23,11 +23,24 @@ Message = Mapping[str, Any]
 REPLACEMENT_CHAR = "\ufffd"
 
 
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be parsed; the message names the file, on one line."""
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot parse {path}: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"cannot parse {path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -116,8 +129,12 @@ class Tokenizer:
         template_file = root / "chat_template.jinja"
         # Recent transformers versions save the template next to the config instead of inside it.
         chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        try:
+            hf = _HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise TokenizerError(f"cannot parse {tokenizer_file}: {_one_line(exc)}") from None
         return cls(
-            _HFTokenizer.from_file(str(tokenizer_file)),
+            hf,
             tokenizer_config=_read_json(root / "tokenizer_config.json"),
             generation_config=_read_json(root / "generation_config.json"),
             model_config=_read_json(root / "config.json"),
