@@ -34,10 +34,17 @@ def parse_optional_bool(text: str) -> bool | None:
     return None if text.strip().lower() in ("", "auto") else parse_bool(text)
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise ValueError(f"must be a positive integer, got {v}")
+    return v
+
+
+def power_of_two(text: str) -> int:
+    v = int(text)
+    if v < 1 or v & (v - 1):
+        raise ValueError(f"must be a power of two, got {v}")
     return v
 
 
@@ -59,7 +66,7 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
-def _non_negative_float(text: str) -> float:
+def non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
         raise ValueError(f"must be >= 0, got {v}")
@@ -109,18 +116,18 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_API_KEY_FILE": ("api_key_file", str),
     "EDGE_ALLOWED_HOSTS": ("allowed_hosts", _comma_list),
     "EDGE_CORS_ORIGINS": ("cors_origins", _comma_list),
-    "EDGE_QUEUE_SIZE": ("queue_size", _positive_int),
+    "EDGE_QUEUE_SIZE": ("queue_size", positive_int),
     "EDGE_DEVICE": ("device", str),
     "EDGE_DTYPE": ("dtype", str),
-    "EDGE_PAGE_SIZE": ("page_size", _positive_int),
-    "EDGE_MAX_SEQ_LEN": ("max_seq_len", _positive_int),
-    "EDGE_KV_BLOCKS": ("kv_blocks", _positive_int),
-    "EDGE_PREFILL_CHUNK": ("prefill_chunk", _positive_int),
+    "EDGE_PAGE_SIZE": ("page_size", power_of_two),
+    "EDGE_MAX_SEQ_LEN": ("max_seq_len", positive_int),
+    "EDGE_KV_BLOCKS": ("kv_blocks", positive_int),
+    "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
     "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),
-    "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", _positive_int),
-    "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", _non_negative_float),
+    "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", positive_int),
+    "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", non_negative_float),
     "EDGE_MAX_BODY": ("max_body", parse_bytes),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
@@ -209,7 +216,7 @@ def resolve(
     ``cli["config"]``, else ``$EDGE_CONFIG``) over the defaults.
 
     Returns the settings and the file's variables (for :func:`export_file_vars`).
-    Raises ValueError naming the variable for a bad value.
+    Raises ValueError naming the variable or flag for a bad value.
     """
     cli = dict(cli or {})
     environ = os.environ if environ is None else environ
@@ -230,8 +237,12 @@ def resolve(
     for name, value in cli.items():
         if value is None or name not in names:
             continue
-        if isinstance(value, str) and name in FIELD_PARSERS and FIELD_PARSERS[name] is not str:
-            value = FIELD_PARSERS[name](value)
+        parse = FIELD_PARSERS.get(name, str)
+        if parse is not str:  # the same rules as the variable, so --port 99999 fails here, not in uvicorn
+            try:
+                value = parse(str(value))
+            except ValueError as exc:
+                raise ValueError(f"bad --{name.replace('_', '-')} {value}: {exc}") from None
         setattr(s, name, value)
     s.config = str(path) if path else None
     s.log_level = s.log_level.lower()

@@ -48,6 +48,26 @@ def model_directory(path: str | Path) -> Path:
     raise FileNotFoundError(f"model directory {p} does not exist")
 
 
+def check_device_and_dtype(device: str | None, dtype: str | None) -> None:
+    """ValueError for a device torch cannot use here or an unknown dtype name."""
+    if device is not None:
+        try:
+            dev = torch.device(device)
+        except RuntimeError:
+            raise ValueError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+        if dev.type not in ("cpu", "cuda"):
+            raise ValueError(f"unsupported device {device!r}; use cpu, cuda or cuda:N")
+        # Without a usable GPU the engine's kernel check names the fix (edge/backend.py).
+        if dev.type == "cuda" and dev.index is not None and torch.cuda.is_available():
+            n = torch.cuda.device_count()
+            if dev.index >= n:
+                raise ValueError(f"device {device!r}: there are {n} CUDA GPU(s)")
+    if dtype is not None:
+        from edge.config import parse_dtype  # edge.config imports this module
+
+        parse_dtype(dtype)
+
+
 # -- config.json -----------------------------------------------------------------------
 
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
