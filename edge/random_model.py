@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from edge.dirlock import locked_directory
+
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -598,20 +600,24 @@ def preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
 
 
 def _cached_model(name: str, **make: Any) -> Path:
+    """Built in a temporary directory and renamed into place (atomic: readers see no
+    directory or a complete one), under a lock on the models directory, so that
+    concurrent first uses build it once and a build killed half-way leaves a temporary
+    directory that the next build removes."""
     models = cache_dir() / "models"
     final = models / name
     if final.is_dir():
         return final
     models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
-    try:
-        make_model(tmp, **make)
-        # rename is atomic: readers see no directory or a complete one. A process that
-        # loses the race finds `final` already there and drops its own copy.
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with locked_directory(models):
+        if final.is_dir():  # built by another process while we waited
+            return final
+        for stale in models.glob(f".{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+        try:
+            make_model(tmp, **make)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

@@ -12,16 +12,15 @@
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import grp
 import logging
 import os
 import socket
 import stat
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+from edge.dirlock import locked_directory
 
 log = logging.getLogger(__name__)
 
@@ -30,16 +29,6 @@ PROBE_TIMEOUT_S = 1.0
 
 class SocketUnavailable(RuntimeError):
     """The Unix socket path cannot be used: another server owns it, or it is not a socket."""
-
-
-@contextlib.contextmanager
-def _directory_lock(directory: Path) -> Iterator[None]:
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # releases the lock
 
 
 def group_id(group: str) -> int:
@@ -100,7 +89,7 @@ class UnixListener:
         p = Path(path)
         gid = group_id(group) if group else None
         p.parent.mkdir(parents=True, exist_ok=True)
-        with _directory_lock(p.parent):
+        with locked_directory(p.parent):
             _remove_if_stale(p)
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             old = os.umask(0o177)  # owner-only until group and mode are set below
@@ -128,7 +117,7 @@ class UnixListener:
 
     def close(self) -> None:
         """Close the socket; remove its file only if it is still the one we bound."""
-        with _directory_lock(self.path.parent):
+        with locked_directory(self.path.parent):
             self._close_locked()
 
     def _close_locked(self) -> None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -245,6 +247,25 @@ def test_default_model_path_created_once(tmp_path: Path, monkeypatch: pytest.Mon
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime and file_digests(path) == before
+
+
+def test_a_killed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    code = "from edge.random_model import default_model_path; default_model_path()"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    models = tmp_path / "models"
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".default-v1-") for p in (models.iterdir() if models.is_dir() else ())):
+        assert time.monotonic() < deadline and proc.poll() is None, "the build never started"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)  # mid-build
+    proc.wait()
+    leftovers = [p.name for p in models.iterdir()]
+    assert leftovers and all(n.startswith(".default-v1-") for n in leftovers), leftovers
+    path = default_model_path()
+    assert sorted(p.name for p in models.iterdir()) == ["default-v1"]
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 4
 
 
 def test_cli_from_repo_root(tmp_path: Path) -> None:
