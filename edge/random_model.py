@@ -272,6 +272,32 @@ def tokenizer_json() -> str:
     return tok.to_str()
 
 
+def covering_tokenizer_json(vocab_size: int) -> str:
+    """The local tokenizer, grown to ``vocab_size`` ids when the model's vocabulary is
+    larger than the trained one (the published presets): each extra id is a new entry
+    spelling two trained tokens, so every id a random model samples decodes to text.
+    No merge produces an extra entry, so encoding is unchanged."""
+    trained = tokenizer_vocab_size()
+    if vocab_size <= trained:
+        return tokenizer_json()
+    data = json.loads(tokenizer_json())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    # The special tokens join the model's vocabulary at their ids: with a gap there,
+    # tokenizers would renumber them after the extra entries.
+    vocab.update({t["content"]: t["id"] for t in data["added_tokens"]})
+    taken = set(vocab)
+    pairs = (a + b for a in pieces for b in pieces)
+    next_id = trained
+    while next_id < vocab_size:
+        entry = next(pairs)
+        if entry not in taken:
+            vocab[entry] = next_id
+            taken.add(entry)
+            next_id += 1
+    return json.dumps(data, ensure_ascii=False)
+
+
 def special_token_ids() -> dict[str, int]:
     """Ids of the special tokens in the local tokenizer."""
     added = json.loads(tokenizer_json())["added_tokens"]
@@ -556,8 +582,8 @@ def _write_weights(
     _write_json(out_dir / "model.safetensors.index.json", index_data)
 
 
-def _write_tokenizer(out_dir: Path, max_length: int) -> None:
-    (out_dir / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+def _write_tokenizer(out_dir: Path, max_length: int, vocab_size: int) -> None:
+    (out_dir / "tokenizer.json").write_text(covering_tokenizer_json(vocab_size), encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(max_length))
     _write_json(out_dir / "generation_config.json", generation_config())
 
@@ -580,7 +606,7 @@ def make_model(
     torch_dtype = parse_dtype(dtype)
     config = model_config(arch, preset, torch_dtype=_dtype_name(torch_dtype), **overrides)
     _write_json(out / "config.json", config)
-    _write_tokenizer(out, config["max_position_embeddings"])
+    _write_tokenizer(out, config["max_position_embeddings"], config["vocab_size"])
     _write_weights(out, config, seed, torch_dtype, max_shard_bytes)
     return out
 

@@ -60,6 +60,17 @@ def test_generate_commands() -> None:
     assert r.returncode == 0, r.stderr
 
 
+def test_make_model_preset_then_generate_prints_text(tmp_path: Path) -> None:
+    out = tmp_path / "qwen3-0.6b"  # the README's command; one layer keeps it quick, the vocabulary is real
+    r = base_install("tools/make_model.py", str(out), "--preset", "qwen3-0.6b", "--dtype", "bfloat16",
+                     "--num-layers", "1")
+    assert r.returncode == 0, r.stderr
+    r = base_install("edge.cli", "generate", "--model", str(out), "--max-tokens", "8", "--json")
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert len(result["token_ids"]) == 8 and result["text"].strip(), result
+
+
 def test_info_has_no_import_error() -> None:
     r = base_install("edge.cli", "info")
     assert r.returncode == 0, r.stderr

@@ -224,6 +224,24 @@ def test_tokenizer_training_is_deterministic_across_processes() -> None:
     assert out.stdout.strip() == hashlib.sha256(rm.tokenizer_json().encode()).hexdigest()
 
 
+def test_presets_tokenizer_covers_the_model_vocabulary(transformers) -> None:
+    from tokenizers import Tokenizer
+
+    from edge.tokenizer import Tokenizer as EdgeTokenizer
+
+    vocab = PRESETS["qwen3-0.6b"]["vocab_size"]
+    covering = Tokenizer.from_str(rm.covering_tokenizer_json(vocab))
+    trained = Tokenizer.from_str(rm.tokenizer_json())
+    assert covering.get_vocab_size(with_added_tokens=True) == vocab
+    assert all(covering.decode([i], skip_special_tokens=False) for i in range(vocab))  # every id is text
+    texts = [rm.CORPUS, "<|im_start|>user\nHi 今天 🎉<|im_end|>\n<|endoftext|>", "  spaces\ttabs\n"]
+    for text in texts:  # encoding is the trained tokenizer's, also as transformers reads the file
+        assert covering.encode(text).ids == trained.encode(text).ids
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=covering)
+    assert hf.encode(texts[1], add_special_tokens=False) == trained.encode(texts[1]).ids
+    assert EdgeTokenizer(covering).decode([vocab - 1])
+
+
 # ---------------------------------------------------------------- default model and CLI
 
 
