@@ -161,9 +161,12 @@ class Service:
 
     def _warm_up(self, engine: Engine, sched: Any) -> None:
         """One short generation through the scheduler: compiles kernels, captures CUDA
-        graphs and renders the chat template before the first real request."""
+        graphs and renders the chat template before the first real request; the
+        tokenizer's longest token (the prompt length bound) is measured here too."""
         from edge.sampling import SamplingParams
 
+        if engine.tokenizer is not None:
+            log.debug("longest token: %d characters", engine.tokenizer.chars_per_token)
         if engine.tokenizer is not None and engine.tokenizer.chat_template:
             ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
         else:

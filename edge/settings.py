@@ -99,7 +99,7 @@ class Settings:
     skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
-    max_body: int | None = None  # request body bytes before 413 (None: from the context, edge/api/completions.py)
+    max_body: int | None = None  # request body bytes before 413 (None: max(1 MiB, 64 B x context))
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 

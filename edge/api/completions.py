@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 # Default body limit: room for a context of prompt even at a dozen bytes per character
 # of JSON-escaped text, and small enough that parsing it never holds the GIL for long.
-MIN_BODY_BYTES = 2 << 20
+MIN_BODY_BYTES = 1 << 20
 BODY_BYTES_PER_TOKEN = 64
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 ENDPOINTS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
