@@ -8,7 +8,9 @@ Run directly to print the figures docs/reliability.md quotes, as JSON:
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -19,7 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from test_server_support import CHAT, HELLO, ServerProc, server_env  # noqa: E402
+import httpx  # noqa: E402
+from test_server_support import CHAT, HELLO, ServerProc, server_env, slots_idle  # noqa: E402
 
 
 @dataclass
@@ -182,6 +185,87 @@ def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int
     }
 
 
+def process_figures(server: ServerProc) -> dict:
+    """The server's resident memory, open files and threads, and its KV blocks in use."""
+    pid = server.proc.pid
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
+    m = server.metrics()
+    return {
+        "rss_mib": round(rss_kib / 1024, 1),
+        "open_files": len(os.listdir(f"/proc/{pid}/fd")),
+        "threads": len(os.listdir(f"/proc/{pid}/task")),
+        "kv_blocks_used": m['edge_kv_blocks{state="used"}'],
+        "kv_blocks_free": m['edge_kv_blocks{state="free"}'],
+        "kv_blocks_evictable": m['edge_kv_blocks{state="evictable"}'],
+        "kv_blocks_total": m["edge_kv_blocks_total"],
+    }
+
+
+async def _one_soak_request(client: httpx.AsyncClient, i: int) -> str:
+    """Request ``i`` of the soak mix; returns its outcome."""
+    messages = [{"role": "user", "content": f"Question {i}: how does the paged cache work?"}]
+    kind = i % 6
+    if kind == 0:
+        r = await client.post(CHAT, json={"messages": messages, "max_tokens": 8, "ignore_eos": True})
+        return f"plain {r.status_code}"
+    if kind == 1:
+        r = await client.post(CHAT, json={"messages": messages, "max_tokens": 8, "stream": True,
+                                          "stream_options": {"include_usage": True}})
+        done = r.text.endswith("data: [DONE]\n\n")
+        return f"stream {r.status_code} {'done' if done else 'cut'}"
+    if kind in (2, 3):  # leave mid-stream: by disconnecting, or by cancelling first
+        rid = f"soak-{i}"
+        body = {"messages": messages, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        async with client.stream("POST", CHAT, json=body, headers={"X-Request-Id": rid}) as r:
+            seen = 0
+            async for line in r.aiter_lines():
+                seen += line.startswith("data: ")
+                if seen == 3:
+                    if kind == 3:
+                        c = await client.post(f"/v1/cancel/{rid}")
+                        return f"cancel {c.status_code}"
+                    return f"disconnect {r.status_code}"
+        return f"ended {r.status_code}"
+    if kind == 4:
+        r = await client.post(CHAT, content=b'{"messages": [', headers={"Content-Type": "application/json"})
+        return f"bad {r.status_code}"
+    r = await client.post("/v1/completions", json={"prompt": [5, 6, 7, i % 500], "max_tokens": 4})
+    return f"ids {r.status_code}"
+
+
+def soak(server: ServerProc, n: int, concurrency: int = 8) -> dict[str, int]:
+    """``n`` requests of the mix above, ``concurrency`` at a time; outcome counts."""
+
+    async def run() -> list[str]:
+        sem = asyncio.Semaphore(concurrency)
+        async with server.async_client(timeout=120.0) as client:
+            async def guarded(i: int) -> str:
+                async with sem:
+                    return await _one_soak_request(client, i)
+
+            return await asyncio.gather(*(guarded(i) for i in range(n)))
+
+    outcomes: dict[str, int] = {}
+    for o in asyncio.run(run()):
+        outcomes[o] = outcomes.get(o, 0) + 1
+    return outcomes
+
+
+def settle(server: ServerProc, timeout: float = 30.0) -> dict:
+    """Wait until no request runs and the connections are closed; then the figures."""
+    server.wait_for(slots_idle, timeout=timeout, what="idle slots")
+    deadline = time.monotonic() + timeout
+    figures = process_figures(server)
+    while time.monotonic() < deadline:
+        time.sleep(0.5)
+        again = process_figures(server)
+        if again["open_files"] == figures["open_files"] and again["kv_blocks_used"] == 0:
+            return again
+        figures = again
+    return figures
+
+
 def short_behind_long(server: ServerProc, long_tokens: int | None = 3000) -> dict:
     """Latency of a 5-token request sent while a ``long_tokens`` stream decodes
     (None: the long request omits max_tokens, i.e. the rest of the context)."""
@@ -202,13 +286,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--senders", type=int, default=1)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--short-behind-long", action="store_true", help="measure item 9 instead")
+    p.add_argument("--soak", type=int, default=0, help="run N soak requests instead (after 150 warm-up ones)")
     p.add_argument("--env", action="append", default=[], help="KEY=VALUE for the server (repeatable)")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         srv = ServerProc(Path(tmp), env=server_env(**dict(kv.split("=", 1) for kv in args.env)))
         try:
             srv.wait_ready()
-            if args.short_behind_long:
+            if args.soak:
+                soak(srv, 150)
+                idle = settle(srv)
+                t0 = time.monotonic()
+                outcomes = soak(srv, args.soak)
+                out = {"soak_s": round(time.monotonic() - t0, 1), "outcomes": outcomes, "idle_before": idle,
+                       "idle_after": settle(srv)}
+            elif args.short_behind_long:
                 out = {"runs": [short_behind_long(srv, 3000), short_behind_long(srv, None)]}
             else:
                 out = large_prompt_attack(srv, int(args.mb * (1 << 20)), args.senders, args.rounds)
