@@ -154,10 +154,11 @@ class Service:
     @staticmethod
     def _model_errors() -> tuple[type[Exception], ...]:
         """Errors that describe a broken model directory, not a bug."""
+        from edge.budget import BudgetError
         from edge.tokenizer import TokenizerError
         from edge.validate import CheckpointError, ConfigError, NotAModelDirectory
 
-        return ConfigError, CheckpointError, NotAModelDirectory, TokenizerError, FileNotFoundError
+        return ConfigError, CheckpointError, NotAModelDirectory, TokenizerError, BudgetError, FileNotFoundError
 
     def _warm_up(self, engine: Engine, sched: Any) -> None:
         """One short generation through the scheduler: compiles kernels, captures CUDA
