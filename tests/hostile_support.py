@@ -252,15 +252,17 @@ def soak(server: ServerProc, n: int, concurrency: int = 8) -> dict[str, int]:
     return outcomes
 
 
-def settle(server: ServerProc, timeout: float = 30.0) -> dict:
-    """Wait until no request runs and the connections are closed; then the figures."""
+def settle(server: ServerProc, idle: dict | None = None, timeout: float = 30.0) -> dict:
+    """Wait until no request runs and the connections are closed (down to ``idle``'s
+    open files when given, else steady for a second); then the figures."""
     server.wait_for(slots_idle, timeout=timeout, what="idle slots")
     deadline = time.monotonic() + timeout
     figures = process_figures(server)
     while time.monotonic() < deadline:
-        time.sleep(0.5)
+        time.sleep(1.0)
         again = process_figures(server)
-        if again["open_files"] == figures["open_files"] and again["kv_blocks_used"] == 0:
+        done = again["open_files"] <= idle["open_files"] if idle else again["open_files"] == figures["open_files"]
+        if done and again["kv_blocks_used"] == 0:
             return again
         figures = again
     return figures
@@ -299,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
                 t0 = time.monotonic()
                 outcomes = soak(srv, args.soak)
                 out = {"soak_s": round(time.monotonic() - t0, 1), "outcomes": outcomes, "idle_before": idle,
-                       "idle_after": settle(srv)}
+                       "idle_after": settle(srv, idle)}
             elif args.short_behind_long:
                 out = {"runs": [short_behind_long(srv, 3000), short_behind_long(srv, None)]}
             else:

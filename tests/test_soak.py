@@ -25,7 +25,7 @@ def test_soak_returns_to_idle(tmp_path: Path) -> None:
         soak(srv, WARM_UP)  # allocator pools, histograms and the prefix cache fill up here
         before = settle(srv)
         outcomes = soak(srv, SOAK)
-        after = settle(srv)
+        after = settle(srv, before)
     finally:
         assert srv.stop() == 0, srv.log()
     per_kind = SOAK // 6
