@@ -31,6 +31,7 @@ from edge.kv.contiguous import ContiguousKV
 from edge.kv.paged import BlockPool, PagedKVCache
 from edge.loader import expected_shapes, fused_layout
 from edge.model import Model
+from edge.quant import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
 from edge.tokenizer import Tokenizer
 from edge.validate import check_finite_weights, model_directory
@@ -201,7 +202,8 @@ class Engine:
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
         model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
         if check_weights:
-            check_finite_weights(model.w, fused_layout(expected_shapes(cfg)))
+            tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
+            check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
         return cls(

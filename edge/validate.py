@@ -14,7 +14,7 @@ The loader, the config parser and the engine call these; ``ConfigError`` and
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -125,25 +125,19 @@ def check_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> Non
                               "needs its metadata and scales: tools/quantize.py)")
 
 
-def _float_parts(weight: Any) -> list[torch.Tensor]:
-    """The floating-point tensors of a weight: itself, or a quantized weight's scales."""
-    if isinstance(weight, torch.Tensor):
-        return [weight] if weight.is_floating_point() else []
-    parts = (getattr(weight, a, None) for a in getattr(weight, "__slots__", ()))
-    return [t for t in parts if isinstance(t, torch.Tensor) and t.is_floating_point()]
-
-
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
     flat = t.reshape(-1)
     return torch.stack([torch.isfinite(c).all() for c in flat.split(FINITE_CHUNK)]).all()
 
 
-def check_finite_weights(weights: Mapping[str, Any], layout: Mapping[str, tuple[str, int]]) -> None:
+def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], layout: Mapping[str, tuple[str, int]]) -> None:
     """CheckpointError naming the checkpoint tensor that holds NaN or infinity.
 
-    ``layout`` maps each checkpoint tensor to (loaded weight name, first row), as
-    edge/loader.py fuses q/k/v and gate/up; it turns a bad row back into a name."""
-    flags = [(name, t, _all_finite(t)) for name, w in weights.items() for t in _float_parts(w)]
+    ``tensors``: (loaded weight name, tensor) pairs, a quantized weight's scales among
+    them (integer tensors are skipped). ``layout`` maps each checkpoint tensor to
+    (loaded weight name, first row), as edge/loader.py fuses q/k/v and gate/up; it
+    turns a bad row back into a name."""
+    flags = [(name, t, _all_finite(t)) for name, t in tensors if t.is_floating_point()]
     if not flags or bool(torch.stack([ok for _, _, ok in flags]).all()):
         return
     name, t, _ = next(f for f in flags if not bool(f[2]))
