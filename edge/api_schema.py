@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from edge.api.errors import BadRequest
+
 if TYPE_CHECKING:  # torch stays out of the import path until the model loads
     from edge.sampling import SamplingParams
 
@@ -35,33 +37,8 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
-class ApiError(Exception):
-    """An error answered with an OpenAI-style body."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        *,
-        type: str = "invalid_request_error",
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-        self.code = code
-        self.headers = headers or {}
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
-    return ApiError(400, message, param=param, code=code)
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> BadRequest:
+    return BadRequest(message, param=param, code=code)
 
 
 # -- request models ----------------------------------------------------------------------
@@ -133,7 +110,7 @@ class CompletionRequest(_Common):
 
 
 def parse_request(body: bytes, model: type[BaseModel]) -> Any:
-    """Validate a JSON body; ApiError(400) naming the offending parameter."""
+    """Validate a JSON body; BadRequest naming the offending parameter."""
     if not body.strip():
         raise bad_request("the request body is empty; expected a JSON object", code="invalid_json")
     try:
@@ -142,7 +119,7 @@ def parse_request(body: bytes, model: type[BaseModel]) -> Any:
         raise _validation_error(exc) from None
 
 
-def _validation_error(exc: ValidationError) -> ApiError:
+def _validation_error(exc: ValidationError) -> BadRequest:
     errors = exc.errors(include_url=False)
     err = errors[0]
     kind = err.get("type", "")
@@ -271,8 +248,8 @@ def completion_prompt(req: CompletionRequest) -> str | list[int]:
         return p
     if not p:
         raise bad_request("'prompt' must not be empty", param="prompt", code="empty_array")
-    if all(isinstance(x, int) for x in p):
-        return list(p)  # type: ignore[arg-type]
+    if isinstance(p[0], int):  # the model validated p as one of list[int], list[str], list[list[int]]
+        return p  # type: ignore[return-value]
     if len(p) != 1:
         raise bad_request("batched prompts are not supported: send one prompt per request", param="prompt",
                           code="unsupported_parameter")

@@ -16,7 +16,9 @@ for a self-contained session.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import sys
 import tempfile
 import threading
@@ -170,8 +172,9 @@ def run_chat(
                 reply.append(text)
             print(file=out, flush=True)
         except KeyboardInterrupt:
-            stream.close()  # closes the HTTP stream: the server cancels the request
-            client.cancel(rid)  # and say so at once (barge-in), whatever the transport
+            with _second_interrupt_ignored():
+                stream.close()  # closes the HTTP stream: the server cancels the request
+                client.cancel(rid)  # and say so at once (barge-in), whatever the transport
             print(" [interrupted]", file=out, flush=True)
         except (ServiceError, httpx.HTTPError) as exc:
             stream.close()
@@ -181,6 +184,20 @@ def run_chat(
         finally:
             stream.close()
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+@contextlib.contextmanager
+def _second_interrupt_ignored() -> Iterator[None]:
+    """While an interrupted answer is being stopped, another Ctrl-C (a double press) is
+    dropped instead of quitting the chat. Only the main thread can own signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def _set_param(params: dict[str, Any], args: list[str]) -> str:
@@ -204,12 +221,15 @@ class InProcessService:
         self._dir = tempfile.TemporaryDirectory(prefix="edge-chat-")
         settings.uds = str(Path(self._dir.name) / "edge.sock")
         self.uds = settings.uds
-        self.server, self.service, sockets = build_server(settings)
-        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": sockets}, name="edge-server",
-                                        daemon=True)
+        self.server, self.service, listener = build_server(settings)
+        assert listener is not None
+        self._listener = listener
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [listener.sock]},
+                                        name="edge-server", daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(timeout=15.0)
+        self._listener.close()
         self._dir.cleanup()

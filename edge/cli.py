@@ -5,11 +5,55 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
+
+from edge.settings import non_negative_float, positive_int, power_of_two
 
 DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse whose errors are one line (no usage block), exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _checked(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """An argparse type from a parser that raises ValueError with a message."""
+
+    def check(text: str) -> object:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    check.__name__ = parse.__name__
+    return check
+
+
+def _in_range(low: float, high: float, low_open: bool = False) -> Callable[[str], object]:
+    def in_range(text: str) -> float:
+        v = float(text)
+        if not (math.isfinite(v) and (low < v if low_open else low <= v) and v <= high):
+            raise ValueError(f"must be in {'(' if low_open else '['}{low:g}, {high:g}], got {text}")
+        return v
+
+    return _checked(in_range)
+
+
+def _non_negative_int(text: str) -> int:
+    v = int(text)
+    if v < 0:
+        raise ValueError(f"must be >= 0, got {v}")
+    return v
+
+
+POSITIVE_INT = _checked(positive_int)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -17,8 +61,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--kv", choices=("paged", "contiguous"), default="paged", help="KV-cache backend")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block (power of two)")
-    p.add_argument("--max-seq-len", type=int, help="context length (default: min(model max, 4096))")
+    p.add_argument("--page-size", type=_checked(power_of_two), default=16, help="tokens per KV block (power of two)")
+    p.add_argument("--max-seq-len", type=POSITIVE_INT, help="context length (default: min(model max, 4096))")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
     p.add_argument(
         "--kernels",
@@ -28,12 +72,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "reference: the slow torch reference, chosen explicitly (env EDGE_KERNELS)",
     )
     p.add_argument("--quantize", choices=("int8",), help="quantize a float checkpoint to int8 (q8_0) while loading")
-    p.add_argument("--kv-blocks", type=int, help="KV pool size in blocks (default: from the memory budget)")
+    p.add_argument("--kv-blocks", type=POSITIVE_INT, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
     p.add_argument(
-        "--memory-utilization", type=float, default=0.9, help="fraction of available memory to use (default 0.9)"
+        "--memory-utilization", type=_in_range(0, 1, low_open=True), default=0.9,
+        help="fraction of available memory to use (default 0.9)"
     )
     p.add_argument("--memory-reserve", type=_reserve_size, help=RESERVE_HELP)
+    p.add_argument("--skip-weight-check", action="store_true", help="load weights holding NaN or infinity anyway")
 
 
 RESERVE_HELP = "memory kept free for the OS and other processes on an integrated GPU, e.g. 2GiB, 0 (default 1.5GiB)"
@@ -58,19 +104,30 @@ def _reserve_size(text: str) -> int:
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    # The ranges of SamplingParams.validate, checked here so that nothing loads first.
+    p.add_argument("--max-tokens", type=_checked(_non_negative_int), default=64)
+    p.add_argument("--temperature", type=_in_range(0, 100), default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=_checked(_non_negative_int), default=0)
+    p.add_argument("--top-p", type=_in_range(0, 1, low_open=True), default=1.0)
+    p.add_argument("--repetition-penalty", type=_in_range(0, 10, low_open=True), default=1.0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
 
 
+def check_engine_args(model: str | None, device: str | None, dtype: str | None) -> None:
+    """Model directory, device and dtype, checked before anything loads."""
+    from edge.validate import check_device_and_dtype, model_directory
+
+    if model is not None:
+        model_directory(model)
+    check_device_and_dtype(device, dtype)
+
+
 def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of `edge --help`
     from edge.engine import Engine
 
+    check_engine_args(args.model, args.device, args.dtype)
     return Engine.from_pretrained(
         args.model,
         device=args.device,
@@ -85,6 +142,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         kv_memory=args.kv_memory,
         memory_utilization=args.memory_utilization,
         memory_reserve=args.memory_reserve,
+        check_weights=not args.skip_weight_check,
     )
 
 
@@ -103,13 +161,24 @@ def sampling_params(args: argparse.Namespace):  # noqa: ANN201
     )
 
 
+def _prompt_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--prompt-ids takes comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise ValueError(f"--prompt-ids takes non-negative token ids, got {text!r}")
+    return ids
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    engine = load_engine(args)
     if args.prompt_ids:
-        prompt: str | list[int] = [int(t) for t in args.prompt_ids.split(",") if t.strip()]
+        prompt: str | list[int] = _prompt_ids(args.prompt_ids)
     else:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     params = sampling_params(args)
+    params.validate()
+    engine = load_engine(args)
     if args.json:
         r = engine.generate(prompt, params)
         out = {
@@ -194,11 +263,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.in_process:
         from edge.settings import Settings
 
+        check_engine_args(args.model, args.device, args.dtype)
         logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
         local = InProcessService(
             Settings(
                 model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
                 max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
+                skip_weight_check=args.skip_weight_check,
                 log_level="debug" if args.verbose else "warning",
             )
         )
@@ -221,10 +292,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edge.settings import export_file_vars, resolve
 
     cli = {k: getattr(args, k, None) for k in (
-        "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype",
+        "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
         "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "config",
         "log_level")}
+    cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
+    check_engine_args(settings.model, settings.device, settings.dtype)
     export_file_vars(file_vars)
     if not args.verbose:
         logging.getLogger().setLevel(settings.log_level.upper())
@@ -246,7 +319,7 @@ def cmd_monitor(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="edge", description="LLM inference for NVIDIA Jetson Orin")
+    parser = _Parser(prog="edge", description="LLM inference for NVIDIA Jetson Orin")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -264,7 +337,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--uds", help="service Unix socket (instead of --url)")
     c.add_argument("--api-key-file", help="file holding the bearer key (default: $EDGE_API_KEY)")
     c.add_argument("--in-process", action="store_true", help="start the service inside this process")
-    c.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the service to be ready")
+    c.add_argument("--wait", type=_checked(non_negative_float), default=120.0,
+                   help="seconds to wait for the service to be ready")
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=256)
@@ -280,6 +354,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--queue-size", type=int, help="waiting requests before 429 [EDGE_QUEUE_SIZE] (default 8)")
     s.add_argument("--device", help="cpu or cuda [EDGE_DEVICE]")
     s.add_argument("--dtype", help="float32, bfloat16 or float16 [EDGE_DTYPE]")
+    s.add_argument("--kernels", choices=("auto", "cuda", "reference"),
+                   help="auto: the CUDA kernels on a GPU, which must load; reference: the slow torch path, "
+                   "chosen explicitly [EDGE_KERNELS]")
     s.add_argument("--page-size", type=int, help="tokens per KV block [EDGE_PAGE_SIZE] (default 16)")
     s.add_argument("--max-seq-len", type=int, help="context length [EDGE_MAX_SEQ_LEN]")
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
@@ -287,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
     s.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
+    s.add_argument("--skip-weight-check", action="store_true",
+                   help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")
     s.add_argument("--config", help="KEY=VALUE environment file, as systemd's EnvironmentFile [EDGE_CONFIG]")
     s.set_defaults(func=cmd_serve)
 
@@ -299,8 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     v.set_defaults(func=cmd_verify)
 
     m = sub.add_parser("monitor", help="print live temperature and power samples")
-    m.add_argument("--period", type=float, default=1.0, help="seconds between samples")
-    m.add_argument("--count", type=int, help="stop after N samples")
+    m.add_argument("--period", type=_in_range(0, 3600, low_open=True), default=1.0, help="seconds between samples")
+    m.add_argument("--count", type=POSITIVE_INT, help="stop after N samples")
     m.add_argument("--json", action="store_true", help="JSON lines")
     m.add_argument("--source", choices=("jtop", "sysfs", "nvml", "none"), help="force a source")
     m.add_argument("--sysfs-root", help="sysfs root (default /sys or $EDGE_SYSFS_ROOT)")

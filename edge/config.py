@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from edge.validate import ConfigError, check_config_fields
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -26,10 +28,6 @@ DTYPES = {
     "fp16": torch.float16,
     "half": torch.float16,
 }
-
-
-class ConfigError(ValueError):
-    """A config.json this engine cannot run, with the offending field named."""
 
 
 def parse_dtype(value: str | torch.dtype) -> torch.dtype:
@@ -97,6 +95,9 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        check_config_fields(d)
         archs = d.get("architectures") or []
         known = [a for a in archs if a in SUPPORTED_ARCHITECTURES]
         if not known:

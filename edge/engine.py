@@ -21,6 +21,7 @@ import torch
 from edge.backend import Backend, select_backend
 from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
 from edge.config import ModelConfig, parse_dtype
+from edge.errors import PromptTooLong
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder
 from edge.kernels.int8_cuda import Int8Tuning
@@ -28,18 +29,17 @@ from edge.kernels.paged_cuda import DecodeTuning
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.contiguous import ContiguousKV
 from edge.kv.paged import BlockPool, PagedKVCache
+from edge.loader import expected_shapes, fused_layout
 from edge.model import Model
+from edge.quant import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
 from edge.tokenizer import Tokenizer
+from edge.validate import check_finite_weights, model_directory
 
 log = logging.getLogger(__name__)
 
 KV_KINDS = ("paged", "contiguous")
 DEFAULT_MAX_SEQ_LEN = 4096
-
-
-class PromptTooLong(ValueError):
-    """The prompt does not fit the context with room for one generated token."""
 
 
 def default_device() -> torch.device:
@@ -176,6 +176,7 @@ class Engine:
         max_seq_len: int | None = None,
         quantize: str | None = None,
         quant_group_size: int | None = None,
+        check_weights: bool = True,
         **options,
     ) -> "Engine":
         """Load a Hugging Face model directory (default: the embedded random model).
@@ -183,14 +184,13 @@ class Engine:
         dtype defaults to float32 on the CPU and bfloat16 on a GPU. A q8_0 checkpoint
         (tools/quantize.py) loads with int8 projections; ``quantize="int8"`` quantizes a
         float one while loading (group size ``quant_group_size``, default 128).
+        ``check_weights`` refuses weights holding NaN or infinity (edge/validate.py).
         """
         if path is None:
             from edge.random_model import default_model_path
 
             path = default_model_path()
-        path = Path(path)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model directory {path} does not exist")
+        path = model_directory(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         cfg = ModelConfig.from_pretrained(path)
@@ -205,8 +205,12 @@ class Engine:
                 from edge.backend import BackendUnavailable, kernel_fix_hint
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
-        model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
+        # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+        model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
+        if check_weights:
+            tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
+            check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
         return cls(

@@ -20,14 +20,11 @@ import torch
 from safetensors import safe_open
 
 from edge.config import ModelConfig
+from edge.validate import CheckpointError, check_tensor
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 READ_CHUNK_BYTES = 64 << 20
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that cannot be loaded; the message names the file or tensor."""
 
 
 def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
@@ -215,8 +212,7 @@ def place_rows(
         name = piece.name
         if name not in shapes:
             continue
-        if piece.shape != shapes[name]:
-            raise CheckpointError(f"tensor {name} has shape {piece.shape}, config.json implies {shapes[name]}")
+        check_tensor(name, piece.shape, piece.data.dtype, shapes[name])
         dest, row = layout[name]
         n = piece.data.shape[0]
         out[dest][row + piece.row : row + piece.row + n].copy_(piece.data)

@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from edge.dirlock import locked_directory
+
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
@@ -268,6 +270,32 @@ def tokenizer_json() -> str:
     # Added after training so the special tokens sit at the end of the vocabulary, as in Qwen.
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     return tok.to_str()
+
+
+def covering_tokenizer_json(vocab_size: int) -> str:
+    """The local tokenizer, grown to ``vocab_size`` ids when the model's vocabulary is
+    larger than the trained one (the published presets): each extra id is a new entry
+    spelling two trained tokens, so every id a random model samples decodes to text.
+    No merge produces an extra entry, so encoding is unchanged."""
+    trained = tokenizer_vocab_size()
+    if vocab_size <= trained:
+        return tokenizer_json()
+    data = json.loads(tokenizer_json())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    pieces = sorted(vocab, key=vocab.__getitem__)
+    # The special tokens join the model's vocabulary at their ids: with a gap there,
+    # tokenizers would renumber them after the extra entries.
+    vocab.update({t["content"]: t["id"] for t in data["added_tokens"]})
+    taken = set(vocab)
+    pairs = (a + b for a in pieces for b in pieces)
+    next_id = trained
+    while next_id < vocab_size:
+        entry = next(pairs)
+        if entry not in taken:
+            vocab[entry] = next_id
+            taken.add(entry)
+            next_id += 1
+    return json.dumps(data, ensure_ascii=False)
 
 
 def special_token_ids() -> dict[str, int]:
@@ -554,8 +582,8 @@ def _write_weights(
     _write_json(out_dir / "model.safetensors.index.json", index_data)
 
 
-def _write_tokenizer(out_dir: Path, max_length: int) -> None:
-    (out_dir / "tokenizer.json").write_text(tokenizer_json(), encoding="utf-8")
+def _write_tokenizer(out_dir: Path, max_length: int, vocab_size: int) -> None:
+    (out_dir / "tokenizer.json").write_text(covering_tokenizer_json(vocab_size), encoding="utf-8")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config(max_length))
     _write_json(out_dir / "generation_config.json", generation_config())
 
@@ -578,7 +606,7 @@ def make_model(
     torch_dtype = parse_dtype(dtype)
     config = model_config(arch, preset, torch_dtype=_dtype_name(torch_dtype), **overrides)
     _write_json(out / "config.json", config)
-    _write_tokenizer(out, config["max_position_embeddings"])
+    _write_tokenizer(out, config["max_position_embeddings"], config["vocab_size"])
     _write_weights(out, config, seed, torch_dtype, max_shard_bytes)
     return out
 
@@ -598,20 +626,24 @@ def preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
 
 
 def _cached_model(name: str, **make: Any) -> Path:
+    """Built in a temporary directory and renamed into place (atomic: readers see no
+    directory or a complete one), under a lock on the models directory, so that
+    concurrent first uses build it once and a build killed half-way leaves a temporary
+    directory that the next build removes."""
     models = cache_dir() / "models"
     final = models / name
     if final.is_dir():
         return final
     models.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
-    try:
-        make_model(tmp, **make)
-        # rename is atomic: readers see no directory or a complete one. A process that
-        # loses the race finds `final` already there and drops its own copy.
-        os.rename(tmp, final)
-    except OSError:
-        if not final.is_dir():
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    with locked_directory(models):
+        if final.is_dir():  # built by another process while we waited
+            return final
+        for stale in models.glob(f".{name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
+        try:
+            make_model(tmp, **make)
+            os.rename(tmp, final)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
     return final

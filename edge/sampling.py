@@ -14,12 +14,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from edge.errors import SamplingError
+
 _MASK32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so products of 32-bit values fit in int64 without overflow
-
-
-class SamplingError(ValueError):
-    """Sampling parameters out of range; the message names the parameter."""
 
 
 @dataclass

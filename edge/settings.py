@@ -34,10 +34,23 @@ def parse_optional_bool(text: str) -> bool | None:
     return None if text.strip().lower() in ("", "auto") else parse_bool(text)
 
 
-def _positive_int(text: str) -> int:
+def kernel_choice(text: str) -> str:
+    if text not in ("auto", "cuda", "reference"):
+        raise ValueError(f"expected auto, cuda or reference, got {text!r}")
+    return text
+
+
+def positive_int(text: str) -> int:
     v = int(text)
     if v < 1:
         raise ValueError(f"must be a positive integer, got {v}")
+    return v
+
+
+def power_of_two(text: str) -> int:
+    v = int(text)
+    if v < 1 or v & (v - 1):
+        raise ValueError(f"must be a power of two, got {v}")
     return v
 
 
@@ -48,7 +61,18 @@ def _port(text: str) -> int:
     return v
 
 
-def _non_negative_float(text: str) -> float:
+def _file_mode(text: str) -> int:
+    v = int(text, 8)
+    if not 0 <= v <= 0o777:
+        raise ValueError(f"must be an octal file mode such as 0660, got {text!r}")
+    return v
+
+
+def _comma_list(text: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
         raise ValueError(f"must be >= 0, got {v}")
@@ -64,10 +88,15 @@ class Settings:
     host: str = "127.0.0.1"
     port: int = 8000
     uds: str | None = None  # listen on this Unix socket instead of TCP
+    uds_mode: int = 0o660  # permissions of the socket file
+    uds_group: str | None = None  # group of the socket file (name or number; default: ours)
     api_key_file: str | None = None  # bearer key required on /v1/* when set
+    allowed_hosts: tuple[str, ...] = ()  # Host names answered besides loopback and the bind address ("*": any)
+    cors_origins: tuple[str, ...] = ()  # origins sent CORS headers (none by default)
     queue_size: int = 8
     device: str | None = None
     dtype: str | None = None
+    kernels: str = "auto"  # "reference": the torch path, chosen explicitly (no kernels, no graphs)
     page_size: int = 16
     max_seq_len: int | None = None
     kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
@@ -76,8 +105,10 @@ class Settings:
     prefill_chunk: int | None = None
     prefix_cache: bool = True
     cuda_graph: bool | None = None  # None: on a GPU
+    skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
+    max_body: int | None = None  # request body bytes before 413 (None: max(1 MiB, 64 B x context))
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 
@@ -89,20 +120,27 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_HOST": ("host", str),
     "EDGE_PORT": ("port", _port),
     "EDGE_UDS": ("uds", str),
+    "EDGE_UDS_MODE": ("uds_mode", _file_mode),
+    "EDGE_UDS_GROUP": ("uds_group", str),
     "EDGE_API_KEY_FILE": ("api_key_file", str),
-    "EDGE_QUEUE_SIZE": ("queue_size", _positive_int),
+    "EDGE_ALLOWED_HOSTS": ("allowed_hosts", _comma_list),
+    "EDGE_CORS_ORIGINS": ("cors_origins", _comma_list),
+    "EDGE_QUEUE_SIZE": ("queue_size", positive_int),
     "EDGE_DEVICE": ("device", str),
+    "EDGE_KERNELS": ("kernels", kernel_choice),
     "EDGE_DTYPE": ("dtype", str),
-    "EDGE_PAGE_SIZE": ("page_size", _positive_int),
-    "EDGE_MAX_SEQ_LEN": ("max_seq_len", _positive_int),
-    "EDGE_KV_BLOCKS": ("kv_blocks", _positive_int),
+    "EDGE_PAGE_SIZE": ("page_size", power_of_two),
+    "EDGE_MAX_SEQ_LEN": ("max_seq_len", positive_int),
+    "EDGE_KV_BLOCKS": ("kv_blocks", positive_int),
     "EDGE_KV_MEMORY": ("kv_memory", parse_bytes),
     "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
-    "EDGE_PREFILL_CHUNK": ("prefill_chunk", _positive_int),
+    "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
-    "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", _positive_int),
-    "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", _non_negative_float),
+    "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),
+    "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", positive_int),
+    "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", non_negative_float),
+    "EDGE_MAX_BODY": ("max_body", parse_bytes),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}
@@ -190,7 +228,7 @@ def resolve(
     ``cli["config"]``, else ``$EDGE_CONFIG``) over the defaults.
 
     Returns the settings and the file's variables (for :func:`export_file_vars`).
-    Raises ValueError naming the variable for a bad value.
+    Raises ValueError naming the variable or flag for a bad value.
     """
     cli = dict(cli or {})
     environ = os.environ if environ is None else environ
@@ -211,8 +249,12 @@ def resolve(
     for name, value in cli.items():
         if value is None or name not in names:
             continue
-        if isinstance(value, str) and name in FIELD_PARSERS and FIELD_PARSERS[name] is not str:
-            value = FIELD_PARSERS[name](value)
+        parse = FIELD_PARSERS.get(name, str)
+        if parse is not str:  # the same rules as the variable, so --port 99999 fails here, not in uvicorn
+            try:
+                value = parse(str(value))
+            except ValueError as exc:
+                raise ValueError(f"bad --{name.replace('_', '-')} {value}: {exc}") from None
         setattr(s, name, value)
     s.config = str(path) if path else None
     s.log_level = s.log_level.lower()

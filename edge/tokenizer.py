@@ -16,20 +16,31 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from edge.errors import ChatTemplateError
+
 Message = Mapping[str, Any]
 
 REPLACEMENT_CHAR = "\ufffd"
 
 
-class ChatTemplateError(ValueError):
-    """The model has no chat template, or the template rejected the conversation."""
+class TokenizerError(ValueError):
+    """A tokenizer file that cannot be parsed; the message names the file, on one line."""
+
+
+def _one_line(exc: Exception) -> str:
+    return " ".join(str(exc).split())
 
 
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    with path.open(encoding="utf-8") as f:
-        data: dict[str, Any] = json.load(f)
+    try:
+        with path.open(encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise TokenizerError(f"cannot parse {path}: {_one_line(exc)}") from None
+    if not isinstance(data, dict):
+        raise TokenizerError(f"cannot parse {path}: expected a JSON object, got {type(data).__name__}")
     return data
 
 
@@ -118,8 +129,12 @@ class Tokenizer:
         template_file = root / "chat_template.jinja"
         # Recent transformers versions save the template next to the config instead of inside it.
         chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        try:
+            hf = _HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as exc:  # tokenizers raises a bare Exception for malformed files
+            raise TokenizerError(f"cannot parse {tokenizer_file}: {_one_line(exc)}") from None
         return cls(
-            _HFTokenizer.from_file(str(tokenizer_file)),
+            hf,
             tokenizer_config=_read_json(root / "tokenizer_config.json"),
             generation_config=_read_json(root / "generation_config.json"),
             model_config=_read_json(root / "config.json"),
@@ -172,7 +187,25 @@ class Tokenizer:
     # ------------------------------------------------------------------ text
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """``encode``, with the GIL released while the Rust tokenizer runs (its
+        ``encode_batch`` releases it, ``encode`` does not): other Python threads, such
+        as an event loop or an engine loop, keep running during a long text."""
+        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        return self._with_bos(ids, add_special_tokens)
+
+    @cached_property
+    def chars_per_token(self) -> int:
+        """The most characters of input one token can stand for: the longest vocabulary
+        entry (byte-level entries spell one byte per character, so this bounds UTF-8
+        bytes too), times 4 when a normalizer may compose up to 4 code points into one
+        (the longest canonical decomposition in Unicode)."""
+        longest = max((len(t) for t in self._tok.get_vocab(with_added_tokens=True)), default=1)
+        return longest * (4 if self._tok.normalizer is not None else 1)
+
+    def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         # tokenizer.json post-processors usually add BOS themselves (Llama 3); this covers
         # the ones whose config asks for it without a post-processor that does it.
         if add_special_tokens and self.add_bos_token and self.bos_token is not None:

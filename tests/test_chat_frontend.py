@@ -107,3 +107,25 @@ def test_chat_in_process(tmp_path: Path) -> None:
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_two_quick_ctrl_c_stop_the_answer_but_not_the_chat(service: ServerProc) -> None:
+    child = _spawn(service, "--max-tokens", "4000", "--ignore-eos", "--temperature", "0")
+    try:
+        child.expect_exact("> ")
+        for _ in range(3):
+            before = service.metrics()
+            child.sendline("Tell me a very long story")
+            service.wait_for(lambda m, b=before: m["edge_generated_tokens_total"] >= b["edge_generated_tokens_total"]
+                             + 20 and m["edge_requests_in_flight"] == 1, what="a streaming answer")
+            child.sendintr()
+            child.sendintr()  # a second Ctrl-C while the first is still being handled
+            child.expect_exact("[interrupted]")
+            child.expect_exact("> ")
+            service.wait_for(slots_idle, what="the answer cancelled")
+        assert child.isalive()
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=20)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before

@@ -79,3 +79,29 @@ def test_explicit_reference_choice_is_not_an_error(tmp_path: Path) -> None:
     assert b.kind == "reference" and b.graph is None
     assert any("chosen by the operator" in n for n in b.planned_reference)
     assert b.describe()["attention"] == "reference (torch)"
+
+
+BAD_FLAGS = [
+    (("serve", "--queue-size", "0"), "--queue-size"),
+    (("serve", "--port", "99999"), "--port"),
+    (("serve", "--page-size", "12"), "power of two"),
+    (("serve", "--model", "README.md"), "expects a model directory"),
+    (("serve", "--dtype", "int3"), "unsupported dtype"),
+    (("generate", "--page-size", "3"), "power of two"),
+    (("generate", "--max-seq-len", "0"), "positive integer"),
+    (("generate", "--temperature", "-1"), "--temperature"),
+    (("generate", "--top-p", "1.5"), "--top-p"),
+    (("generate", "--memory-utilization", "2"), "--memory-utilization"),
+    (("generate", "--prompt-ids", "1,x,3"), "--prompt-ids"),
+    (("generate", "--device", "tpu"), "unknown device"),
+    (("chat", "--in-process", "--kv-blocks", "-4"), "positive integer"),
+    (("info", "--model", "/nonexistent/model"), "does not exist"),
+]
+
+
+def test_bad_flags_fail_before_loading_in_one_line() -> None:
+    for args, needle in BAD_FLAGS:
+        r = run("-m", "edge.cli", *args, timeout=60)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, r.stderr)
+        assert "KV budget" not in r.stderr and "loading model" not in r.stderr  # nothing was loaded

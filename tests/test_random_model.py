@@ -3,8 +3,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,6 +224,24 @@ def test_tokenizer_training_is_deterministic_across_processes() -> None:
     assert out.stdout.strip() == hashlib.sha256(rm.tokenizer_json().encode()).hexdigest()
 
 
+def test_presets_tokenizer_covers_the_model_vocabulary(transformers) -> None:
+    from tokenizers import Tokenizer
+
+    from edge.tokenizer import Tokenizer as EdgeTokenizer
+
+    vocab = PRESETS["qwen3-0.6b"]["vocab_size"]
+    covering = Tokenizer.from_str(rm.covering_tokenizer_json(vocab))
+    trained = Tokenizer.from_str(rm.tokenizer_json())
+    assert covering.get_vocab_size(with_added_tokens=True) == vocab
+    assert all(covering.decode([i], skip_special_tokens=False) for i in range(vocab))  # every id is text
+    texts = [rm.CORPUS, "<|im_start|>user\nHi 今天 🎉<|im_end|>\n<|endoftext|>", "  spaces\ttabs\n"]
+    for text in texts:  # encoding is the trained tokenizer's, also as transformers reads the file
+        assert covering.encode(text).ids == trained.encode(text).ids
+    hf = transformers.PreTrainedTokenizerFast(tokenizer_object=covering)
+    assert hf.encode(texts[1], add_special_tokens=False) == trained.encode(texts[1]).ids
+    assert EdgeTokenizer(covering).decode([vocab - 1])
+
+
 # ---------------------------------------------------------------- default model and CLI
 
 
@@ -245,6 +265,25 @@ def test_default_model_path_created_once(tmp_path: Path, monkeypatch: pytest.Mon
     mtime = (path / "model.safetensors").stat().st_mtime_ns
     assert default_model_path() == path
     assert (path / "model.safetensors").stat().st_mtime_ns == mtime and file_digests(path) == before
+
+
+def test_a_killed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    code = "from edge.random_model import default_model_path; default_model_path()"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env)
+    models = tmp_path / "models"
+    deadline = time.monotonic() + 60
+    while not any(p.name.startswith(".default-v1-") for p in (models.iterdir() if models.is_dir() else ())):
+        assert time.monotonic() < deadline and proc.poll() is None, "the build never started"
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)  # mid-build
+    proc.wait()
+    leftovers = [p.name for p in models.iterdir()]
+    assert leftovers and all(n.startswith(".default-v1-") for n in leftovers), leftovers
+    path = default_model_path()
+    assert sorted(p.name for p in models.iterdir()) == ["default-v1"]
+    assert json.loads((path / "config.json").read_text())["num_hidden_layers"] == 4
 
 
 def test_cli_from_repo_root(tmp_path: Path) -> None:

@@ -117,22 +117,23 @@ class _FakeScheduler:
 
 
 def test_service_health_rule_follows_the_engine_loop() -> None:
-    from edge.server import Service
+    from edge.service import Service
     from edge.settings import Settings
 
     svc = Service(Settings(), environ={"NOTIFY_SOCKET": "/nonexistent", "WATCHDOG_USEC": "200000"})
+    assert svc.state == "starting" and svc.healthy()  # before the loader thread even exists
     svc.state = "ready"
     sched = _FakeScheduler()
     svc.scheduler = sched
     assert svc.healthy()
     sched.heartbeat = time.monotonic() - svc.heartbeat_stale_s - 1  # loop stuck
     assert not svc.healthy()
-    assert svc.health()[0] == 503
+    assert svc.health()[0] is False
     sched.heartbeat = time.monotonic()
     sched.alive = False  # loop thread died
     assert not svc.healthy()
     sched.alive = True
-    assert svc.healthy() and svc.health()[0] == 200
+    assert svc.healthy() and svc.health()[0] is True
     svc.state = "failed"
     assert not svc.healthy()
 
@@ -153,6 +154,8 @@ def test_service_under_a_fake_notify_socket(tmp_path: Path) -> None:
         assert any(s.startswith("STATUS=ready") for s in statuses), statuses
         lines = sink.lines()
         assert lines.index("READY=1") > next(i for i, s in enumerate(lines) if s.startswith("STATUS=loading"))
+        assert "WATCHDOG=1" in lines[: lines.index("READY=1")]  # pinged while loading
+        assert "withholding" not in srv.log() and " ERROR " not in srv.log(), srv.log()
         srv.signal()
         assert srv.proc.wait(15) == 0, srv.log()
         assert "STOPPING=1" in sink.lines()

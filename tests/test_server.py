@@ -420,8 +420,8 @@ def test_sigterm_during_streaming_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_sse_event_survives_unicode_line_separators() -> None:
-    from edge.server import _json_line
+    from edge.api.completions import sse_event
 
-    event = _json_line({"text": "a\u2028b\u2029c\x85d\né"})
+    event = sse_event({"text": "a\u2028b\u2029c\x85d\né"})
     assert event.splitlines() == [event.rstrip("\n"), ""]  # one line + the blank, however split
     assert json.loads(event[len("data: "):])["text"] == "a\u2028b\u2029c\x85d\né"

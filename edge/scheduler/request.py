@@ -14,18 +14,13 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING
 
+from edge.errors import InvalidPrompt, QueueFull
 from edge.generation import Chunk, GenerationResult
+
+__all__ = ["InvalidPrompt", "QueueFull", "RequestHandle"]
 
 if TYPE_CHECKING:
     from edge.scheduler.scheduler import Scheduler
-
-
-class QueueFull(RuntimeError):
-    """The bounded request queue is full (HTTP 429): retry later."""
-
-
-class InvalidPrompt(ValueError):
-    """The prompt holds token ids outside the model's vocabulary (HTTP 400)."""
 
 
 def _wake(fut: asyncio.Future) -> None:

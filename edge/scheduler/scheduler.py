@@ -46,7 +46,8 @@ from edge.kv import KVOutOfMemory
 from edge.kv.paged import PagedSequence
 from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplerState, SamplingParams, sample
-from edge.scheduler.request import InvalidPrompt, QueueFull, RequestHandle
+from edge.errors import DuplicateRequestId, InvalidPrompt, QueueFull, SchedulerStopped
+from edge.scheduler.request import RequestHandle
 
 log = logging.getLogger(__name__)
 
@@ -192,7 +193,8 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a request; raises SamplingError, PromptTooLong, InvalidPrompt,
-        QueueFull or the governor's DeviceTooHot on the caller's thread."""
+        QueueFull, DuplicateRequestId, SchedulerStopped (edge/errors.py) or the
+        governor's DeviceTooHot on the caller's thread."""
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         ids = [int(t) for t in prompt_ids]
@@ -205,7 +207,7 @@ class Scheduler:
             self.governor.check_admission()
         with self._lock:
             if self._stopping:
-                raise RuntimeError("scheduler is stopped")
+                raise SchedulerStopped("scheduler is stopped")
             if len(self._queue) >= self.queue_size:
                 raise QueueFull(
                     f"request queue is full ({len(self._queue)} of {self.queue_size} waiting "
@@ -213,7 +215,7 @@ class Scheduler:
                 )
             rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
             if rid in self._requests:
-                raise ValueError(f"request id {rid!r} is already in flight")
+                raise DuplicateRequestId(f"request id {rid!r} is already in flight")
             handle = RequestHandle(rid, self)
             req = _Request(rid, ids, params, handle, time.perf_counter())
             if self.energy is not None:
