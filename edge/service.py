@@ -50,6 +50,7 @@ class Service:
         self.metrics = ServiceMetrics(self.registry, self._stats_or_none, lambda: self.state == "ready")
         self.monitor_config = MonitorConfig.from_env(self.environ)
         self.monitor: Monitor | None = None
+        self.platform: dict[str, Any] | None = None
         self.engine: Engine | None = None
         self.scheduler: Any = None
         self.state = "starting"  # starting, loading, warming, ready, failed, stopping
@@ -109,6 +110,9 @@ class Service:
                 **options,
             )
             self.engine = engine
+            from edge.platform_info import probe_platform
+
+            self.platform = probe_platform().as_dict()  # versions and SMs, probed once
             self._set_state("warming")
             # Every decode graph both slots can need, before serving: no request pays a capture.
             log.info("captured %d decode graphs", engine.capture_graphs())
@@ -305,6 +309,8 @@ class Service:
             body["error"] = self.error
         if self.engine is not None:
             body["engine"] = self.engine.info()
+        if self.platform is not None:
+            body["platform"] = self.platform
         stats = None
         with contextlib.suppress(Exception):
             stats = self._stats_or_none()
