@@ -28,7 +28,7 @@ from edge.voice.tts import EspeakSynthesizer  # noqa: E402
 QUESTION = "Hello robot, what is the weather like today?"
 BARGE_IN = "Stop. Tell me a story about the paged cache instead."
 # (silence before it in seconds, text): the gap lets the first answer start playing
-CONVERSATION = ((0.5, QUESTION), (2.5, BARGE_IN))
+CONVERSATION = ((0.5, QUESTION), (3.0, BARGE_IN))
 
 
 def make_conversation_wav(path: str | Path, parts=CONVERSATION, tail_s: float = 2.5,  # noqa: ANN001

@@ -39,8 +39,10 @@ class PhraseCutter:
         return piece or None
 
     def _cut(self) -> int | None:
+        """Where the next piece ends, or None to wait for more text."""
         buf = self._buf
-        for i, ch in enumerate(buf):
+        limit = self.first_max_chars if self._emitted == 0 else self.max_chars
+        for i, ch in enumerate(buf[:limit]):
             if ch in WIDE_END:
                 return i + 1
             if ch in WIDE_MARK and i + 1 >= self.min_chars:
@@ -49,9 +51,8 @@ class PhraseCutter:
                 j = i + 1
                 while j < len(buf) and buf[j] in CLOSERS:
                     j += 1
-                if j < len(buf) and buf[j].isspace():  # "3.14" and "e.g.x" are not boundaries
+                if j <= limit and j < len(buf) and buf[j].isspace():  # "3.14" and "e.g.x" are not boundaries
                     return j
-        limit = self.first_max_chars if self._emitted == 0 else self.max_chars
         if len(buf) <= limit:
             return None
         space = max((m.start() for m in re.finditer(r"\s", buf[1:limit + 1])), default=-1) + 1
