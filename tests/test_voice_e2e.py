@@ -37,7 +37,9 @@ def server(tmp_path_factory: pytest.TempPathFactory):
 def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) -> None:
     bench = _bench_tool()
     wav, out = tmp_path / "conversation.wav", tmp_path / "answer.wav"
-    (q_start, q_end), (b_start, b_end) = bench.make_conversation_wav(wav)
+    # 4 s after the question: time for its answer to start playing on a busy 2-core runner
+    (q_start, q_end), (b_start, b_end) = bench.make_conversation_wav(
+        wav, parts=((0.5, bench.QUESTION), (4.0, bench.BARGE_IN)))
     before = server.metrics()
     # a long answer (ignore_eos): still generating when the second utterance barges in;
     # the second answer is cancelled when the input ends
@@ -54,7 +56,7 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     assert first["interrupted_by"] == "barge-in"
     assert m1["first_audio"] < m1["barge_onset"], "the answer was not playing yet when the user spoke again"
     assert b_start - 0.1 < m1["barge_onset"] < b_start + 0.4
-    assert m1["barge_onset"] <= m1["audio_stopped"] < m1["barge_onset"] + 0.5
+    assert m1["barge_onset"] <= m1["audio_stopped"] < m1["barge_onset"] + 1.0  # docs/voice.md has the figures
     # the service cancelled the request it was still generating
     assert first["cancel_status"] == 200 and first["finish_reason"] == "cancelled"
     assert first["usage"]["completion_tokens"] < 1000
