@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from edge.chat_client import ChatClient, InProcessService
 
 DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
 
@@ -174,10 +178,8 @@ def _chat_params(args: argparse.Namespace) -> dict:
     return params
 
 
-def _open_service(args: argparse.Namespace):  # noqa: ANN202 - (client factory, in-process service or None)
+def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], InProcessService | None]:
     """The service a front-end talks to: --url/--uds, or started here with --in-process."""
-    import os
-
     from edge.chat_client import ChatClient, InProcessService
 
     api_key = os.environ.get("EDGE_API_KEY")
@@ -282,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=256)
 
-    from edge.voice.cli import add_voice_args  # argparse only; the audio engines load on use
+    # argparse only: the audio engines load when the command runs
+    from edge.voice.cli import add_voice_args
 
     vo = sub.add_parser("voice", help="talk to the service: listen, transcribe, speak the answer, barge in")
     _service_args(vo)

@@ -18,7 +18,7 @@ CANCELLED = 'edge_requests_finished_total{endpoint="/v1/chat/completions",reason
 USED = 'edge_kv_blocks{state="used"}'
 
 
-def _bench_tool():  # noqa: ANN202 - tools/voice_bench.py builds the conversation and runs edge voice
+def _bench_tool():
     spec = importlib.util.spec_from_file_location("voice_bench", ROOT / "tools" / "voice_bench.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -38,7 +38,7 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     bench = _bench_tool()
     wav, out = tmp_path / "conversation.wav", tmp_path / "answer.wav"
     # 4 s after the question: time for its answer to start playing on a busy 2-core runner
-    (q_start, q_end), (b_start, b_end) = bench.make_conversation_wav(
+    (q_start, q_end), (b_start, _) = bench.make_conversation_wav(
         wav, parts=((0.5, bench.QUESTION), (4.0, bench.BARGE_IN)))
     before = server.metrics()
     # a long answer (ignore_eos): still generating when the second utterance barges in;
@@ -68,6 +68,8 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     # turn 2: the barge-in utterance itself, prefilled while spoken, served from the cache
     assert second["transcript"].strip(), log
     assert m2["speech_start"] == m1["barge_onset"]
+    assert second["history_sent"] == [{"role": "user", "content": first["transcript"]},
+                                      {"role": "assistant", "content": first["heard"]}]
     assert second["partials"], "no partial transcript was prefilled"
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert "first_audio" in m2 and second["interrupted_by"] == "end of input"

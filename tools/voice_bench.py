@@ -22,8 +22,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from edge.voice.audio_io import write_wav  # noqa: E402
-from edge.voice.tts import EspeakSynthesizer  # noqa: E402
+from edge.voice.audio_io import write_wav
+from edge.voice.tts import EspeakSynthesizer
 
 QUESTION = "Hello robot, what is the weather like today?"
 BARGE_IN = "Stop. Tell me a story about the paged cache instead."
@@ -31,7 +31,7 @@ BARGE_IN = "Stop. Tell me a story about the paged cache instead."
 CONVERSATION = ((0.5, QUESTION), (3.0, BARGE_IN))
 
 
-def make_conversation_wav(path: str | Path, parts=CONVERSATION, tail_s: float = 2.5,  # noqa: ANN001
+def make_conversation_wav(path: str | Path, parts=CONVERSATION, tail_s: float = 2.5,
                           rate_wpm: int = 175) -> list[tuple[float, float]]:
     """Write the utterances with silences between them; their (start, end) times in seconds."""
     synth = EspeakSynthesizer(rate_wpm=rate_wpm)
@@ -52,7 +52,7 @@ def run_voice(where: list[str], wav: Path, out_wav: Path, extra: list[str], env:
               timeout: float = 180.0) -> tuple[list[dict], str]:
     cmd = [sys.executable, "-m", "edge.cli", "voice", *where, "--input", str(wav), "--output", str(out_wav),
            "--json", *extra]
-    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    p = subprocess.run(cmd, check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     if p.returncode != 0:
         raise RuntimeError(f"edge voice exited {p.returncode}:\n{p.stderr[-4000:]}")
     return [json.loads(line) for line in p.stdout.splitlines() if line.strip()], p.stderr

@@ -14,6 +14,7 @@ by up to hundreds of milliseconds; a process also gives the recognizer a core of
 from __future__ import annotations
 
 import multiprocessing
+import signal
 from collections.abc import Callable
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -170,9 +171,10 @@ class RecognizerProcess:
 
 
 def _serve(factory: Callable[[], Recognizer], conn: Connection) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it closes us
     try:
         rec = factory()
-    except Exception as exc:  # sent back: the parent raises it with the cause
+    except Exception as exc:  # noqa: BLE001 - sent back: the parent raises it with the cause
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
         return
     conn.send(("ready", rec.name))
@@ -192,6 +194,6 @@ def _serve(factory: Callable[[], Recognizer], conn: Connection) -> None:
                 conn.send(("ok", rec.partial()))
             elif kind == "finish":
                 conn.send(("ok", rec.finish()))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - answered to the parent, which raises it
             if kind in ("partial", "finish"):
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))

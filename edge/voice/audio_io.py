@@ -49,7 +49,7 @@ def to_mono(x: np.ndarray) -> np.ndarray:
     return x if x.ndim == 1 else x.mean(axis=1, dtype=np.float32)
 
 
-def _soxr():  # noqa: ANN202 - a module
+def _soxr():
     try:
         import soxr
     except ImportError as exc:
@@ -201,7 +201,7 @@ class MicSource:
         self._stream = sd.InputStream(device=device, samplerate=self.rate, channels=1, dtype="float32",
                                       blocksize=self.rate // 50, latency="low", callback=self._on_block)
 
-    def _on_block(self, indata: np.ndarray, frames: int, time_info, status) -> None:  # noqa: ANN001
+    def _on_block(self, indata: np.ndarray, frames: int, time_info, status) -> None:
         self._blocks.put((indata[:, 0].copy(), time.monotonic()))
 
     def frames(self, t0: float) -> Iterator[Frame]:

@@ -92,7 +92,7 @@ def _device(name: str | None) -> str | int | None:
     return int(name) if name is not None and name.isdigit() else name
 
 
-def _source(args: argparse.Namespace):  # noqa: ANN202
+def _source(args: argparse.Namespace):
     from edge.voice.audio_io import MicSource, PcmSource, WavSource
 
     if args.input == "-":
@@ -102,11 +102,15 @@ def _source(args: argparse.Namespace):  # noqa: ANN202
     return MicSource(_device(args.mic_device))
 
 
-def _recognizer(args: argparse.Namespace):  # noqa: ANN202
+def _recognizer(args: argparse.Namespace):
     import functools
     from pathlib import Path
 
-    from edge.voice.asr import PocketSphinxRecognizer, RecognizerProcess, WhisperRecognizer
+    from edge.voice.asr import (
+        PocketSphinxRecognizer,
+        RecognizerProcess,
+        WhisperRecognizer,
+    )
 
     if args.whisper_model:
         if not Path(args.whisper_model).is_dir():
@@ -116,7 +120,7 @@ def _recognizer(args: argparse.Namespace):  # noqa: ANN202
     return RecognizerProcess(PocketSphinxRecognizer)
 
 
-def _synthesizer(args: argparse.Namespace):  # noqa: ANN202
+def _synthesizer(args: argparse.Namespace):
     from edge.voice.tts import EspeakSynthesizer, PiperSynthesizer
 
     if args.piper_voice:

@@ -25,7 +25,7 @@ from edge.voice.turns import Turn
 
 
 class _Piece:
-    __slots__ = ("turn", "speech", "played")
+    __slots__ = ("played", "speech", "turn")
 
     def __init__(self, turn: Turn, speech: Speech) -> None:
         self.turn, self.speech, self.played = turn, speech, 0
@@ -130,7 +130,7 @@ class WavSink:
     def __init__(self, path: str | Path, player: Player, block_ms: float = 10.0) -> None:
         self.player = player
         self.block = max(1, int(player.sample_rate * block_ms / 1000))
-        self._wav = wave.open(str(path), "wb")
+        self._wav = wave.open(str(path), "wb")  # noqa: SIM115 - open for the sink's life, closed by close()
         self._wav.setnchannels(1)
         self._wav.setsampwidth(2)
         self._wav.setframerate(player.sample_rate)
@@ -173,7 +173,7 @@ class SpeakerSink:
         self._stream = sd.OutputStream(device=device, samplerate=player.sample_rate, channels=1, dtype="int16",
                                        blocksize=player.sample_rate // 100, latency="low", callback=self._on_block)
 
-    def _on_block(self, outdata: np.ndarray, frames: int, time_info, status) -> None:  # noqa: ANN001
+    def _on_block(self, outdata: np.ndarray, frames: int, time_info, status) -> None:
         outdata[:, 0] = self.player.fill(frames, time.monotonic() + float(self._stream.latency))
 
     def start(self, t0: float) -> None:

@@ -89,12 +89,12 @@ class VoiceSession:
     # -- the listen loop -----------------------------------------------------------------------
 
     def run(self) -> int:
-        threads = [threading.Thread(target=self._asr_loop, name="voice-asr", daemon=True),
-                   threading.Thread(target=self._prefill_loop, name="voice-prefill", daemon=True)]
-        if self.synthesizer is not None:
-            threads.append(threading.Thread(target=self._tts_loop, name="voice-tts", daemon=True))
-        for th in threads:
-            th.start()
+        asr = threading.Thread(target=self._asr_loop, name="voice-asr", daemon=True)
+        prefill = threading.Thread(target=self._prefill_loop, name="voice-prefill", daemon=True)
+        tts = threading.Thread(target=self._tts_loop, name="voice-tts", daemon=True) if self.synthesizer else None
+        for th in (asr, prefill, tts):
+            if th is not None:
+                th.start()
         self.t0 = time.monotonic() + 0.05  # source and sink share this clock origin
         if self.sink is not None:
             self.sink.start(self.t0)
@@ -104,7 +104,7 @@ class VoiceSession:
         except KeyboardInterrupt:
             interrupted = True
         finally:
-            self._shutdown(threads, interrupted)
+            self._shutdown(asr, prefill, tts, interrupted)
         return 130 if interrupted else 0
 
     def _listen(self) -> None:
@@ -225,6 +225,7 @@ class VoiceSession:
         with self._lock:
             turn = Turn(len(self.turns) + 1, text, f"voice-{uuid.uuid4().hex}", marks, partials)
             messages = self._messages(text)
+            turn.history_sent = [dict(m) for m in self.history]
             self.turns.append(turn)
             self._active = turn
         self._say(f"you: {text}\nedge: ")
@@ -310,17 +311,18 @@ class VoiceSession:
 
     # -- the end -----------------------------------------------------------------------------------
 
-    def _shutdown(self, threads: list[threading.Thread], interrupted: bool) -> None:
+    def _shutdown(self, asr: threading.Thread, prefill: threading.Thread, tts: threading.Thread | None,
+                  interrupted: bool) -> None:
         self._asr_q.put(("quit", None))
-        threads[0].join()  # the last utterance may still start a turn
+        asr.join()  # the last utterance may still start a turn
         if interrupted or self.options.on_eof == "cancel":
             self._interrupt("interrupt" if interrupted else "end of input")
         for turn, th in list(self._responders):  # generation finishes (or ends cancelled)
             while th.is_alive() and not ({"generation_done", "request_ended"} & turn.marks.keys()):
                 th.join(0.05)
-        if self.synthesizer is not None:
+        if tts is not None:
             self._tts_q.put(None)
-            threads[-1].join()
+            tts.join()
         if self.sink is not None:
             self.sink.close(drain=not interrupted)
         self._audio_closed.set()
@@ -329,7 +331,7 @@ class VoiceSession:
         self._closing.set()
         with self._prefill_cv:
             self._prefill_cv.notify()
-        threads[1].join()
+        prefill.join()
         for client in (self._control, self._prefiller, *self._streams):
             client.close()
         self.recognizer.close()

@@ -69,7 +69,7 @@ class EspeakSynthesizer:
         self._samples = 0
         api.SetSynthCallback(self._on_audio)
 
-    def _on_audio(self, wav, n: int, events) -> int:  # noqa: ANN001 - ctypes pointers
+    def _on_audio(self, wav, n: int, events) -> int:
         i = 0
         while events[i].type != self._api.EVENT_LIST_TERMINATED:
             ev = events[i]

@@ -49,6 +49,7 @@ class Turn:
         self.interrupted_by: str | None = None
         self.cancel_status: int | None = None
         self.heard: str | None = None  # the assistant message kept in the history
+        self.history_sent: list[dict] = []  # the earlier messages the request carried
 
     def mark(self, name: str, t: float | None = None) -> None:
         with self._lock:
@@ -84,6 +85,7 @@ class Turn:
             "partials": self.partials,
             "answer": "".join(self.answer),
             "heard": self.heard,
+            "history_sent": self.history_sent,
             "interrupted_by": self.interrupted_by,
             "finish_reason": self.finish_reason,
             "usage": self.usage,
