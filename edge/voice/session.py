@@ -222,6 +222,9 @@ class VoiceSession:
     # -- turns -----------------------------------------------------------------------------------
 
     def _start_turn(self, text: str, marks: dict[str, float], partials: list[str]) -> None:
+        # an answer to the first half of a sentence said with a pause in it gives way
+        # to the answer to the whole (barge-in only sees onsets, not a continued utterance)
+        self._interrupt("next utterance")
         with self._lock:
             turn = Turn(len(self.turns) + 1, text, f"voice-{uuid.uuid4().hex}", marks, partials)
             messages = self._messages(text)
