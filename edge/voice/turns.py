@@ -7,7 +7,6 @@ device (output), so they measure what a listener experiences.
 
 from __future__ import annotations
 
-import statistics
 import threading
 import time
 from typing import Any
@@ -69,8 +68,12 @@ class Turn:
             return "".join(self.spoken)
 
     def decode_step_ms(self) -> float | None:
-        steps = [b - a for a, b in zip(self.token_times, self.token_times[1:])]
-        return round(1000.0 * statistics.median(steps), 2) if steps else None
+        """Mean time per generated token over the stream (client-side gaps between deltas
+        understate it: deltas that arrive together show no gap)."""
+        tokens = (self.usage or {}).get("completion_tokens") or len(self.token_times)
+        if len(self.token_times) < 2 or tokens < 2:
+            return None
+        return round(1000.0 * (self.token_times[-1] - self.token_times[0]) / (tokens - 1), 2)
 
     def _ms(self, a: str, b: str) -> float | None:
         if a in self.marks and b in self.marks:
