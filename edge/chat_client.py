@@ -98,11 +98,7 @@ class ChatClient:
                               headers={"X-Request-Id": request_id}) as r:
             if r.status_code != 200:
                 r.read()
-                try:
-                    message = r.json()["error"]["message"]
-                except (ValueError, KeyError, TypeError):
-                    message = r.text
-                raise ServiceError(r.status_code, message)
+                raise ServiceError(r.status_code, _error_message(r))
             for line in r.iter_lines():
                 if not line.startswith("data:"):
                     continue
@@ -121,11 +117,30 @@ class ChatClient:
                     if choice.get("finish_reason"):
                         self.last_finish = choice["finish_reason"]
 
+    def prefill(self, messages: list[dict]) -> dict:
+        """A prefill-only request (``max_tokens: 0``): the server caches the prompt's KV so
+        that a later request starting with the same messages skips it. Returns the usage."""
+        r = self.http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 0})
+        if r.status_code != 200:
+            raise ServiceError(r.status_code, _error_message(r))
+        return r.json().get("usage") or {}
+
     def cancel(self, request_id: str) -> bool:
+        return self.cancel_status(request_id) == 200
+
+    def cancel_status(self, request_id: str) -> int | None:
+        """``POST /v1/cancel/{id}``: 200 cancelled, 404 already finished, None unreachable."""
         try:
-            return self.http.post(f"/v1/cancel/{request_id}", timeout=2.0).status_code == 200
+            return self.http.post(f"/v1/cancel/{request_id}", timeout=2.0).status_code
         except httpx.HTTPError:
-            return False
+            return None
+
+
+def _error_message(r: httpx.Response) -> str:
+    try:
+        return r.json()["error"]["message"]
+    except (ValueError, KeyError, TypeError):
+        return r.text
 
 
 def run_chat(

@@ -1,4 +1,4 @@
-"""The ``edge`` command: generate, chat, info, verify, monitor, serve."""
+"""The ``edge`` command: generate, chat, voice, info, verify, monitor, serve."""
 
 from __future__ import annotations
 
@@ -9,9 +9,12 @@ import math
 import os
 import sys
 from collections.abc import Callable
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from edge.settings import non_negative_float, positive_int, power_of_two
+
+if TYPE_CHECKING:
+    from edge.chat_client import ChatClient, InProcessService
 
 DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
 
@@ -101,6 +104,15 @@ def _reserve_size(text: str) -> int:
         return parse_reserve(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _service_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--url", help="service URL (default: $EDGE_URL or http://127.0.0.1:8000)")
+    p.add_argument("--uds", help="service Unix socket (instead of --url)")
+    p.add_argument("--api-key-file", help="file holding the bearer key (default: $EDGE_API_KEY)")
+    p.add_argument("--in-process", action="store_true", help="start the service inside this process")
+    p.add_argument("--wait", type=_checked(non_negative_float), default=120.0,
+                   help="seconds to wait for the service to be ready")
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -236,12 +248,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive front-end for the service (see edge.chat_client)."""
-    import os
-
-    from edge.chat_client import ChatClient, InProcessService, ServiceError, run_chat
-
+def _chat_params(args: argparse.Namespace) -> dict:
     params = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
@@ -254,36 +261,66 @@ def cmd_chat(args: argparse.Namespace) -> int:
         params["seed"] = args.seed
     if args.stop:
         params["stop"] = args.stop
+    return params
+
+
+def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], InProcessService | None]:
+    """The service a front-end talks to: --url/--uds, or started here with --in-process."""
+    from edge.chat_client import ChatClient, InProcessService
+
     api_key = os.environ.get("EDGE_API_KEY")
     if args.api_key_file:
         from edge.settings import read_api_key
 
         api_key = read_api_key(args.api_key_file)
-    local = None
-    if args.in_process:
-        from edge.settings import Settings
+    if not args.in_process:
+        url = args.url or os.environ.get("EDGE_URL")
+        return (lambda: ChatClient(url=url, uds=args.uds, api_key=api_key)), None
+    from edge.settings import Settings
 
-        check_engine_args(args.model, args.device, args.dtype)
-        logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
-        local = InProcessService(
-            Settings(
-                model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
-                max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
-                skip_weight_check=args.skip_weight_check,
-                log_level="debug" if args.verbose else "warning",
-            )
+    check_engine_args(args.model, args.device, args.dtype)
+    logging.getLogger().setLevel(logging.DEBUG if args.verbose else logging.WARNING)
+    local = InProcessService(
+        Settings(
+            model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
+            max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
+            skip_weight_check=getattr(args, "skip_weight_check", False),
+            log_level="debug" if args.verbose else "warning",
         )
-        client = ChatClient(uds=local.uds, api_key=api_key)
-    else:
-        client = ChatClient(url=args.url or os.environ.get("EDGE_URL"), uds=args.uds, api_key=api_key)
+    )
+    return (lambda: ChatClient(uds=local.uds, api_key=api_key)), local
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive front-end for the service (see edge.chat_client)."""
+    from edge.chat_client import ServiceError, run_chat
+
+    connect, local = _open_service(args)
+    client = connect()
     try:
         client.wait_ready(args.wait, on_wait=lambda msg: print(msg, file=sys.stderr, flush=True))
-        return run_chat(client, params)
+        return run_chat(client, _chat_params(args))
     except ServiceError as exc:
         print(f"edge: error: {exc.message}", file=sys.stderr)
         return 1
     finally:
         client.close()
+        if local is not None:
+            local.stop()
+
+
+def cmd_voice(args: argparse.Namespace) -> int:
+    """Voice front-end for the service (see edge.voice)."""
+    from edge.chat_client import ServiceError
+    from edge.voice.cli import run_voice
+
+    connect, local = _open_service(args)
+    try:
+        return run_voice(args, connect, _chat_params(args))
+    except ServiceError as exc:
+        print(f"edge: error: {exc.message}", file=sys.stderr)
+        return 1
+    finally:
         if local is not None:
             local.stop()
 
@@ -333,15 +370,20 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the service (or --in-process)")
-    c.add_argument("--url", help="service URL (default: $EDGE_URL or http://127.0.0.1:8000)")
-    c.add_argument("--uds", help="service Unix socket (instead of --url)")
-    c.add_argument("--api-key-file", help="file holding the bearer key (default: $EDGE_API_KEY)")
-    c.add_argument("--in-process", action="store_true", help="start the service inside this process")
-    c.add_argument("--wait", type=_checked(non_negative_float), default=120.0,
-                   help="seconds to wait for the service to be ready")
+    _service_args(c)
     _engine_args(c)
     _sampling_args(c)
     c.set_defaults(func=cmd_chat, max_tokens=256)
+
+    # argparse only: the audio engines load when the command runs
+    from edge.voice.cli import add_voice_args
+
+    vo = sub.add_parser("voice", help="talk to the service: listen, transcribe, speak the answer, barge in")
+    _service_args(vo)
+    _engine_args(vo)
+    _sampling_args(vo)
+    add_voice_args(vo)
+    vo.set_defaults(func=cmd_voice, max_tokens=128)
 
     s = sub.add_parser("serve", help="run the HTTP service (OpenAI-compatible API, /health, /metrics)",
                        description="Settings: command line > environment (EDGE_*) > --config file > defaults.")
