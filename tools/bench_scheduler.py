@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         if getattr(args, "sms", None):
             from orin_shape import restrict_sms
 
-            restrict_sms(args.sms)  # first: before any stream exists
+            args.green_context = restrict_sms(args.sms)  # first, before any stream; kept alive
         engine, _ = build_engine(args)
     greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels")}

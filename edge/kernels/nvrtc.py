@@ -73,7 +73,10 @@ def core() -> Any:
     for name in ("cuda.core", "cuda.core.experimental"):
         try:
             mod = importlib.import_module(name)
-        except Exception as exc:  # ImportError, or a broken install
+        except ImportError as exc:
+            errors.append(f"{name}: not installed ({exc.name or exc})")
+            continue
+        except Exception as exc:  # a broken install: say how it broke
             errors.append(f"{name}: {type(exc).__name__}: {exc}")
             continue
         needed = (
