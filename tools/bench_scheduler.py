@@ -129,7 +129,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         def consume_a() -> None:
             for chunk in a:
                 a_events.append((time.perf_counter(), len(chunk.token_ids)))
-                if len(a_events) == 16:
+                if len(a_events) == 64:
                     started.set()
 
         ta = threading.Thread(target=consume_a)
@@ -154,9 +154,14 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         if during and result["decode_tok_s_alone"]:
             result["slowdown_during_background_prefill"] = 1 - during / result["decode_tok_s_alone"]
         itl = _gaps_ms(a_events, t_submit_b, t_ready)
+        # A's own tokens just before B arrived: the figure alone under the same machine load.
+        before = _gaps_ms(a_events[8:], t1=t_submit_b)
         result["itl_during_background_prefill_ms"] = itl
+        result["itl_just_before_ms"] = before
         if itl and result["itl_alone_ms"]:
             result["itl_ratio_mean"] = itl["mean"] / result["itl_alone_ms"]["mean"]
+        if itl and before:
+            result["itl_ratio_mean_vs_just_before"] = itl["mean"] / before["mean"]
         result["background_prefill_pacing"] = sched.stats().get("background_prefill")
         step = 1 / result["decode_tok_s_alone"]
         a_final = a_events[-1][0]
