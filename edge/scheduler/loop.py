@@ -446,16 +446,21 @@ class Scheduler:
     # -- decoding ----------------------------------------------------------------------------
 
     def _activate(self, run: _SlotRun) -> None:
-        req, gen = run.request, run.gen
-        assert req is not None and gen is not None and run.first_token is not None
+        gen = run.gen
+        assert gen is not None and run.first_token is not None
         try:
             chunk = gen.feed(run.first_token)
         except Exception as exc:
             self._fail(run, exc)
             return
+        self._emit(run, chunk)
+
+    def _emit(self, run: _SlotRun, chunk: Chunk) -> None:
+        """Stream what a token made visible; end the request when it is done."""
+        assert run.request is not None and run.gen is not None
         if chunk.token_ids or chunk.text:
-            req.handle._push(chunk)
-        if gen.done:
+            run.request.handle._push(chunk)
+        if run.gen.done:
             self._finish(run)
 
     def _decode(self, run: _SlotRun) -> None:
@@ -477,10 +482,7 @@ class Scheduler:
         except Exception as exc:
             self._fail(run, exc)
             return
-        if chunk.token_ids or chunk.text:
-            req.handle._push(chunk)
-        if gen.done:
-            self._finish(run)
+        self._emit(run, chunk)
         self._thermal_delay()
 
     def _thermal_delay(self) -> None:
