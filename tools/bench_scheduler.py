@@ -36,6 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--background-prompt", type=int, default=2048, help="tokens the background slot prefills")
     p.add_argument("--decode-tokens", type=int, default=256)
+    p.add_argument("--tokens-before", type=int, default=16, help="tokens the active request decodes before the background one arrives")
     p.add_argument("--prefill-chunk", type=int, default=256, help="largest background chunk, tokens")
     p.add_argument("--prefill-budget-ms", type=float, help="time per background chunk (default: the scheduler's)")
     p.add_argument("--background-share", type=float, help="device time background prefill may take (default: the scheduler's)")
@@ -51,18 +52,22 @@ def _timed(handle) -> list[tuple[float, int]]:  # noqa: ANN001 - RequestHandle
     return out
 
 
-def _gaps_ms(events: list[tuple[float, int]], t0: float = float("-inf"), t1: float = float("inf")) -> dict | None:
-    """Inter-token latency between consecutive token events inside [t0, t1]."""
+def _gaps(events: list[tuple[float, int]], t0: float = float("-inf"), t1: float = float("inf")) -> list[float]:
+    """Milliseconds between consecutive token events inside [t0, t1]."""
     times = [t for t, n in events if n and t0 <= t <= t1]
-    gaps = sorted((b - a) * 1e3 for a, b in zip(times, times[1:]))
+    return [(b - a) * 1e3 for a, b in zip(times, times[1:])]
+
+
+def _summary(gaps: list[float]) -> dict | None:
     if len(gaps) < 2:
         return None
+    gaps = sorted(gaps)
     return {
         "mean": statistics.fmean(gaps),
         "p50": gaps[len(gaps) // 2],
         "p90": gaps[min(len(gaps) - 1, int(0.9 * len(gaps)))],
         "max": gaps[-1],
-        "tokens": len(times),
+        "gaps": len(gaps),
     }
 
 
@@ -118,7 +123,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         alone = _timed(sched.submit(prompt_ids(engine, 64, 1), greedy))
         cpu_s, wall_s = time.process_time() - cpu0, time.perf_counter() - wall0
         result["decode_tok_s_alone"] = _rate(alone)
-        result["itl_alone_ms"] = _gaps_ms(alone)
+        result["itl_alone_ms"] = _summary(_gaps(alone))
         result["cpu_ms_per_token_alone"] = cpu_s / args.decode_tokens * 1e3
         result["cpu_busy_fraction_alone"] = cpu_s / wall_s  # 1.0: a core busy all along (a spinning wait)
 
@@ -129,7 +134,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         def consume_a() -> None:
             for chunk in a:
                 a_events.append((time.perf_counter(), len(chunk.token_ids)))
-                if len(a_events) == 64:
+                if len(a_events) == args.tokens_before:
                     started.set()
 
         ta = threading.Thread(target=consume_a)
@@ -153,15 +158,16 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         result["decode_tok_s_during_background_prefill"] = during
         if during and result["decode_tok_s_alone"]:
             result["slowdown_during_background_prefill"] = 1 - during / result["decode_tok_s_alone"]
-        itl = _gaps_ms(a_events, t_submit_b, t_ready)
-        # A's own tokens just before B arrived: the figure alone under the same machine load.
-        before = _gaps_ms(a_events[8:], t1=t_submit_b)
+        itl = _summary(_gaps(a_events, t_submit_b, t_ready))
+        # A's own tokens just before B arrived and after B was READY (nothing in the
+        # background then): the figure alone under the same machine load.
+        around = _summary(_gaps(a_events[8:], t1=t_submit_b) + _gaps(a_events, t0=t_ready))
         result["itl_during_background_prefill_ms"] = itl
-        result["itl_just_before_ms"] = before
+        result["itl_around_ms"] = around
         if itl and result["itl_alone_ms"]:
             result["itl_ratio_mean"] = itl["mean"] / result["itl_alone_ms"]["mean"]
-        if itl and before:
-            result["itl_ratio_mean_vs_just_before"] = itl["mean"] / before["mean"]
+        if itl and around:
+            result["itl_ratio_mean_vs_around"] = itl["mean"] / around["mean"]
         result["background_prefill_pacing"] = sched.stats().get("background_prefill")
         step = 1 / result["decode_tok_s_alone"]
         a_final = a_events[-1][0]
