@@ -235,6 +235,7 @@ def test_cancel_in_every_state() -> None:
     assert sim.step() == End(b2, 1, "cancelled")
     d = sim.submit("D", 30, max_tokens=4)
     sim.run_until(lambda: states(sim)[1] == "ready")
+    assert sim.policy.slots[1].request is d
     assert sim.policy.cancel("A")  # decoding: the READY request takes over at once
     assert sim.step() == End(a, 0, "cancelled")
     assert sim.step() == Activate(1)

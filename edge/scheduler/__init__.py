@@ -1,8 +1,9 @@
 """Two-slot ping-pong scheduler: requests, streaming, cancel (barge-in), prefix reuse.
 
 ``policy`` decides (admission, slot states, prefix reuse), ``pacing`` sizes and spaces
-background prefill chunks, ``streams`` holds the CUDA streams and events, ``loop`` runs
-the engine on its thread, ``request`` is what callers hold.
+background prefill chunks, ``executor`` does each decision's device work, ``streams``
+holds the CUDA streams and events, ``loop`` is the thread with the callers' API
+(``Scheduler``), ``request`` is what callers hold.
 """
 
 from edge.scheduler.loop import Scheduler
