@@ -70,6 +70,8 @@ class Pacing:
         self.resume_at = float("-inf")  # no chunk starts before this time
         self.last_chunk_tokens = 0
         self.last_chunk_s: float | None = None
+        self.chunks = 0  # chunks that ran, and their device time, since the start
+        self.busy_s = 0.0
 
     # -- measurements -----------------------------------------------------------------
 
@@ -91,6 +93,8 @@ class Pacing:
         if tokens <= 0 or busy_s <= 0:
             return  # nothing ran (blocks were short): no throughput to learn
         self.last_chunk_tokens, self.last_chunk_s = tokens, busy_s
+        self.chunks += 1
+        self.busy_s += busy_s
         rate = tokens / busy_s
         w = self.rate_weight
         self.tokens_per_s = rate if self.tokens_per_s is None else w * rate + (1.0 - w) * self.tokens_per_s
@@ -143,4 +147,6 @@ class Pacing:
             "tokens_per_s": self.tokens_per_s,
             "last_chunk_tokens": self.last_chunk_tokens,
             "last_chunk_ms": None if self.last_chunk_s is None else self.last_chunk_s * 1e3,
+            "chunks": self.chunks,
+            "busy_s": self.busy_s,
         }
