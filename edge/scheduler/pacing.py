@@ -40,7 +40,7 @@ class Pacing:
         self,
         max_chunk: int,
         budget_s: float | None = None,
-        share: float = 0.2,
+        share: float = 0.15,
         steps_per_chunk: float = 2.0,
         granule: int = 16,
         rate_weight: float = 0.5,
