@@ -417,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
     s.add_argument("--prefill-chunk", type=int, help="largest background prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--prefill-budget-ms", help="time one background prefill chunk may take [EDGE_PREFILL_BUDGET_MS] "
-                   "(default: two decode steps of the active conversation, measured)")
+                   "(default: twice the active conversation's inter-token latency, measured)")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")

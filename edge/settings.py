@@ -110,7 +110,7 @@ class Settings:
     kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
     memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.budget.DEFAULT_RESERVE)
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
-    prefill_budget_ms: float | None = None  # time per background chunk (default: two decode steps, measured)
+    prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True
     cuda_graph: bool | None = None  # None: on a GPU
     skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing

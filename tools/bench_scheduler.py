@@ -38,7 +38,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens-before", type=int, default=16, help="tokens the active request decodes before the background one arrives")
     p.add_argument("--prefill-chunk", type=int, default=256, help="largest background chunk, tokens")
     p.add_argument("--prefill-budget-ms", type=float, help="time per background chunk (default: the scheduler's)")
-    p.add_argument("--background-share", type=float, help="device time background prefill may take (default: the scheduler's)")
+    p.add_argument("--itl-target", type=float, help="ITL during background prefill over ITL alone (default: the scheduler's)")
     p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt length for the prefix-reuse test")
     p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
 
@@ -75,8 +75,8 @@ def _scheduler(engine: Engine, args: argparse.Namespace, prefix_cache: bool) -> 
     options = {}
     if args.prefill_budget_ms is not None:
         options["prefill_budget_ms"] = args.prefill_budget_ms
-    if args.background_share is not None:
-        options["background_share"] = args.background_share
+    if args.itl_target is not None:
+        options["itl_target"] = args.itl_target
     return Scheduler(engine, queue_size=4, prefill_chunk=args.prefill_chunk, prefix_cache=prefix_cache, **options)
 
 
@@ -171,8 +171,7 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         paced = sched.stats().get("background_prefill")
         result["background_prefill_pacing"] = paced
         if paced and paced0:
-            # Device time the chunks took over the window: on a serial device (the CPU)
-            # the mean inter-token latency is 1 / (1 - this) of the figure alone.
+            # Device time the chunks took over the window.
             result["background_busy_fraction"] = (paced["busy_s"] - paced0["busy_s"]) / (t_ready - t_submit_b)
         step = 1 / result["decode_tok_s_alone"]
         a_final = a_events[-1][0]

@@ -130,7 +130,7 @@ class ActionRunner:
             return
         self._timing = None
         with self._lock:
-            self.policy.pacing.chunk_done(tokens, elapsed, time.perf_counter())
+            self.policy.pacing.chunk_done(tokens, elapsed)
 
     # -- admission and prefill ---------------------------------------------------------------
 
@@ -202,7 +202,7 @@ class ActionRunner:
             return self.engine.forward(seq, ids)
         timer = self.streams.timer()
         with self._lock:
-            self.policy.pacing.chunk_started()
+            self.policy.pacing.chunk_started(time.perf_counter())
         ran = 0
         try:
             logits = self.engine.forward(seq, ids)
@@ -250,14 +250,12 @@ class ActionRunner:
         req, gen, seq = run.request, run.gen, run.seq
         assert req is not None and gen is not None and seq is not None and run.next_input is not None
         try:
-            t0 = time.perf_counter()
             with self.streams.on(run.lane, high=True, carry=run.next_input):
                 token = self.engine.decode(seq, run.next_input, run.sampler, req.params.greedy)
                 value = self.streams.read(token)
-            seconds = time.perf_counter() - t0
             run.next_input = token
             with self._lock:
-                self.policy.decoded(run.index, seconds, len(_blocks(seq)))
+                self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
             chunk = gen.feed(value)
         except KVOutOfMemory as exc:
             self._finish(run, "length", f"generation stopped: {exc}")

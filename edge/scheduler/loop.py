@@ -45,11 +45,9 @@ class Scheduler:
 
     ``prefill_chunk``: the largest background prefill chunk in tokens (default: the
     engine's). ``prefill_budget_ms``: the time one background chunk may take (default:
-    two decode steps of the active conversation, as measured). ``background_share``:
-    the largest fraction of the device's time background prefill may take while a
-    request decodes (on a serial device the mean inter-token latency is then at most
-    ``1 / (1 - share)`` of its figure alone, 1.18x, leaving room under 1.25x for what a
-    chunk costs beyond its own time). ``prefix_cache``: reuse the KV of repeated prefixes (default: when
+    twice the active conversation's inter-token latency alone, as measured).
+    ``itl_target``: the active conversation's mean inter-token latency while a prompt
+    is prefilled behind it, as a multiple of its figure alone (pacing.py). ``prefix_cache``: reuse the KV of repeated prefixes (default: when
     the engine's KV cache is paged). ``governor``: ``allow_background_prefill()``,
     ``decode_delay_s()``, ``check_admission()`` (may raise). ``energy``: ``begin(id)``,
     ``end(id) -> J | None``. ``idle_wait_s``: the loop goes round (heartbeat) at least
@@ -64,7 +62,7 @@ class Scheduler:
         prefix_cache: bool | None = None,
         governor=None,
         energy=None,
-        background_share: float = 0.15,
+        itl_target: float = 1.2,
         prefill_budget_ms: float | None = None,
         idle_wait_s: float = 0.5,
     ) -> None:
@@ -86,7 +84,7 @@ class Scheduler:
         self.energy = energy
         self.idle_wait_s = idle_wait_s
         chunk = prefill_chunk or engine.prefill_chunk
-        pacing = Pacing(chunk, None if prefill_budget_ms is None else prefill_budget_ms / 1e3, background_share)
+        pacing = Pacing(chunk, None if prefill_budget_ms is None else prefill_budget_ms / 1e3, itl_target)
         # Shared with caller threads, under _lock; the policy is only ever used under it.
         self._lock = threading.Lock()
         self.prefix_cache: PrefixCache | None = PrefixCache(pool) if prefix_cache and pool is not None else None

@@ -1,22 +1,24 @@
 """Background prefill pacing: how many tokens the next chunk takes, and when it may start.
 
 While one conversation decodes, the other slot's prompt is prefilled in chunks. Two
-rules keep the decoding conversation's inter-token latency near its figure alone:
+rules keep the decoding conversation's inter-token latency (ITL) near its figure alone:
 
-- **Duty cycle.** After a chunk that kept the device busy for ``c`` seconds, the next
-  may start only ``c * (1 - share) / share`` seconds after the first one ended, so
-  background work takes at most ``share`` of the device's time. On a serial device (the
-  CPU) that bounds the mean inter-token latency at ``1 / (1 - share)`` of its figure
-  alone; on a GPU, where a chunk and decode steps run at once, it bounds it lower still.
+- **ITL target.** A chunk starts a cycle that lasts until the next chunk starts. The
+  next chunk may start only once the tokens decoded since this one started came, on
+  average, no slower than ``itl_target`` times the ITL alone. This holds whatever the
+  chunk costs: its own time on a serial device (the CPU), the decode steps it slows
+  on a GPU where both run at once, the caches it leaves cold. A floor keeps the prompt
+  moving when the target cannot be met: a chunk may always start once the last one took
+  at most ``min_share`` of the time since it started.
 - **Time budget.** A chunk is sized to take about ``budget`` seconds at the prefill
   throughput measured on earlier background chunks, so no chunk stalls decode for long
   whatever the device: a fixed token count is milliseconds on a large GPU and hundreds
   of milliseconds on an 8-SM one. The budget is explicit, or by default
-  ``steps_per_chunk`` decode steps of the active conversation as measured with no
-  background work; ``max_chunk`` tokens bound it from above.
+  ``steps_per_chunk`` times the ITL alone; ``max_chunk`` tokens bound it from above.
 
-Every time is passed in by the caller: nothing here reads a clock, so tests step it
-with invented timings.
+The ITL alone is the median interval between consecutive tokens of the active
+conversation while nothing is prefilled behind it. Every time is passed in by the
+caller: nothing here reads a clock, so tests step it with invented timings.
 """
 
 from __future__ import annotations
@@ -29,29 +31,30 @@ class Pacing:
     """Chunk sizes and start times of background prefill; see the module docstring.
 
     ``max_chunk``: the upper bound in tokens (``--prefill-chunk``). ``budget_s``: the
-    time one chunk may take; None sizes it from the decode step. ``share``: the
-    largest fraction of the device's time background chunks may take. ``granule``:
-    chunks are whole multiples of it (a KV page, a GEMM-friendly M), and the first,
-    probing chunk is one granule. ``rate_weight``: weight of the newest chunk in the
-    throughput average.
+    time one chunk may take; None sizes it from the ITL alone. ``granule``: chunks are
+    whole multiples of it (a KV page, a GEMM-friendly M), and the first, probing chunk
+    is one granule. ``rate_weight``: weight of the newest chunk in the throughput average.
     """
 
     def __init__(
         self,
         max_chunk: int,
         budget_s: float | None = None,
-        share: float = 0.15,
+        itl_target: float = 1.2,
+        min_share: float = 0.05,
         steps_per_chunk: float = 2.0,
         granule: int = 16,
         rate_weight: float = 0.5,
-        step_window: int = 9,
+        itl_window: int = 9,
     ) -> None:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be positive, got {max_chunk}")
         if budget_s is not None and not budget_s > 0:
             raise ValueError(f"the prefill time budget must be positive, got {budget_s} s")
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"background_share must be in (0, 1], got {share}")
+        if not itl_target > 1.0:
+            raise ValueError(f"itl_target must be above 1, got {itl_target}")
+        if not 0.0 < min_share <= 1.0:
+            raise ValueError(f"min_share must be in (0, 1], got {min_share}")
         if not steps_per_chunk > 0:
             raise ValueError(f"steps_per_chunk must be positive, got {steps_per_chunk}")
         if granule < 1:
@@ -60,14 +63,19 @@ class Pacing:
             raise ValueError(f"rate_weight must be in (0, 1], got {rate_weight}")
         self.max_chunk = max_chunk
         self.explicit_budget_s = budget_s
-        self.share = share
+        self.itl_target = itl_target
+        self.min_share = min_share
         self.steps_per_chunk = steps_per_chunk
         self.granule = granule
         self.rate_weight = rate_weight
-        self._steps: deque[float] = deque(maxlen=step_window)  # decode steps with no chunk running
+        self._itl: deque[float] = deque(maxlen=itl_window)  # intervals between tokens alone
+        self._last_token: float | None = None
+        self._last_alone = False
         self.tokens_per_s: float | None = None  # background prefill throughput, averaged
         self.in_flight = False  # a chunk was started and its time is not known yet
-        self.resume_at = float("-inf")  # no chunk starts before this time
+        self._cycle_start: float | None = None  # when the last chunk started
+        self._cycle_tokens = 0  # tokens decoded since
+        self._last_busy_s = 0.0
         self.last_chunk_tokens = 0
         self.last_chunk_s: float | None = None
         self.chunks = 0  # chunks that ran, and their device time, since the start
@@ -75,21 +83,27 @@ class Pacing:
 
     # -- measurements -----------------------------------------------------------------
 
-    def decode_step(self, seconds: float) -> None:
-        """A decode step of the active conversation took ``seconds`` (wall time). Only
-        steps with no chunk running count: they define the figure alone."""
-        if not self.in_flight and seconds > 0:
-            self._steps.append(seconds)
+    def stream_started(self) -> None:
+        """Another conversation decodes from now on: no interval spans the switch."""
+        self._last_token = None
 
-    def chunk_started(self) -> None:
+    def token(self, now: float, alone: bool) -> None:
+        """The active conversation got a token at ``now``; ``alone``: nothing was being
+        prefilled behind it."""
+        if alone and self._last_alone and self._last_token is not None and now > self._last_token:
+            self._itl.append(now - self._last_token)
+        self._last_token, self._last_alone = now, alone
+        self._cycle_tokens += 1
+
+    def chunk_started(self, now: float) -> None:
         self.in_flight = True
+        self._cycle_start = now
+        self._cycle_tokens = 0
 
-    def chunk_done(self, tokens: int, busy_s: float, now: float) -> None:
-        """A chunk of ``tokens`` kept the device busy for ``busy_s``; it was known to
-        have ended at ``now``."""
+    def chunk_done(self, tokens: int, busy_s: float) -> None:
+        """The last chunk, of ``tokens``, kept the device busy for ``busy_s``."""
         self.in_flight = False
-        busy_s = max(busy_s, 0.0)
-        self.resume_at = now + busy_s * (1.0 - self.share) / self.share
+        self._last_busy_s = max(busy_s, 0.0)
         if tokens <= 0 or busy_s <= 0:
             return  # nothing ran (blocks were short): no throughput to learn
         self.last_chunk_tokens, self.last_chunk_s = tokens, busy_s
@@ -102,21 +116,28 @@ class Pacing:
     # -- decisions --------------------------------------------------------------------
 
     @property
-    def step_s(self) -> float | None:
-        """The active conversation's decode step alone (median of the recent ones)."""
-        return statistics.median(self._steps) if self._steps else None
+    def itl_alone_s(self) -> float | None:
+        return statistics.median(self._itl) if self._itl else None
 
     @property
     def budget_s(self) -> float | None:
-        """The time one chunk may take, or None before any decode step was seen."""
+        """The time one chunk may take, or None before any ITL alone was seen."""
         if self.explicit_budget_s is not None:
             return self.explicit_budget_s
-        step = self.step_s
-        return None if step is None else self.steps_per_chunk * step
+        itl = self.itl_alone_s
+        return None if itl is None else self.steps_per_chunk * itl
 
     def due(self, now: float) -> bool:
         """May a background chunk start now?"""
-        return not self.in_flight and now >= self.resume_at
+        if self.in_flight:
+            return False
+        if self._cycle_start is None:
+            return True
+        elapsed = now - self._cycle_start
+        if self._last_busy_s <= self.min_share * elapsed:
+            return True
+        itl = self.itl_alone_s
+        return itl is not None and self._cycle_tokens > 0 and elapsed <= self.itl_target * itl * self._cycle_tokens
 
     def chunk_tokens(self) -> int:
         """Tokens for the next chunk: the budget times the measured throughput, in
@@ -136,12 +157,12 @@ class Pacing:
         return max(floor, min(self.max_chunk, tokens))
 
     def describe(self) -> dict:
-        budget, step = self.budget_s, self.step_s
+        budget, itl = self.budget_s, self.itl_alone_s
         return {
             "budget_ms": None if budget is None else budget * 1e3,
-            "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} decode steps",
-            "decode_step_ms": None if step is None else step * 1e3,
-            "share": self.share,
+            "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} x ITL alone",
+            "itl_alone_ms": None if itl is None else itl * 1e3,
+            "itl_target": self.itl_target,
             "max_chunk": self.max_chunk,
             "next_chunk_tokens": self.chunk_tokens(),
             "tokens_per_s": self.tokens_per_s,

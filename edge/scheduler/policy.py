@@ -251,10 +251,15 @@ class SchedulerPolicy:
         s.first_token_pending = False
         s.state = SlotState.READY
 
-    def decoded(self, slot: int, seconds: float, blocks: int) -> None:
-        """A decode step took ``seconds`` (wall time); the sequence holds ``blocks``."""
+    def decoded(self, slot: int, now: float, blocks: int) -> None:
+        """A decode step gave its token at ``now``; the sequence holds ``blocks``."""
         self.slots[slot].blocks = blocks
-        self.pacing.decode_step(seconds)
+        self.pacing.token(now, alone=self._decodes_alone(slot))
+
+    def _decodes_alone(self, slot: int) -> bool:
+        """Is nothing being prefilled behind the slot's decode?"""
+        others = (s for s in self.slots if s.index != slot)
+        return not self.pacing.in_flight and all(s.state is not SlotState.PREFILLING for s in others)
 
     def background_blocked(self) -> None:
         """A background chunk found no free block: it waits."""
@@ -301,6 +306,8 @@ class SchedulerPolicy:
             ready = self._slot_in(SlotState.READY)
             if ready is not None:
                 ready.state = SlotState.DECODING
+                self.pacing.stream_started()
+                self.pacing.token(now, alone=self._decodes_alone(ready.index))  # its first token
                 return Activate(ready.index)
             if self._round.foreground:
                 return self._end_round(RoundDone())
