@@ -45,9 +45,9 @@ class Scheduler:
 
     ``prefill_chunk``: the largest background prefill chunk in tokens (default: the
     engine's). ``prefill_budget_ms``: the time one background chunk may take (default:
-    twice the active conversation's inter-token latency alone, as measured).
-    ``itl_target``: the active conversation's mean inter-token latency while a prompt
-    is prefilled behind it, as a multiple of its figure alone (pacing.py). ``prefix_cache``: reuse the KV of repeated prefixes (default: when
+    twice the active conversation's inter-token latency, as measured). ``itl_target``:
+    the active conversation's mean inter-token latency while a prompt is prefilled
+    behind it, as a multiple of its latency between chunks (pacing.py). ``prefix_cache``: reuse the KV of repeated prefixes (default: when
     the engine's KV cache is paged). ``governor``: ``allow_background_prefill()``,
     ``decode_delay_s()``, ``check_admission()`` (may raise). ``energy``: ``begin(id)``,
     ``end(id) -> J | None``. ``idle_wait_s``: the loop goes round (heartbeat) at least
@@ -62,7 +62,7 @@ class Scheduler:
         prefix_cache: bool | None = None,
         governor=None,
         energy=None,
-        itl_target: float = 1.2,
+        itl_target: float = 1.15,
         prefill_budget_ms: float | None = None,
         idle_wait_s: float = 0.5,
     ) -> None:

@@ -5,20 +5,23 @@ rules keep the decoding conversation's inter-token latency (ITL) near its figure
 
 - **ITL target.** A chunk starts a cycle that lasts until the next chunk starts. The
   next chunk may start only once the tokens decoded since this one started came, on
-  average, no slower than ``itl_target`` times the ITL alone. This holds whatever the
-  chunk costs: its own time on a serial device (the CPU), the decode steps it slows
-  on a GPU where both run at once, the caches it leaves cold. A floor keeps the prompt
-  moving when the target cannot be met: a chunk may always start once the last one took
-  at most ``min_share`` of the time since it started.
+  average, no slower than ``itl_target`` times the current clean ITL: the median
+  interval between recent tokens with no chunk running or run between them. This
+  holds whatever the chunk costs: its own time on a serial device (the CPU), the
+  decode steps it slows on a GPU where both run at once. The clean ITL follows the
+  active conversation as its context grows; what a chunk leaves behind (colder caches,
+  KV blocks interleaved with the other slot's) shows in it, which is why the target
+  is below the 1.25x the service promises against a conversation decoding alone. A
+  floor keeps the prompt moving when the target cannot be met: a chunk may always
+  start once the last one took at most ``min_share`` of the time since it started.
 - **Time budget.** A chunk is sized to take about ``budget`` seconds at the prefill
   throughput measured on earlier background chunks, so no chunk stalls decode for long
   whatever the device: a fixed token count is milliseconds on a large GPU and hundreds
   of milliseconds on an 8-SM one. The budget is explicit, or by default
-  ``steps_per_chunk`` times the ITL alone; ``max_chunk`` tokens bound it from above.
+  ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
 
-The ITL alone is the median interval between consecutive tokens of the active
-conversation while nothing is prefilled behind it. Every time is passed in by the
-caller: nothing here reads a clock, so tests step it with invented timings.
+Every time is passed in by the caller: nothing here reads a clock, so tests step it
+with invented timings.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ class Pacing:
     """Chunk sizes and start times of background prefill; see the module docstring.
 
     ``max_chunk``: the upper bound in tokens (``--prefill-chunk``). ``budget_s``: the
-    time one chunk may take; None sizes it from the ITL alone. ``granule``: chunks are
+    time one chunk may take; None sizes it from the clean ITL. ``granule``: chunks are
     whole multiples of it (a KV page, a GEMM-friendly M), and the first, probing chunk
     is one granule. ``rate_weight``: weight of the newest chunk in the throughput average.
     """
@@ -40,7 +43,7 @@ class Pacing:
         self,
         max_chunk: int,
         budget_s: float | None = None,
-        itl_target: float = 1.2,
+        itl_target: float = 1.15,
         min_share: float = 0.05,
         steps_per_chunk: float = 2.0,
         granule: int = 16,
@@ -68,9 +71,9 @@ class Pacing:
         self.steps_per_chunk = steps_per_chunk
         self.granule = granule
         self.rate_weight = rate_weight
-        self._itl: deque[float] = deque(maxlen=itl_window)  # intervals between tokens alone
+        self._itl: deque[float] = deque(maxlen=itl_window)  # clean intervals between tokens
         self._last_token: float | None = None
-        self._last_alone = False
+        self._chunk_since_token = False  # a chunk ran or runs since the last token
         self.tokens_per_s: float | None = None  # background prefill throughput, averaged
         self.in_flight = False  # a chunk was started and its time is not known yet
         self._cycle_start: float | None = None  # when the last chunk started
@@ -87,16 +90,18 @@ class Pacing:
         """Another conversation decodes from now on: no interval spans the switch."""
         self._last_token = None
 
-    def token(self, now: float, alone: bool) -> None:
-        """The active conversation got a token at ``now``; ``alone``: nothing was being
-        prefilled behind it."""
-        if alone and self._last_alone and self._last_token is not None and now > self._last_token:
+    def token(self, now: float) -> None:
+        """The active conversation got a token at ``now``."""
+        clean = not self._chunk_since_token and not self.in_flight
+        if clean and self._last_token is not None and now > self._last_token:
             self._itl.append(now - self._last_token)
-        self._last_token, self._last_alone = now, alone
+        self._last_token = now
+        self._chunk_since_token = self.in_flight
         self._cycle_tokens += 1
 
     def chunk_started(self, now: float) -> None:
         self.in_flight = True
+        self._chunk_since_token = True
         self._cycle_start = now
         self._cycle_tokens = 0
 
@@ -116,15 +121,16 @@ class Pacing:
     # -- decisions --------------------------------------------------------------------
 
     @property
-    def itl_alone_s(self) -> float | None:
+    def itl_s(self) -> float | None:
+        """The clean ITL: median of the recent intervals with no chunk in them."""
         return statistics.median(self._itl) if self._itl else None
 
     @property
     def budget_s(self) -> float | None:
-        """The time one chunk may take, or None before any ITL alone was seen."""
+        """The time one chunk may take, or None before any clean ITL was seen."""
         if self.explicit_budget_s is not None:
             return self.explicit_budget_s
-        itl = self.itl_alone_s
+        itl = self.itl_s
         return None if itl is None else self.steps_per_chunk * itl
 
     def due(self, now: float) -> bool:
@@ -136,7 +142,7 @@ class Pacing:
         elapsed = now - self._cycle_start
         if self._last_busy_s <= self.min_share * elapsed:
             return True
-        itl = self.itl_alone_s
+        itl = self.itl_s
         return itl is not None and self._cycle_tokens > 0 and elapsed <= self.itl_target * itl * self._cycle_tokens
 
     def chunk_tokens(self) -> int:
@@ -157,11 +163,11 @@ class Pacing:
         return max(floor, min(self.max_chunk, tokens))
 
     def describe(self) -> dict:
-        budget, itl = self.budget_s, self.itl_alone_s
+        budget, itl = self.budget_s, self.itl_s
         return {
             "budget_ms": None if budget is None else budget * 1e3,
-            "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} x ITL alone",
-            "itl_alone_ms": None if itl is None else itl * 1e3,
+            "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} x clean ITL",
+            "clean_itl_ms": None if itl is None else itl * 1e3,
             "itl_target": self.itl_target,
             "max_chunk": self.max_chunk,
             "next_chunk_tokens": self.chunk_tokens(),

@@ -254,12 +254,7 @@ class SchedulerPolicy:
     def decoded(self, slot: int, now: float, blocks: int) -> None:
         """A decode step gave its token at ``now``; the sequence holds ``blocks``."""
         self.slots[slot].blocks = blocks
-        self.pacing.token(now, alone=self._decodes_alone(slot))
-
-    def _decodes_alone(self, slot: int) -> bool:
-        """Is nothing being prefilled behind the slot's decode?"""
-        others = (s for s in self.slots if s.index != slot)
-        return not self.pacing.in_flight and all(s.state is not SlotState.PREFILLING for s in others)
+        self.pacing.token(now)
 
     def background_blocked(self) -> None:
         """A background chunk found no free block: it waits."""
@@ -307,7 +302,7 @@ class SchedulerPolicy:
             if ready is not None:
                 ready.state = SlotState.DECODING
                 self.pacing.stream_started()
-                self.pacing.token(now, alone=self._decodes_alone(ready.index))  # its first token
+                self.pacing.token(now)  # its first token
                 return Activate(ready.index)
             if self._round.foreground:
                 return self._end_round(RoundDone())
