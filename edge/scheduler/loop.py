@@ -97,7 +97,7 @@ class Scheduler:
             prefix_cache=self.prefix_cache,
             governor=governor,
         )
-        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine.device), energy)
+        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine), energy)
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._stopping = False
         self._shut_down = False

@@ -5,17 +5,21 @@ On a GPU the decoding slot's work goes to a high-priority stream and background
 prefill to a low-priority one; a slot that moves between them orders the new stream
 after the old. Every host wait on the device goes through an event made with
 ``blocking=True``: the waiting thread sleeps until the device signals it instead of
-spinning a core (an Orin's few CPU cores share the power budget with its GPU).
+spinning a core (an Orin's few CPU cores share the power budget with its GPU); an
+engine made with ``blocking_waits=False`` spins, for comparison.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
-from typing import Protocol
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from edge.engine import Engine
 
 
 class Lane:
@@ -104,7 +108,7 @@ class _EventToken:
         return self._event.query()
 
     def wait(self) -> int:
-        self._event.synchronize()  # a blocking-sync event: the thread sleeps
+        self._event.synchronize()  # a blocking-sync event (the default): the thread sleeps
         return int(self._host[0])
 
 
@@ -128,13 +132,16 @@ class _EventTimer:
 
 class CudaStreams:
     """A high-priority stream for decode and foreground prefill, a low-priority one for
-    background prefill, and sleeping waits."""
+    background prefill, and sleeping waits (``blocking=False``: spinning ones, to
+    compare). ``new_stream(priority)`` makes the streams (the engine's, so that an
+    SM-restricted context gives its own)."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, new_stream: Callable[[int], torch.cuda.Stream], blocking: bool = True) -> None:
         self.device = device
+        self.blocking = blocking
         # Lower number = higher priority; out-of-range values are clamped by CUDA.
-        self.high = torch.cuda.Stream(device, priority=-5)
-        self.low = torch.cuda.Stream(device, priority=0)
+        self.high = new_stream(-5)
+        self.low = new_stream(0)
         self._scratch = self.pinned_token()  # the loop thread reads one token at a time
 
     def bind_thread(self) -> None:
@@ -165,7 +172,7 @@ class CudaStreams:
         if not token.is_cuda:
             return _KnownToken(int(token))
         host.copy_(token.view(1), non_blocking=True)
-        event = torch.cuda.Event(blocking=True)
+        event = torch.cuda.Event(blocking=self.blocking)
         event.record()
         return _EventToken(host, event)
 
@@ -181,12 +188,14 @@ class CudaStreams:
         for stream in (self.high, self.low, torch.cuda.current_stream(self.device)):
             self._wait(stream)
 
-    @staticmethod
-    def _wait(stream: torch.cuda.Stream) -> None:
-        event = torch.cuda.Event(blocking=True)
+    def _wait(self, stream: torch.cuda.Stream) -> None:
+        event = torch.cuda.Event(blocking=self.blocking)
         event.record(stream)
         event.synchronize()
 
 
-def device_streams(device: torch.device) -> HostStreams | CudaStreams:
-    return CudaStreams(device) if device.type == "cuda" else HostStreams()
+def device_streams(engine: "Engine") -> HostStreams | CudaStreams:
+    """The engine's device: its streams and its kind of wait (``blocking_waits``)."""
+    if engine.device.type != "cuda":
+        return HostStreams()
+    return CudaStreams(engine.device, engine.new_stream, engine.blocking_waits)
