@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from edge.config import ModelConfig
+from edge.errors import DuplicateRequestId, QueueFull
 from edge.kv import KVOutOfMemory
 from edge.kv.paged import BlockPool, PagedKVCache
 from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplingParams
-from edge.scheduler import DuplicateRequest, QueueFull
 from edge.scheduler.pacing import Pacing
 from edge.scheduler.policy import (
     Activate,
@@ -304,7 +304,7 @@ def test_governor_holds_background_prefill() -> None:
 def test_queue_bound_and_duplicate_ids() -> None:
     sim = make_sim(queue_size=2)
     sim.submit("A", 10, max_tokens=1)
-    with pytest.raises(DuplicateRequest, match="already in flight"):
+    with pytest.raises(DuplicateRequestId, match="already in flight"):
         sim.submit("A", 10, max_tokens=1)
     sim.submit("B", 10, max_tokens=1)
     with pytest.raises(QueueFull, match="queue is full"):

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from edge.engine import Engine
+from edge.errors import SchedulerStopped
 from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplingParams
 from edge.scheduler.executor import ActionRunner
@@ -134,7 +135,8 @@ class Scheduler:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
         """Queue a request; raises SamplingError, PromptTooLong, InvalidPrompt,
-        QueueFull, DuplicateRequest or the governor's DeviceTooHot on the caller's thread."""
+        QueueFull, DuplicateRequestId, SchedulerStopped (edge/errors.py) or the
+        governor's DeviceTooHot on the caller's thread."""
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         ids = [int(t) for t in prompt_ids]
@@ -147,7 +149,7 @@ class Scheduler:
             self.governor.check_admission()
         with self._lock:
             if self._stopping:
-                raise RuntimeError("scheduler is stopped")
+                raise SchedulerStopped("scheduler is stopped")
             rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
             handle = RequestHandle(rid, self)
             self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle))
@@ -298,7 +300,7 @@ class Scheduler:
             self.runner.end_slot(slot.index, "cancelled", "scheduler stopped")
         for _, future in calls:
             if future.set_running_or_notify_cancel():
-                future.set_exception(RuntimeError("scheduler stopped"))
+                future.set_exception(SchedulerStopped("scheduler stopped"))
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
             if self.pool is not None and self.pool.reclaimer is self.prefix_cache:

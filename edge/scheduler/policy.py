@@ -32,11 +32,11 @@ from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from edge.errors import DuplicateRequestId, QueueFull
 from edge.kv.paged import BlockPool
 from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplingParams
 from edge.scheduler.pacing import Pacing
-from edge.errors import DuplicateRequestId, QueueFull
 from edge.scheduler.request import RequestHandle
 
 log = logging.getLogger(__name__)
