@@ -100,14 +100,16 @@ def _watch_state(sched: Scheduler, request_id: str, until: threading.Event) -> d
 
 def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
     if engine is None:
+        streams = None
         if getattr(args, "sms", None):
-            from orin_shape import restrict_sms
+            from orin_shape import restrict_sms, stream_factory
 
-            restrict_sms(args.sms)  # first: before any stream exists
+            # First, before any stream exists; the scheduler's streams come from it too.
+            streams = stream_factory(restrict_sms(args.sms))
         if args.device == "cpu" and not args.model:
             args.model = str(default_model_path())
         args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
-        engine, _ = build_engine(args)
+        engine, _ = build_engine(args, streams)
     greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels"),
                     "cuda_graph": engine.cuda_graph, "prefill_chunk": args.prefill_chunk}
