@@ -16,8 +16,8 @@ rules keep the decoding conversation's inter-token latency (ITL) near its figure
   start once the last one took at most ``min_share`` of the time since it started.
 - **Time budget.** A chunk is sized to take about ``budget`` seconds at the prefill
   throughput measured on earlier background chunks, so no chunk stalls decode for long
-  whatever the device: a fixed token count is milliseconds on a large GPU and hundreds
-  of milliseconds on an 8-SM one. The budget is explicit, or by default
+  whatever the device: the time a fixed token count takes depends on the device's SMs
+  and bandwidth by orders of magnitude. The budget is explicit, or by default
   ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
 
 Every time is passed in by the caller: nothing here reads a clock, so tests step it
