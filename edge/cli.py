@@ -184,6 +184,9 @@ def _prompt_ids(text: str) -> list[int]:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    """One request through the scheduler the service runs, in this process."""
+    from edge.scheduler import Scheduler
+
     if args.prompt_ids:
         prompt: str | list[int] = _prompt_ids(args.prompt_ids)
     else:
@@ -191,31 +194,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = sampling_params(args)
     params.validate()
     engine = load_engine(args)
-    if args.json:
-        r = engine.generate(prompt, params)
-        out = {
-            "token_ids": r.token_ids,
-            "text": r.text,
-            "finish_reason": r.finish_reason,
-            "ttft_ms": r.usage.ttft_ms,
-            "decode_tok_s": r.usage.decode_tok_s,
-            "usage": r.usage.as_dict(),
-        }
-        if r.message:
-            out["message"] = r.message
-        print(json.dumps(out))
-        return 0
-    if isinstance(prompt, str):
-        print(prompt, end="", flush=True)
-    final = None
-    for chunk in engine.stream(prompt, params):
-        print(chunk.text, end="", flush=True)
-        final = chunk
+    prompt_ids = engine.encode(prompt)
+    sched = Scheduler(engine, queue_size=1)
+    sched.start()
+    try:
+        handle = sched.submit(prompt_ids, params)
+        if args.json:
+            r = handle.result()
+            out = {
+                "token_ids": r.token_ids,
+                "text": r.text,
+                "finish_reason": r.finish_reason,
+                "ttft_ms": r.usage.ttft_ms,
+                "decode_tok_s": r.usage.decode_tok_s,
+                "usage": r.usage.as_dict(),
+            }
+            if r.message:
+                out["message"] = r.message
+            print(json.dumps(out))
+            return 0
+        if isinstance(prompt, str):
+            print(prompt, end="", flush=True)
+        final = None
+        for chunk in handle:
+            print(chunk.text, end="", flush=True)
+            final = chunk
+    finally:
+        sched.stop()
     u = final.usage if final else None
     if u is not None:
         tps = f"{u.decode_tok_s:.1f} tok/s" if u.decode_tok_s else "n/a"
+        message = f" ({final.message})" if final.message else ""
         print(
-            f"\n[{final.finish_reason}] {u.completion_tokens} tokens, TTFT {u.ttft_ms or 0:.1f} ms, decode {tps}",
+            f"\n[{final.finish_reason}] {u.completion_tokens} tokens, TTFT {u.ttft_ms or 0:.1f} ms, decode {tps}{message}",
             file=sys.stderr,
         )
     return 0
@@ -330,8 +341,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
-        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "config",
-        "log_level")}
+        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "prefill_budget_ms",
+        "config", "log_level")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     check_engine_args(settings.model, settings.device, settings.dtype)
@@ -404,7 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
     s.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB [EDGE_KV_MEMORY]")
     s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
-    s.add_argument("--prefill-chunk", type=int, help="prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
+    s.add_argument("--prefill-chunk", type=int, help="largest background prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
+    s.add_argument("--prefill-budget-ms", help="time one background prefill chunk may take [EDGE_PREFILL_BUDGET_MS] "
+                   "(default: twice the active conversation's inter-token latency, measured)")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")

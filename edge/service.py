@@ -122,6 +122,7 @@ class Service:
                 engine,
                 queue_size=s.queue_size,
                 prefill_chunk=s.prefill_chunk,
+                prefill_budget_ms=s.prefill_budget_ms,
                 prefix_cache=s.prefix_cache,
                 governor=governor,
                 energy=mon.energy if mon else None,

@@ -54,6 +54,13 @@ def power_of_two(text: str) -> int:
     return v
 
 
+def positive_float(text: str) -> float:
+    v = float(text)
+    if not v > 0:
+        raise ValueError(f"must be > 0, got {v}")
+    return v
+
+
 def _port(text: str) -> int:
     v = int(text)
     if not 0 <= v <= 65535:
@@ -102,7 +109,8 @@ class Settings:
     kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
     kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
     memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.budget.DEFAULT_RESERVE)
-    prefill_chunk: int | None = None
+    prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
+    prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True
     cuda_graph: bool | None = None  # None: on a GPU
     skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
@@ -135,6 +143,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_KV_MEMORY": ("kv_memory", parse_bytes),
     "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
+    "EDGE_PREFILL_BUDGET_MS": ("prefill_budget_ms", positive_float),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
     "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),

@@ -105,3 +105,29 @@ def test_bad_flags_fail_before_loading_in_one_line() -> None:
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and needle in lines[0], (args, r.stderr)
         assert "KV budget" not in r.stderr and "loading model" not in r.stderr  # nothing was loaded
+
+
+def test_generate_goes_through_the_scheduler(monkeypatch, capsys) -> None:
+    """`edge generate` drives the scheduler the service runs, never Engine.stream/generate."""
+    from edge import cli
+    from edge.engine import Engine
+    from edge.scheduler import Scheduler
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("edge generate must not call Engine.stream/generate")
+
+    monkeypatch.setattr(Engine, "stream", refuse)
+    monkeypatch.setattr(Engine, "generate", refuse)
+    handles = []
+    real_submit = Scheduler.submit
+
+    def submit(self, *args, **kwargs):
+        handles.append(real_submit(self, *args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(Scheduler, "submit", submit)
+    assert cli.main(["generate", "--prompt-ids", "5,6,7", "--max-tokens", "6", "--ignore-eos", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert len(handles) == 1 and handles[0].finished
+    assert out["token_ids"] == handles[0].result(1).token_ids and len(out["token_ids"]) == 6
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 6

@@ -68,7 +68,8 @@ EMPTY=
 @pytest.mark.parametrize("var,value", [("EDGE_PORT", "eighty"), ("EDGE_PORT", "70000"), ("EDGE_QUEUE_SIZE", "0"),
                                        ("EDGE_PREFIX_CACHE", "maybe"), ("EDGE_SHUTDOWN_GRACE_S", "-1"),
                                        ("EDGE_KV_MEMORY", "2 gigs"), ("EDGE_KV_MEMORY", "0"),
-                                       ("EDGE_MEMORY_RESERVE", "-1GiB")])
+                                       ("EDGE_MEMORY_RESERVE", "-1GiB"), ("EDGE_PREFILL_BUDGET_MS", "0"),
+                                       ("EDGE_PREFILL_BUDGET_MS", "fast")])
 def test_bad_values_name_the_variable(var: str, value: str) -> None:
     with pytest.raises(ValueError, match=var):
         resolve({}, {var: value})
@@ -79,6 +80,12 @@ def test_memory_settings() -> None:
     assert (s.kv_memory, s.memory_reserve) == (2 << 30, 0)
     s, _ = resolve({"memory_reserve": 3 << 29}, {"EDGE_MEMORY_RESERVE": "4GiB"})
     assert s.memory_reserve == 3 << 29 and s.kv_memory is None
+
+
+def test_prefill_budget_from_env_and_command_line() -> None:
+    assert resolve({}, {})[0].prefill_budget_ms is None
+    assert resolve({}, {"EDGE_PREFILL_BUDGET_MS": "12.5"})[0].prefill_budget_ms == 12.5
+    assert resolve({"prefill_budget_ms": "30"}, {"EDGE_PREFILL_BUDGET_MS": "12.5"})[0].prefill_budget_ms == 30.0
 
 
 def test_booleans_and_empty_values() -> None:

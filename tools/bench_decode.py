@@ -70,7 +70,7 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
 
 def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine, dict]:
     dtype = parse_dtype(args.dtype)
-    device = torch.device("cuda")
+    device = torch.device(getattr(args, "device", None) or "cuda")
     if args.model:
         engine = Engine.from_pretrained(
             args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args),

@@ -131,7 +131,7 @@ class BlockTable:
         self._staging_np[lo:hi] = self.host[lo:hi]
         self.device[lo:hi].copy_(self._staging[lo:hi], non_blocking=True)
         if self.device.device.type == "cuda":
-            self._copied = torch.cuda.Event()
+            self._copied = torch.cuda.Event(blocking=True)  # a wait on it sleeps, not spins
             self._copied.record()
         nbytes = (hi - lo) * 4
         self.bytes_synced += nbytes

@@ -1,6 +1,13 @@
-"""Two-slot ping-pong scheduler: requests, streaming, cancel (barge-in), prefix reuse."""
+"""Two-slot ping-pong scheduler: requests, streaming, cancel (barge-in), prefix reuse.
 
+``policy`` decides (admission, slot states, prefix reuse), ``pacing`` sizes and spaces
+background prefill chunks, ``executor`` does each decision's device work, ``streams``
+holds the CUDA streams and events, ``loop`` is the thread with the callers' API
+(``Scheduler``), ``request`` is what callers hold.
+"""
+
+from edge.scheduler.loop import Scheduler
+from edge.scheduler.policy import SlotState
 from edge.scheduler.request import InvalidPrompt, QueueFull, RequestHandle
-from edge.scheduler.scheduler import Scheduler, SlotState
 
 __all__ = ["InvalidPrompt", "QueueFull", "RequestHandle", "Scheduler", "SlotState"]

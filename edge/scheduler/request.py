@@ -20,7 +20,7 @@ from edge.generation import Chunk, GenerationResult
 __all__ = ["InvalidPrompt", "QueueFull", "RequestHandle"]
 
 if TYPE_CHECKING:
-    from edge.scheduler.scheduler import Scheduler
+    from edge.scheduler.loop import Scheduler
 
 
 def _wake(fut: asyncio.Future) -> None:

@@ -1,0 +1,179 @@
+"""Background prefill pacing: how many tokens the next chunk takes, and when it may start.
+
+While one conversation decodes, the other slot's prompt is prefilled in chunks. Two
+rules keep the decoding conversation's inter-token latency (ITL) near its figure alone:
+
+- **ITL target.** A chunk starts a cycle that lasts until the next chunk starts. The
+  next chunk may start only once the tokens decoded since this one started came, on
+  average, no slower than ``itl_target`` times the current clean ITL: the median
+  interval between recent tokens with no chunk running or run between them. This
+  holds whatever the chunk costs: its own time on a serial device (the CPU), the
+  decode steps it slows on a GPU where both run at once. The clean ITL follows the
+  active conversation as its context grows; what a chunk leaves behind (colder caches,
+  KV blocks interleaved with the other slot's) shows in it, which is why the target
+  is below the 1.25x the service promises against a conversation decoding alone. A
+  floor keeps the prompt moving when the target cannot be met: a chunk may always
+  start once the last one took at most ``min_share`` of the time since it started.
+- **Time budget.** A chunk is sized to take about ``budget`` seconds at the prefill
+  throughput measured on earlier background chunks, so no chunk stalls decode for long
+  whatever the device: the time a fixed token count takes depends on the device's SMs
+  and bandwidth by orders of magnitude. The budget is explicit, or by default
+  ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
+
+Every time is passed in by the caller: nothing here reads a clock, so tests step it
+with invented timings.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+
+class Pacing:
+    """Chunk sizes and start times of background prefill; see the module docstring.
+
+    ``max_chunk``: the upper bound in tokens (``--prefill-chunk``). ``budget_s``: the
+    time one chunk may take; None sizes it from the clean ITL. ``granule``: chunks are
+    whole multiples of it (a KV page, a GEMM-friendly M), and the first, probing chunk
+    is one granule. ``rate_weight``: weight of the newest chunk in the throughput average.
+    """
+
+    def __init__(
+        self,
+        max_chunk: int,
+        budget_s: float | None = None,
+        itl_target: float = 1.15,
+        min_share: float = 0.05,
+        steps_per_chunk: float = 2.0,
+        granule: int = 16,
+        rate_weight: float = 0.5,
+        itl_window: int = 9,
+    ) -> None:
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be positive, got {max_chunk}")
+        if budget_s is not None and not budget_s > 0:
+            raise ValueError(f"the prefill time budget must be positive, got {budget_s} s")
+        if not itl_target > 1.0:
+            raise ValueError(f"itl_target must be above 1, got {itl_target}")
+        if not 0.0 < min_share <= 1.0:
+            raise ValueError(f"min_share must be in (0, 1], got {min_share}")
+        if not steps_per_chunk > 0:
+            raise ValueError(f"steps_per_chunk must be positive, got {steps_per_chunk}")
+        if granule < 1:
+            raise ValueError(f"granule must be positive, got {granule}")
+        if not 0.0 < rate_weight <= 1.0:
+            raise ValueError(f"rate_weight must be in (0, 1], got {rate_weight}")
+        self.max_chunk = max_chunk
+        self.explicit_budget_s = budget_s
+        self.itl_target = itl_target
+        self.min_share = min_share
+        self.steps_per_chunk = steps_per_chunk
+        self.granule = granule
+        self.rate_weight = rate_weight
+        self._itl: deque[float] = deque(maxlen=itl_window)  # clean intervals between tokens
+        self._last_token: float | None = None
+        self._chunk_since_token = False  # a chunk ran or runs since the last token
+        self.tokens_per_s: float | None = None  # background prefill throughput, averaged
+        self.in_flight = False  # a chunk was started and its time is not known yet
+        self._cycle_start: float | None = None  # when the last chunk started
+        self._cycle_tokens = 0  # tokens decoded since
+        self._last_busy_s = 0.0
+        self.last_chunk_tokens = 0
+        self.last_chunk_s: float | None = None
+        self.chunks = 0  # chunks that ran, and their device time, since the start
+        self.busy_s = 0.0
+
+    # -- measurements -----------------------------------------------------------------
+
+    def stream_started(self) -> None:
+        """Another conversation decodes from now on: no interval spans the switch."""
+        self._last_token = None
+
+    def token(self, now: float) -> None:
+        """The active conversation got a token at ``now``."""
+        clean = not self._chunk_since_token and not self.in_flight
+        if clean and self._last_token is not None and now > self._last_token:
+            self._itl.append(now - self._last_token)
+        self._last_token = now
+        self._chunk_since_token = self.in_flight
+        self._cycle_tokens += 1
+
+    def chunk_started(self, now: float) -> None:
+        self.in_flight = True
+        self._chunk_since_token = True
+        self._cycle_start = now
+        self._cycle_tokens = 0
+
+    def chunk_done(self, tokens: int, busy_s: float) -> None:
+        """The last chunk, of ``tokens``, kept the device busy for ``busy_s``."""
+        self.in_flight = False
+        self._last_busy_s = max(busy_s, 0.0)
+        if tokens <= 0 or busy_s <= 0:
+            return  # nothing ran (blocks were short): no throughput to learn
+        self.last_chunk_tokens, self.last_chunk_s = tokens, busy_s
+        self.chunks += 1
+        self.busy_s += busy_s
+        rate = tokens / busy_s
+        w = self.rate_weight
+        self.tokens_per_s = rate if self.tokens_per_s is None else w * rate + (1.0 - w) * self.tokens_per_s
+
+    # -- decisions --------------------------------------------------------------------
+
+    @property
+    def itl_s(self) -> float | None:
+        """The clean ITL: median of the recent intervals with no chunk in them."""
+        return statistics.median(self._itl) if self._itl else None
+
+    @property
+    def budget_s(self) -> float | None:
+        """The time one chunk may take, or None before any clean ITL was seen."""
+        if self.explicit_budget_s is not None:
+            return self.explicit_budget_s
+        itl = self.itl_s
+        return None if itl is None else self.steps_per_chunk * itl
+
+    def due(self, now: float) -> bool:
+        """May a background chunk start now?"""
+        if self.in_flight:
+            return False
+        if self._cycle_start is None:
+            return True
+        elapsed = now - self._cycle_start
+        if self._last_busy_s <= self.min_share * elapsed:
+            return True
+        itl = self.itl_s
+        return itl is not None and self._cycle_tokens > 0 and elapsed <= self.itl_target * itl * self._cycle_tokens
+
+    def chunk_tokens(self) -> int:
+        """Tokens for the next chunk: the budget times the measured throughput, in
+        whole granules, at least one granule and at most ``max_chunk``. Before any
+        throughput is known, one granule (a probe).
+
+        Sizing by the previous chunks' tokens per second converges to the chunk that
+        takes the budget even when each chunk also pays a fixed cost ``a``: with
+        ``t(n) = a + b n`` the next size ``B n / t(n)`` has its fixed point at
+        ``t(n) = B``; when ``a`` alone exceeds the budget it settles on one granule.
+        """
+        floor = min(self.granule, self.max_chunk)
+        budget = self.budget_s
+        if self.tokens_per_s is None or budget is None:
+            return floor
+        tokens = int(budget * self.tokens_per_s) // self.granule * self.granule
+        return max(floor, min(self.max_chunk, tokens))
+
+    def describe(self) -> dict:
+        budget, itl = self.budget_s, self.itl_s
+        return {
+            "budget_ms": None if budget is None else budget * 1e3,
+            "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} x clean ITL",
+            "clean_itl_ms": None if itl is None else itl * 1e3,
+            "itl_target": self.itl_target,
+            "max_chunk": self.max_chunk,
+            "next_chunk_tokens": self.chunk_tokens(),
+            "tokens_per_s": self.tokens_per_s,
+            "last_chunk_tokens": self.last_chunk_tokens,
+            "last_chunk_ms": None if self.last_chunk_s is None else self.last_chunk_s * 1e3,
+            "chunks": self.chunks,
+            "busy_s": self.busy_s,
+        }
