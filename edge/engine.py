@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from edge.quant import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
 from edge.tokenizer import Tokenizer
 from edge.validate import check_finite_weights, model_directory
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import MultimodalPrompt, VisionLanguage
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +76,7 @@ class Engine:
         blocking_waits: bool = True,
         stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
         memory_reserve: int | str | None = None,
+        vision: VisionLanguage | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/budget.py):
@@ -89,7 +94,8 @@ class Engine:
         instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
         is done (False: spins a CPU core, which Orin's few cores cannot spare).
         ``stream_factory(priority)`` makes the CUDA streams the engine's users create
-        (default ``torch.cuda.Stream``; an SM-restricted green context passes its own)."""
+        (default ``torch.cuda.Stream``; an SM-restricted green context passes its own).
+        ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk < 1:
@@ -108,6 +114,7 @@ class Engine:
         log.info("backend: %s", self.backend.describe())
         model = model.with_backend(self.backend)
         self.model = model
+        self.vision = vision
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -193,7 +200,10 @@ class Engine:
         path = model_directory(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
-        cfg = ModelConfig.from_pretrained(path)
+        from edge.vision.config import VLConfig, is_vision_language
+
+        vl = is_vision_language(path)
+        cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
             # Fail before loading gigabytes of weights when the kernels cannot load.
@@ -207,10 +217,20 @@ class Engine:
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
-        model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
-        if check_weights:
-            tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
-            check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
+        vision = None
+        if vl:
+            from edge.vision.loader import checked_tensors, load_vision_language
+
+            if quantize is not None:
+                raise ValueError("quantize is not supported for vision-language models yet")
+            model, vision = load_vision_language(path, dev, dt, seq_len)
+            if check_weights:
+                check_finite_weights(*checked_tensors(path, model, vision))
+        else:
+            model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
+            if check_weights:
+                tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
+                check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
         return cls(
@@ -221,6 +241,7 @@ class Engine:
             page_size=page_size,
             max_seq_len=seq_len,
             cuda_graph=cuda_graph,
+            vision=vision,
             **options,
         )
 
@@ -238,33 +259,54 @@ class Engine:
         self._contiguous.release()
         return self._contiguous
 
-    def forward(self, seq: SequenceKV, ids: list[int] | torch.Tensor, all_logits: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        seq: SequenceKV,
+        ids: list[int] | torch.Tensor,
+        all_logits: bool = False,
+        mm: MultimodalPrompt | None = None,
+        rope_delta: int = 0,
+    ) -> torch.Tensor:
         """Run ``ids`` through the model after the tokens ``seq`` holds; float32 logits
-        of the last token ``[vocab]`` (or of every token ``[T, vocab]``)."""
+        of the last token ``[vocab]`` (or of every token ``[T, vocab]``). ``ids`` are
+        tokens of the multimodal prompt ``mm`` (from position ``seq.length``), or
+        tokens after one whose RoPE positions trail by ``-rope_delta`` (edge/vision)."""
         ids_t = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True).view(-1)
         t = ids_t.shape[0]
         seq.reserve(t)
         positions = torch.arange(seq.length, seq.length + t, device=self.device)
-        hidden, norm = self.model.hidden(ids_t, positions, seq)
+        inputs = {}
+        if mm is not None:
+            inputs = self._vision().chunk_inputs(mm, seq.length, seq.length + t)
+        elif rope_delta:
+            inputs = {"rope": self._vision().decode_rope(rope_delta)}
+        hidden, norm = self.model.hidden(ids_t, positions, seq, **inputs)
         seq.advance(t)
         return self.model.logits(hidden if all_logits else hidden[-1:], norm)[slice(None) if all_logits else 0]
 
-    def prefill(self, seq: SequenceKV, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """Prefill in chunks of ``prefill_chunk`` tokens; logits as ``forward``."""
+    def prefill(
+        self, seq: SequenceKV, ids: list[int], all_logits: bool = False, mm: MultimodalPrompt | None = None
+    ) -> torch.Tensor:
+        """Prefill in chunks of ``prefill_chunk`` tokens; logits as ``forward`` (with
+        ``mm``, ``ids`` are its tokens from ``seq.length`` on)."""
         if not ids:
             raise ValueError("cannot prefill an empty prompt")
         outs = []
         for i in range(0, len(ids), self.prefill_chunk):
-            outs.append(self.forward(seq, ids[i : i + self.prefill_chunk], all_logits))
+            outs.append(self.forward(seq, ids[i : i + self.prefill_chunk], all_logits, mm=mm))
         return torch.cat(outs) if all_logits else outs[-1]
 
-    def decode(self, seq: SequenceKV, token: torch.Tensor, sampler: SamplerState, greedy: bool) -> torch.Tensor:
+    def decode(
+        self, seq: SequenceKV, token: torch.Tensor, sampler: SamplerState, greedy: bool, rope_delta: int = 0
+    ) -> torch.Tensor:
         """One decode step: feed ``token`` ([1] long, on the device), return the next
         one, still on the device (reading it is the caller's synchronisation point).
-        Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free."""
-        decoder = self.slot_decoder(seq)
+        Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free.
+        ``rope_delta`` (after images, edge/vision) decodes eagerly: the captured graphs'
+        RoPE reads the row of the KV position."""
+        decoder = self.slot_decoder(seq) if rope_delta == 0 else None
         if decoder is None:
-            return sample(self.forward(seq, token), sampler, greedy)
+            return sample(self.forward(seq, token, rope_delta=rope_delta), sampler, greedy)
         if decoder.bound is not seq:
             decoder.bind(seq, sampler, token)
         return torch.tensor([decoder.next_token(seq, greedy)])
@@ -325,24 +367,29 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: pass token ids, not text")
         return self.tokenizer.encode(prompt)
 
-    def stream(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> Iterator[Chunk]:
-        """Yield chunks as tokens are produced; the last one carries finish_reason and usage."""
+    def stream(
+        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+    ) -> Iterator[Chunk]:
+        """Yield chunks as tokens are produced; the last one carries finish_reason and usage.
+        A :class:`~edge.vision.runtime.MultimodalPrompt` holds images (edge/vision)."""
         params = replace(params or SamplingParams(), **overrides)
         params.validate()
-        prompt_ids = self.encode(prompt)
+        mm = None if isinstance(prompt, (str, list)) else prompt
+        prompt_ids = self.encode(prompt) if mm is None else mm.ids
         self.check_prompt(prompt_ids, params.max_tokens)
         gen = self.new_generation(prompt_ids, params, self._sampler)
         seq = self.new_sequence(slot=0)
         try:
-            yield from self._run(seq, gen)
+            yield from self._run(seq, gen, mm)
         finally:
             self.end_sequence(seq)
 
     def new_generation(self, prompt_ids: list[int], params: SamplingParams, sampler: SamplerState) -> Generation:
         return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids))
 
-    def _run(self, seq: SequenceKV, gen: Generation) -> Iterator[Chunk]:
-        logits = self.prefill(seq, gen.prompt_ids)
+    def _run(self, seq: SequenceKV, gen: Generation, mm: MultimodalPrompt | None = None) -> Iterator[Chunk]:
+        logits = self.prefill(seq, gen.prompt_ids, mm=mm)
+        delta = mm.rope_delta if mm is not None else 0
         gen.mark_prefilled()
         if gen.params.max_tokens == 0:
             yield gen.finish("length")
@@ -356,20 +403,34 @@ class Engine:
             if gen.done:
                 break
             try:
-                token = self.decode(seq, token, gen.sampler, greedy)
+                token = self.decode(seq, token, gen.sampler, greedy, rope_delta=delta)
             except KVOutOfMemory as exc:
                 yield gen.finish("length", message=str(exc))
                 return
         yield gen.finish()
 
-    def generate(self, prompt: str | list[int], params: SamplingParams | None = None, **overrides) -> GenerationResult:
+    def generate(
+        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+    ) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)
         return GenerationResult.from_chunks(list(self.stream(prompt, params)))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **overrides) -> GenerationResult:
+        """Messages through the chat template; a vision-language model also takes
+        ``{"type": "image", "image": bytes | path | PIL image}`` content parts."""
+        return self.generate(self.chat_prompt(messages), params, **overrides)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int] | MultimodalPrompt:
         if self.tokenizer is None:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
-        return self.generate(self.tokenizer.encode_chat(messages), params, **overrides)
+        if self.vision is not None:
+            return self.vision.prompt_from_messages(self.tokenizer, messages)
+        return self.tokenizer.encode_chat(messages)
+
+    def _vision(self) -> VisionLanguage:
+        if self.vision is None:
+            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images")
+        return self.vision
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
         """Float32 logits of every position ``[T, vocab]`` on the CPU (for verification)."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -37,6 +38,9 @@ from edge.quant import (
     parse_quantize,
     weight_tensors,
 )
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import Deepstack
 
 
 class Model:
@@ -131,19 +135,35 @@ class Model:
         return h if norm is None else self.backend.eager.layer.rms_norm(h, *norm)
 
     def hidden(
-        self, ids: torch.Tensor, positions: torch.Tensor, kv: SequenceKV, kernels: StepKernels | None = None
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: SequenceKV,
+        kernels: StepKernels | None = None,
+        embeds: torch.Tensor | None = None,
+        rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        deepstack: Deepstack | None = None,
     ) -> tuple[torch.Tensor, Norm | None]:
         """:meth:`forward` with the final RMSNorm still pending where the int8 decode
         GEMVs fold the norms in (an int8 lm_head's then takes it too): ``(h, norm)``,
         ``norm`` the ``(weight, eps)`` still to apply to ``h`` (None: ``h`` is
         normalised). :meth:`logits` and :meth:`greedy_token` take ``norm``. ``kernels``:
-        the backend's eager kernels unless given (the captured step's)."""
+        the backend's eager kernels unless given (the captured step's).
+
+        Vision-language prompts (edge/vision) pass ``embeds`` ``[T, hidden]``, the input
+        embeddings with image features in (taken as the residual stream: modified in
+        place), ``rope``, cos / signed-sin tables whose row p is the RoPE of sequence
+        position p (multimodal positions, or a decode's position + delta), and
+        ``deepstack``, features added at image rows after the first layers."""
         kern = kernels or self.backend.eager
         ops, linear = kern.layer, kern.linears
         cfg, eps = self.cfg, self.cfg.rms_norm_eps
         t = ids.shape[0]
         heads, kv_heads, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        x = ops.embedding(ids, self.w["model.embed_tokens.weight"])  # the residual stream
+        # The residual stream.
+        x = embeds if embeds is not None else ops.embedding(ids, self.w["model.embed_tokens.weight"])
+        cos, sin = rope if rope is not None else (self.cos, self.sin_signed)
+        ropes = self.ropes if rope is None else [r._replace(cos=cos, sin_signed=sin) for r in self.ropes]
         # Two plans. The int8 decode GEMV folds each RMSNorm into the projection that
         # reads it (scaling its dot product by 1/rms: the normalised row is never
         # rounded to bf16) and each residual add into the projection that produces it.
@@ -156,22 +176,41 @@ class Model:
             qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm)
             # A decode token: the paged cache's attention takes the q/k norms, RoPE and
             # the K/V store into its own launch.
-            attn = kv.attend_rope(i, qkv, self.ropes[i]) if t == 1 else None
+            attn = kv.attend_rope(i, qkv, ropes[i]) if t == 1 else None
             if attn is None:
                 # Qwen3's per-head q/k norms (when present) and RoPE in one op, which
                 # also stores k and v in a paged cache (one launch fewer per layer); a
                 # cache without pages gets k and v (a view) from attend.
                 pages = kv.pages(i)
-                q, k = ops.qk_norm_rope(
-                    qkv, lw["qk_norm"], self.cos, self.sin_signed, positions, heads, kv_heads, d, eps, pages
-                )
+                q, k = ops.qk_norm_rope(qkv, lw["qk_norm"], cos, sin, positions, heads, kv_heads, d, eps, pages)
                 v = None if pages is not None else qkv[:, cfg.q_size + cfg.kv_size :].view(t, kv_heads, d)
                 attn = kv.attend(i, q, k, v)
             h, norm = self._add_projection(kern, x, attn.reshape(t, cfg.q_size), lw["o"], lw["ln2"], fused)
             act = linear(h, lw["gate_up"], norm=norm, swiglu=True)
             # The last layer's norm is the final one.
-            h, norm = self._add_projection(kern, x, act, lw["down"], lw["ln_out"], fused)
+            if deepstack is not None and i < len(deepstack.features):
+                h, norm = self._add_deepstack(kern, x, act, lw["down"], lw["ln_out"], fused, deepstack, i)
+            else:
+                h, norm = self._add_projection(kern, x, act, lw["down"], lw["ln_out"], fused)
         return h, norm
+
+    def _add_deepstack(
+        self,
+        kern: StepKernels,
+        x: torch.Tensor,
+        a: torch.Tensor,
+        w: Weight,
+        ln: torch.Tensor,
+        fused: bool,
+        ds: Deepstack,
+        i: int,
+    ) -> tuple[torch.Tensor, Norm | None]:
+        """:meth:`_add_projection` with layer ``i``'s DeepStack features added to the
+        residual stream at the image rows before the next norm."""
+        x.add_(kern.linears(a, w))
+        x[ds.rows] += ds.features[i]
+        eps = self.cfg.rms_norm_eps
+        return (x, (ln, eps)) if fused else (kern.layer.rms_norm(x, ln, eps), None)
 
     def _add_projection(
         self, kern: StepKernels, x: torch.Tensor, a: torch.Tensor, w: Weight, ln: torch.Tensor, fused: bool

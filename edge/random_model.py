@@ -14,7 +14,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -249,9 +249,10 @@ Math: α + β = γ, ∑ x² ≤ ∞, √2 ≈ 1.414, π ≈ 3.14159, Δt → 0, 
 """
 
 
-@functools.lru_cache(maxsize=1)
-def tokenizer_json() -> str:
-    """Serialized byte-level BPE tokenizer trained on `CORPUS` (cached per process)."""
+@functools.lru_cache(maxsize=4)
+def tokenizer_json(extra_special: tuple[str, ...] = ()) -> str:
+    """Serialized byte-level BPE tokenizer trained on `CORPUS` (cached per process), with
+    `extra_special` tokens (a vision model's) after the usual special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.BPE())
@@ -268,19 +269,19 @@ def tokenizer_json() -> str:
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer=trainer)
     # Added after training so the special tokens sit at the end of the vocabulary, as in Qwen.
-    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_special_tokens(list(SPECIAL_TOKENS + extra_special))
     return tok.to_str()
 
 
-def covering_tokenizer_json(vocab_size: int) -> str:
+def covering_tokenizer_json(vocab_size: int, extra_special: tuple[str, ...] = ()) -> str:
     """The local tokenizer, grown to ``vocab_size`` ids when the model's vocabulary is
     larger than the trained one (the published presets): each extra id is a new entry
     spelling two trained tokens, so every id a random model samples decodes to text.
     No merge produces an extra entry, so encoding is unchanged."""
-    trained = tokenizer_vocab_size()
+    trained = tokenizer_vocab_size(extra_special)
     if vocab_size <= trained:
-        return tokenizer_json()
-    data = json.loads(tokenizer_json())
+        return tokenizer_json(extra_special)
+    data = json.loads(tokenizer_json(extra_special))
     vocab: dict[str, int] = data["model"]["vocab"]
     pieces = sorted(vocab, key=vocab.__getitem__)
     # The special tokens join the model's vocabulary at their ids: with a gap there,
@@ -298,20 +299,22 @@ def covering_tokenizer_json(vocab_size: int) -> str:
     return json.dumps(data, ensure_ascii=False)
 
 
-def special_token_ids() -> dict[str, int]:
+def special_token_ids(extra_special: tuple[str, ...] = ()) -> dict[str, int]:
     """Ids of the special tokens in the local tokenizer."""
-    added = json.loads(tokenizer_json())["added_tokens"]
+    added = json.loads(tokenizer_json(extra_special))["added_tokens"]
     return {entry["content"]: entry["id"] for entry in added}
 
 
-def tokenizer_vocab_size() -> int:
+def tokenizer_vocab_size(extra_special: tuple[str, ...] = ()) -> int:
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(tokenizer_json()).get_vocab_size(with_added_tokens=True)
+    return Tokenizer.from_str(tokenizer_json(extra_special)).get_vocab_size(with_added_tokens=True)
 
 
-def tokenizer_config(max_length: int) -> dict[str, Any]:
-    ids = special_token_ids()
+def tokenizer_config(
+    max_length: int, chat_template: str = CHAT_TEMPLATE, extra_special: tuple[str, ...] = ()
+) -> dict[str, Any]:
+    ids = special_token_ids(extra_special)
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "add_bos_token": False,
@@ -326,13 +329,13 @@ def tokenizer_config(max_length: int) -> dict[str, Any]:
                 "single_word": False,
                 "special": True,
             }
-            for content in SPECIAL_TOKENS
+            for content in SPECIAL_TOKENS + extra_special
         },
         "bos_token": None,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
         "unk_token": None,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": chat_template,
         "clean_up_tokenization_spaces": False,
         "errors": "replace",
         "model_max_length": max_length,
@@ -439,7 +442,8 @@ def _tensor_seed(seed: int, name: str) -> int:
 
 
 def _is_norm(name: str) -> bool:
-    return name.endswith("norm.weight")
+    # Decoder norms, and the vision towers' (norm1 / norm2 / ln_q).
+    return name.endswith(("norm.weight", "norm1.weight", "norm2.weight", "ln_q.weight"))
 
 
 def random_tensor(
@@ -448,8 +452,10 @@ def random_tensor(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    std: float = INIT_STD,
 ) -> torch.Tensor:
-    """One tensor, drawn on the CPU from a generator seeded by (seed, name), then moved.
+    """One tensor, drawn on the CPU from a generator seeded by (seed, name), then moved:
+    N(0, std), norm weights 1 + N(0, NORM_NOISE_STD).
 
     Values depend only on (seed, name, shape), never on `device` or `dtype` beyond rounding.
     """
@@ -461,7 +467,7 @@ def random_tensor(
     # float32 copy on the host next to its device copy (they share DRAM on Jetson).
     for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
         chunk = torch.empty(min(_CHUNK_ELEMENTS, flat.numel() - start), dtype=torch.float32)
-        chunk.normal_(0.0, NORM_NOISE_STD if norm else INIT_STD, generator=gen)
+        chunk.normal_(0.0, NORM_NOISE_STD if norm else std, generator=gen)
         if norm:
             # Not exactly 1, so that a forgotten or misapplied norm weight changes the output.
             chunk += 1.0
@@ -558,14 +564,19 @@ def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _write_weights(
-    out_dir: Path, config: dict[str, Any], seed: int, dtype: torch.dtype, max_shard_bytes: int | None
+def write_weights(
+    out_dir: Path,
+    shapes: dict[str, tuple[int, ...]],
+    make_tensor: Callable[[str, tuple[int, ...]], torch.Tensor],
+    dtype: torch.dtype,
+    max_shard_bytes: int | None,
 ) -> None:
-    shapes = state_dict_shapes(config)
+    """``make_tensor(name, shape)`` for each of ``shapes`` as model.safetensors (or
+    shards and their index), one shard in memory at a time."""
     shards = plan_shards(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
     metadata = {"format": "pt"}
     if len(shards) == 1:
-        tensors = {name: config_tensor(config, name, shapes[name], seed, dtype) for name in shards[0]}
+        tensors = {name: make_tensor(name, shapes[name]) for name in shards[0]}
         save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
         return
     weight_map: dict[str, str] = {}
@@ -573,7 +584,7 @@ def _write_weights(
     for index, names in enumerate(shards, start=1):
         filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
         # One shard in memory at a time keeps an 8B-shaped checkpoint writable on a small host.
-        tensors = {name: config_tensor(config, name, shapes[name], seed, dtype) for name in names}
+        tensors = {name: make_tensor(name, shapes[name]) for name in names}
         save_file(tensors, str(out_dir / filename), metadata=metadata)
         total_size += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update({name: filename for name in names})
@@ -607,7 +618,8 @@ def make_model(
     config = model_config(arch, preset, torch_dtype=_dtype_name(torch_dtype), **overrides)
     _write_json(out / "config.json", config)
     _write_tokenizer(out, config["max_position_embeddings"], config["vocab_size"])
-    _write_weights(out, config, seed, torch_dtype, max_shard_bytes)
+    shapes = state_dict_shapes(config)
+    write_weights(out, shapes, lambda n, s: config_tensor(config, n, s, seed, torch_dtype), torch_dtype, max_shard_bytes)
     return out
 
 
