@@ -16,7 +16,8 @@ conversion) and unknown fields are ignored, as OpenAI does. Parameter mapping:
 * Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``.
 * Refused with 400: ``n`` > 1, ``logprobs``/``top_logprobs``, ``tools``/``functions``
   and tool messages, ``response_format`` other than text, ``logit_bias``, ``echo``,
-  ``suffix``, ``best_of`` > 1, non-text content parts, batched prompts.
+  ``suffix``, ``best_of`` > 1, content parts other than text and ``image_url`` (the
+  latter only for vision-language models: edge/vision/request.py), batched prompts.
 """
 
 from __future__ import annotations
@@ -48,9 +49,15 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
 
+class ImageUrl(_Strict):
+    url: str
+    detail: str | None = None
+
+
 class ContentPart(_Strict):
     type: str
     text: str | None = None
+    image_url: ImageUrl | None = None
 
 
 class ChatMessage(_Strict):
@@ -199,8 +206,20 @@ def check_unsupported(req: _Common) -> None:
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
-    """Messages as the chat template wants them ({role, content} with text content)."""
+def image_urls(req: ChatCompletionRequest) -> list[str]:
+    """The URLs of the ``image_url`` parts of the user messages, in order."""
+    return [
+        part.image_url.url
+        for m in req.messages
+        if m.role == "user" and isinstance(m.content, list)
+        for part in m.content
+        if part.type == "image_url" and part.image_url is not None and part.image_url.url
+    ]
+
+
+def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    """Messages as the chat template wants them: {role, content} with text content, or,
+    where a message holds images, a list of text and ``image_url`` parts in order."""
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages", code="empty_array")
     out: list[dict[str, str]] = []
@@ -228,16 +247,23 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
         elif isinstance(content, str):
             text = content
         else:
-            parts = []
+            parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
-                if part.type != "text" or part.text is None:
+                if part.type == "image_url" and part.image_url is not None and role == "user":
+                    parts.append({"type": "image_url", "image_url": {"url": part.image_url.url}})
+                elif part.type == "text" and part.text is not None:
+                    parts.append({"type": "text", "text": part.text})
+                else:
                     raise bad_request(
-                        f"{param}.content[{j}]: only text content parts are supported (got {part.type!r})",
+                        f"{param}.content[{j}]: only text (and, in user messages, image_url) content parts "
+                        f"are supported (got {part.type!r})",
                         param=f"{param}.content[{j}].type",
                         code="unsupported_parameter",
                     )
-                parts.append(part.text)
-            text = "".join(parts)
+            if any(p["type"] == "image_url" for p in parts):
+                out.append({"role": role, "content": parts})
+                continue
+            text = "".join(p["text"] for p in parts)
         out.append({"role": "system" if role == "developer" else role, "content": text})
     return out
 

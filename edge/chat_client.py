@@ -16,8 +16,10 @@ for a self-contained session.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
+import mimetypes
 import signal
 import sys
 import tempfile
@@ -33,6 +35,7 @@ import httpx
 DEFAULT_URL = "http://127.0.0.1:8000"
 BANNER = (
     "edge chat — /reset clears the history, /system TEXT sets the system prompt, "
+    "/image PATH attaches a picture to your next message (vision models), "
     "/set NAME VALUE changes a sampling parameter, Ctrl-C stops an answer, Ctrl-D quits"
 )
 SETTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "ignore_eos")
@@ -152,6 +155,7 @@ def run_chat(
     print(BANNER, file=out, flush=True)
     history: list[dict] = []
     system: str | None = None
+    images: list[dict] = []  # image_url parts for the next user message
     while True:
         try:
             line = read_line("> ").strip()
@@ -175,7 +179,15 @@ def run_chat(
         if line.startswith("/set"):
             print(_set_param(params, line.removeprefix("/set").split()), file=out, flush=True)
             continue
-        history.append({"role": "user", "content": line})
+        if line.startswith("/image"):
+            try:
+                images.append(image_part(line.removeprefix("/image").strip()))
+                print(f"[image attached: {len(images)} for the next message]", file=out, flush=True)
+            except (OSError, ValueError) as exc:
+                print(f"[cannot attach image: {exc}]", file=out, flush=True)
+            continue
+        history.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
+        images = []
         messages = ([{"role": "system", "content": system}] if system else []) + history
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         reply: list[str] = []
@@ -199,6 +211,16 @@ def run_chat(
         finally:
             stream.close()
         history.append({"role": "assistant", "content": "".join(reply)})
+
+
+def image_part(path: str) -> dict:
+    """An OpenAI ``image_url`` content part holding the file as a data URL."""
+    if not path:
+        raise ValueError("usage: /image PATH")
+    data = Path(path).expanduser().read_bytes()
+    mime = mimetypes.guess_type(path)[0] or "application/octet-stream"
+    url = f"data:{mime};base64,{base64.b64encode(data).decode('ascii')}"
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 @contextlib.contextmanager

@@ -9,12 +9,14 @@ import math
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from edge.settings import non_negative_float, positive_int, power_of_two
 
 if TYPE_CHECKING:
     from edge.chat_client import ChatClient, InProcessService
+    from edge.vision.runtime import MultimodalPrompt
 
 DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
 
@@ -187,14 +189,28 @@ def cmd_generate(args: argparse.Namespace) -> int:
     """One request through the scheduler the service runs, in this process."""
     from edge.scheduler import Scheduler
 
-    if args.prompt_ids:
-        prompt: str | list[int] = _prompt_ids(args.prompt_ids)
+    prompt: str | list[int] | None = None  # None: the chat template places --image
+    if args.image:
+        if args.prompt_ids:
+            raise ValueError("--image takes --prompt text (the chat template places the image), not --prompt-ids")
+        missing = next((p for p in args.image if not Path(p).is_file()), None)
+        if missing is not None:
+            raise FileNotFoundError(f"--image {missing}: no such file")
+    elif args.prompt_ids:
+        prompt = _prompt_ids(args.prompt_ids)
     else:
         prompt = args.prompt if args.prompt is not None else DEFAULT_PROMPT
     params = sampling_params(args)
     params.validate()
     engine = load_engine(args)
-    prompt_ids = engine.encode(prompt)
+    if args.image:
+        # One user message: the images, then the text, through the chat template.
+        content: list[dict] = [{"type": "image", "image": path} for path in args.image]
+        content.append({"type": "text", "text": args.prompt if args.prompt is not None else "Describe this image."})
+        prompt_ids: list[int] | MultimodalPrompt = engine.chat_prompt([{"role": "user", "content": content}])
+    else:
+        assert prompt is not None
+        prompt_ids = engine.encode(prompt)
     sched = Scheduler(engine, queue_size=1)
     sched.start()
     try:
@@ -377,6 +393,10 @@ def build_parser() -> argparse.ArgumentParser:
     src = g.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--prompt-ids", help="comma-separated token ids")
+    g.add_argument(
+        "--image", action="append", default=[], help="image file for a vision-language model (repeatable); "
+        "the prompt then goes through the chat template as one user message: the images, then the text"
+    )
     g.add_argument("--json", action="store_true", help="print one JSON object")
     g.set_defaults(func=cmd_generate)
 

@@ -23,6 +23,11 @@ class ChatTemplateError(ValueError):
     """The model has no chat template, or the template rejected the conversation."""
 
 
+class ImageError(ValueError):
+    """An image a request sent cannot be used: a bad URL, undecodable, too large, too
+    many, or of an extreme shape (HTTP 400 invalid_image)."""
+
+
 class QueueFull(RuntimeError):
     """The bounded request queue is full (HTTP 429): retry later."""
 

@@ -117,6 +117,11 @@ class Settings:
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
     max_body: int | None = None  # request body bytes before 413 (None: max(1 MiB, 64 B x context))
+    # Images in chat requests (vision-language models): per image and per request.
+    image_max_bytes: int = 10 << 20
+    image_max_pixels: int = 40_000_000
+    max_images: int = 4
+    allow_remote_images: bool = False  # fetch http(s) image URLs (off: data: URLs only)
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 
@@ -150,6 +155,10 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", positive_int),
     "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", non_negative_float),
     "EDGE_MAX_BODY": ("max_body", parse_bytes),
+    "EDGE_IMAGE_MAX_BYTES": ("image_max_bytes", parse_bytes),
+    "EDGE_IMAGE_MAX_PIXELS": ("image_max_pixels", positive_int),
+    "EDGE_MAX_IMAGES": ("max_images", positive_int),
+    "EDGE_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_bool),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}

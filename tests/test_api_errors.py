@@ -13,13 +13,14 @@ from edge.api.errors import (
     UnsupportedMediaType,
     describe,
 )
-from edge.errors import DuplicateRequestId, InvalidPrompt, PromptTooLong, QueueFull, SchedulerStopped
+from edge.errors import DuplicateRequestId, ImageError, InvalidPrompt, PromptTooLong, QueueFull, SchedulerStopped
 from edge.monitor import DeviceTooHot
 
 CASES = [
     (BadRequest("bad", param="top_p", code="invalid_value"), 400, "invalid_request_error", "invalid_value", "top_p"),
     (PromptTooLong("too long"), 400, "invalid_request_error", "context_length_exceeded", "prompt"),
     (InvalidPrompt("token id 9 is outside"), 400, "invalid_request_error", "invalid_value", "prompt"),
+    (ImageError("cannot decode image"), 400, "invalid_request_error", "invalid_image", "messages"),
     (Unauthorized("no key"), 401, "invalid_request_error", "invalid_api_key", None),
     (HostNotAllowed("evil.example"), 403, "invalid_request_error", "host_not_allowed", None),
     (DuplicateRequestId("dup"), 409, "invalid_request_error", "duplicate_request_id", "X-Request-Id"),

@@ -360,11 +360,11 @@ def test_exception_in_loop_fails_only_that_request(engine: Engine, make, monkeyp
     real = engine.decode
     calls = {"n": 0}
 
-    def flaky(seq, token, sampler, greedy):
+    def flaky(seq, token, sampler, greedy, **kwargs):
         calls["n"] += 1
         if calls["n"] == 3:
             raise RuntimeError("injected fault")
-        return real(seq, token, sampler, greedy)
+        return real(seq, token, sampler, greedy, **kwargs)
 
     monkeypatch.setattr(engine, "decode", flaky)
     r1 = s.submit(prompt(50, 20), params(10)).result(10)

@@ -43,7 +43,7 @@ def image_only_processor(model_dir: Path, preset: str):  # noqa: ANN201
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     images = transformers.AutoImageProcessor.from_pretrained(model_dir)
-    assert type(images).__name__ == "Qwen2VLImageProcessorPil"
+    assert images.backend == "pil", "the oracle is the PIL/numpy image processor"
     return ImageOnly(images, tokenizer, chat_template=tokenizer.chat_template)
 
 
@@ -183,3 +183,37 @@ def test_bad_images_are_refused(vl) -> None:
         decode_image(png.getvalue(), ImageLimits(max_pixels=100))
     with pytest.raises(ImageError, match="exceeds the limit of 1000 bytes"):
         decode_image(png.getvalue(), ImageLimits(max_bytes=1000))
+
+
+# -- prefix reuse ----------------------------------------------------------------------
+
+
+def test_prefix_cache_keys_image_tokens_by_content(vl) -> None:
+    """A follow-up about the same image reuses the KV blocks up to the first turn's end
+    (the tower does not run again) and decodes what an uncached engine decodes; another
+    image of the same size shares nothing from its first token on."""
+    from edge.scheduler import Scheduler
+
+    engine = vl[4]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    image = random_image(160, 120, seed=7)
+    first = [user(image, "Describe the picture in a few words, please.")]
+    sched = Scheduler(engine, prefill_chunk=24)
+    sched.start()
+    try:
+        turn1 = engine.chat_prompt(first)
+        answer = sched.submit(turn1, params).result(timeout=60)
+        follow = [*first, {"role": "assistant", "content": answer.text}, user("Why?")]
+        turn2 = engine.chat_prompt(follow)
+        second = sched.submit(turn2, params).result(timeout=60)
+        other = engine.chat_prompt([user(random_image(160, 120, seed=8), "Describe the picture in a few words, please.")])
+        third = sched.submit(other, params).result(timeout=60)
+    finally:
+        sched.stop()
+    ps = engine.page_size
+    image_start, image_end = turn2.spans[0]
+    assert second.usage.cached_tokens >= len(turn1.ids) // ps * ps >= image_end
+    assert turn2.tower_runs == 0, "the image's tokens were all cached: the tower must not run"
+    assert second.token_ids == engine.generate(engine.chat_prompt(follow), params).token_ids
+    assert third.usage.cached_tokens <= image_start
+    assert other.tower_runs == 1

@@ -31,6 +31,7 @@ from edge.api.errors import (
 from edge.api.guard import HostPolicy, RequestGuard
 from edge.api.prompts import PromptEncoder
 from edge.service import Service
+from edge.vision.request import ImageLimits, ImagePolicy
 
 log = logging.getLogger("edge.api")
 
@@ -63,7 +64,9 @@ class _MetricsMiddleware:
 
 
 def create_app(service: Service) -> FastAPI:
-    prompts = PromptEncoder(waiting=service.settings.queue_size)
+    s = service.settings
+    images = ImagePolicy(ImageLimits(s.image_max_bytes, s.image_max_pixels), s.max_images, s.allow_remote_images)
+    prompts = PromptEncoder(waiting=s.queue_size, images=images)
     completions = Completions(service, prompts)
 
     @contextlib.asynccontextmanager
@@ -77,7 +80,6 @@ def create_app(service: Service) -> FastAPI:
 
     app = FastAPI(title="edge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
-    s = service.settings
     if s.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(s.cors_origins), allow_methods=["GET", "POST"],
                            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],

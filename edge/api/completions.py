@@ -90,8 +90,12 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(parts)
 
 
-def body_limit(max_body: int | None, max_seq_len: int) -> int:
-    return max_body if max_body is not None else max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_seq_len)
+def body_limit(max_body: int | None, max_seq_len: int, image_bytes: int = 0) -> int:
+    """``max_body``, or by default room for a context of text plus ``image_bytes`` (the
+    base64 images a vision-language model's request may hold)."""
+    if max_body is not None:
+        return max_body
+    return max(MIN_BODY_BYTES, BODY_BYTES_PER_TOKEN * max_seq_len) + image_bytes
 
 
 def request_id(service: Service, request: Request, prefix: str) -> str:
@@ -120,18 +124,20 @@ class Completions:
         check_ready(svc)
         engine = svc.engine
         assert engine is not None
-        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len))
+        image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
+        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes))
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
         req = schema.parse_request(body, model)
         del body
         schema.check_unsupported(req)
-        ids = await self.prompts.prompt_ids(engine, req, kind)
+        prompt = await self.prompts.prompt(engine, req, kind)
+        ids = prompt if isinstance(prompt, list) else prompt.ids
         params = schema.sampling_params(req, len(ids), engine.max_seq_len, svc.settings.default_max_tokens)
         rid = request_id(svc, request, "chatcmpl" if kind == "chat" else "cmpl")
         params.validate(engine.max_seq_len)
         if svc.monitor is not None:
             svc.monitor.governor.check_admission()
-        handle = svc.scheduler.submit(ids, params, request_id=rid)
+        handle = svc.scheduler.submit(prompt, params, request_id=rid)
         svc.active[rid] = handle
         svc.metrics.in_flight.inc()
         svc.metrics.prompt_tokens.inc(len(ids))

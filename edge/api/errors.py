@@ -19,6 +19,7 @@ from starlette.responses import JSONResponse
 from edge.errors import (
     ChatTemplateError,
     DuplicateRequestId,
+    ImageError,
     InvalidPrompt,
     PromptTooLong,
     QueueFull,
@@ -108,6 +109,7 @@ ERRORS: dict[type[BaseException], ErrorSpec] = {
     InvalidPrompt: ErrorSpec(400, code="invalid_value", param="prompt"),
     SamplingError: ErrorSpec(400, code="invalid_value"),
     ChatTemplateError: ErrorSpec(400, code="invalid_value", param="messages"),
+    ImageError: ErrorSpec(400, code="invalid_image", param="messages"),
     Unauthorized: ErrorSpec(401, code="invalid_api_key", headers=(("WWW-Authenticate", "Bearer"),)),
     HostNotAllowed: ErrorSpec(403, code="host_not_allowed"),
     NotFound: ErrorSpec(404, code="not_found"),

@@ -5,6 +5,10 @@ of prompts waiting for it (more get 429). The Rust tokenizer runs with the GIL
 released, so neither the event loop (streams, /health) nor the engine loop (its
 heartbeat) waits for a long prompt. A text longer than the context times the most
 characters one token can stand for cannot fit, and is refused before tokenizing.
+
+A chat request with images (a vision-language model) takes the same path: its remote
+images are fetched on the event loop (when the policy allows them), then the worker
+decodes and preprocesses them and tokenizes the text around their placeholders.
 """
 
 from __future__ import annotations
@@ -16,30 +20,39 @@ from typing import TYPE_CHECKING, Any
 from edge import api_schema as schema
 from edge.api.errors import BadRequest, PromptsBusy
 from edge.errors import PromptTooLong
+from edge.vision.request import ImagePolicy, count_images, fetch_images, resolve_images
 
 if TYPE_CHECKING:
     from edge.engine import Engine
     from edge.tokenizer import Tokenizer
+    from edge.vision.runtime import MultimodalPrompt
 
 
 class PromptEncoder:
-    """Turns parsed requests into prompt ids that fit the engine's context, in at most
+    """Turns parsed requests into prompts that fit the engine's context (token ids, or a
+    MultimodalPrompt where a chat request holds images under ``images``), in at most
     ``workers`` threads with at most ``waiting`` more requests queued for them."""
 
-    def __init__(self, workers: int = 2, waiting: int = 8) -> None:
+    def __init__(self, workers: int = 2, waiting: int = 8, images: ImagePolicy | None = None) -> None:
         if workers < 1 or waiting < 0:
             raise ValueError(f"need workers >= 1 and waiting >= 0, got {workers} and {waiting}")
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge-prompt")
         self.capacity = workers + waiting
+        self.images = images or ImagePolicy()
         self._admitted = 0  # touched on the event loop only
 
-    async def prompt_ids(self, engine: Engine, req: Any, kind: str) -> list[int]:
+    async def prompt(self, engine: Engine, req: Any, kind: str) -> list[int] | MultimodalPrompt:
         if self._admitted >= self.capacity:
             raise PromptsBusy(f"the server is busy: {self._admitted} prompts are waiting for the tokenizer; "
                               "retry later")
         self._admitted += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, encode_request, engine, req, kind)
+            fetched: dict[str, bytes] = {}
+            if kind == "chat" and engine.vision is not None:
+                fetched = await fetch_images(schema.image_urls(req), self.images)
+            return await asyncio.get_running_loop().run_in_executor(
+                self._pool, encode_request, engine, req, kind, self.images, fetched
+            )
         finally:
             self._admitted -= 1
 
@@ -47,17 +60,26 @@ class PromptEncoder:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def encode_request(engine: Engine, req: Any, kind: str) -> list[int]:
-    """The prompt ids of a chat or completion request; BadRequest when it is empty, not
-    encodable or longer than the context."""
+def encode_request(
+    engine: Engine, req: Any, kind: str, images: ImagePolicy | None = None, fetched: dict[str, bytes] | None = None
+) -> list[int] | MultimodalPrompt:
+    """The prompt of a chat or completion request: token ids, or a MultimodalPrompt for
+    chat messages holding images (``fetched``: their remote URLs' bytes); BadRequest
+    when it is empty, not encodable or longer than the context, ImageError for an image
+    that is unusable or over the ``images`` policy's limits."""
     tok = engine.tokenizer
     ctx = engine.max_seq_len
     if kind == "chat":
         param = "messages"
         messages = schema.chat_messages(req)
+        if count_images(messages) and engine.vision is None:
+            raise BadRequest("this model takes no images: it is not a vision-language model", param=param,
+                             code="unsupported_model")
         if tok is None or not tok.chat_template:
             raise BadRequest("this model has no chat template: use /v1/completions", param=param,
                              code="unsupported_model")
+        if count_images(messages):
+            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {})
         ids = _encode_text(tok, tok.apply_chat_template(messages), ctx, param)
     else:
         param = "prompt"
@@ -78,6 +100,21 @@ def encode_request(engine: Engine, req: Any, kind: str) -> list[int]:
         raise BadRequest("the prompt is empty", param=param, code="invalid_value")
     _check_fits(engine, ids, param)
     return ids
+
+
+def _image_prompt(
+    engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes]
+) -> MultimodalPrompt:
+    from edge.vision.runtime import split_images
+
+    vision = engine.vision
+    assert vision is not None
+    rendered, sources = split_images(resolve_images(messages, images, fetched))
+    # The text first: a prompt too long for the context fails before any image is decoded.
+    ids = _encode_text(tok, tok.apply_chat_template(rendered), engine.max_seq_len, "messages")
+    prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
+    _check_fits(engine, prompt.ids, "messages")
+    return prompt
 
 
 def _encode_text(tok: Tokenizer, text: str, ctx: int, param: str) -> list[int]:

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,6 +40,9 @@ from edge.scheduler.streams import (
     Lane,
     PendingToken,
 )
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import MultimodalPrompt
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +168,7 @@ class ActionRunner:
             if seq.length != action.start:
                 raise AssertionError(f"the policy prefills from {action.start}, the sequence holds {seq.length}")
             with self.streams.on(run.lane, high=not action.background, carry=run.next_input):
-                logits = self._forward(seq, prompt[action.start : action.stop], action.background)
+                logits = self._forward(seq, prompt[action.start : action.stop], action.background, req.mm)
                 with self._lock:
                     self.policy.prefilled(action.slot, action.stop, len(_blocks(seq)))
                 if action.stop < len(prompt):
@@ -196,16 +200,19 @@ class ActionRunner:
             return
         self._take_first_token(run)
 
-    def _forward(self, seq: SequenceKV, ids: list[int], background: bool) -> torch.Tensor:
-        """``engine.forward``; a background chunk is timed for the pacing."""
+    def _forward(
+        self, seq: SequenceKV, ids: list[int], background: bool, mm: MultimodalPrompt | None = None
+    ) -> torch.Tensor:
+        """``engine.forward`` (``mm``: the prompt's images); a background chunk is timed
+        for the pacing."""
         if not background:
-            return self.engine.forward(seq, ids)
+            return self.engine.forward(seq, ids, mm=mm)
         timer = self.streams.timer()
         with self._lock:
             self.policy.pacing.chunk_started(time.perf_counter())
         ran = 0
         try:
-            logits = self.engine.forward(seq, ids)
+            logits = self.engine.forward(seq, ids, mm=mm)
             ran = len(ids)
             return logits
         finally:
@@ -251,7 +258,9 @@ class ActionRunner:
         assert req is not None and gen is not None and seq is not None and run.next_input is not None
         try:
             with self.streams.on(run.lane, high=True, carry=run.next_input):
-                token = self.engine.decode(seq, run.next_input, run.sampler, req.params.greedy)
+                token = self.engine.decode(
+                    seq, run.next_input, run.sampler, req.params.greedy, rope_delta=req.rope_delta
+                )
                 value = self.streams.read(token)
             run.next_input = token
             with self._lock:
@@ -293,7 +302,7 @@ class ActionRunner:
             self.streams.drain(run.lane)  # no kernel may still write blocks we give away
             self.engine.settle(seq)  # drop a decode step launched ahead of the finish
             if cache and req is not None and gen is not None and isinstance(seq, PagedSequence):
-                written = (req.prompt_ids + gen.token_ids)[: seq.length]
+                written = (req.cache_ids + gen.token_ids)[: seq.length]
                 full = seq.length // self.policy.page_size
                 with self._lock:
                     self.policy.remember(written, seq.blocks[:full], follow_duplicates=True)

@@ -21,7 +21,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -34,6 +34,9 @@ from edge.scheduler.pacing import Pacing
 from edge.scheduler.policy import Decode, Idle, Request, RoundDone, SchedulerPolicy
 from edge.scheduler.request import InvalidPrompt, RequestHandle
 from edge.scheduler.streams import device_streams
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import MultimodalPrompt
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +136,17 @@ class Scheduler:
                 return
         self._shutdown()
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> RequestHandle:
-        """Queue a request; raises SamplingError, PromptTooLong, InvalidPrompt,
-        QueueFull, DuplicateRequestId, SchedulerStopped (edge/errors.py) or the
-        governor's DeviceTooHot on the caller's thread."""
+    def submit(
+        self, prompt_ids: list[int] | MultimodalPrompt, params: SamplingParams, request_id: str | None = None
+    ) -> RequestHandle:
+        """Queue a request (token ids, or a prompt with images from ``engine.vision``);
+        raises SamplingError, PromptTooLong, InvalidPrompt, QueueFull,
+        DuplicateRequestId, SchedulerStopped (edge/errors.py) or the governor's
+        DeviceTooHot on the caller's thread."""
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
-        ids = [int(t) for t in prompt_ids]
+        mm = None if isinstance(prompt_ids, list) else prompt_ids
+        ids = [int(t) for t in (prompt_ids if mm is None else mm.ids)]
         self.engine.check_prompt(ids, params.max_tokens)
         vocab = self.engine.cfg.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
@@ -152,7 +159,7 @@ class Scheduler:
                 raise SchedulerStopped("scheduler is stopped")
             rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
             handle = RequestHandle(rid, self)
-            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle))
+            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle, mm=mm))
             if self.energy is not None:
                 self.energy.begin(rid)
         self._wake.set()

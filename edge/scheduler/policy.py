@@ -31,6 +31,7 @@ import logging
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from edge.errors import DuplicateRequestId, QueueFull
 from edge.kv.paged import BlockPool
@@ -38,6 +39,9 @@ from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplingParams
 from edge.scheduler.pacing import Pacing
 from edge.scheduler.request import RequestHandle
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import MultimodalPrompt
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +62,17 @@ class Request:
     handle: RequestHandle | None = None  # where the loop streams its chunks
     cancelled: bool = False
     finished: bool = False
+    mm: MultimodalPrompt | None = None  # a prompt with images (edge/vision)
+
+    @property
+    def cache_ids(self) -> list[int]:
+        """What the prefix cache keys the prompt by (image tokens by image content)."""
+        return self.prompt_ids if self.mm is None else self.mm.key_ids
+
+    @property
+    def rope_delta(self) -> int:
+        """RoPE position minus sequence position after the prompt (nonzero after images)."""
+        return 0 if self.mm is None else self.mm.rope_delta
 
 
 @dataclass
@@ -246,8 +261,8 @@ class SchedulerPolicy:
         """The first token is known: cache the prompt's full blocks; READY."""
         s = self.slots[slot]
         assert s.request is not None
-        prompt = s.request.prompt_ids
-        self.remember(prompt, blocks[: len(prompt) // self.page_size])
+        keys = s.request.cache_ids
+        self.remember(keys, blocks[: len(keys) // self.page_size])
         s.first_token_pending = False
         s.state = SlotState.READY
 
@@ -383,8 +398,9 @@ class SchedulerPolicy:
                 f"the pool has only {self.pool.num_blocks}",
             )
         cache = self.prefix_cache
+        keys = req.cache_ids
         # At least the last prompt token is always prefilled, so that logits exist.
-        shared = cache.match(prompt[: len(prompt) - 1], touch=False) if cache is not None else []
+        shared = cache.match(keys[: len(keys) - 1], touch=False) if cache is not None else []
         if background:
             assert self.pool is not None
             refcount = self.pool.refcount
@@ -397,7 +413,7 @@ class SchedulerPolicy:
                 return None
         self.queue.popleft()
         if cache is not None and shared:
-            shared = cache.match(prompt[: len(prompt) - 1])  # the same blocks, now most recently used
+            shared = cache.match(keys[: len(keys) - 1])  # the same blocks, now most recently used
         slot.state = SlotState.PREFILLING
         slot.request = req
         slot.prefilled = slot.cached_tokens = len(shared) * ps

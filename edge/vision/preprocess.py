@@ -27,19 +27,10 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
+from edge.errors import ImageError
+from edge.vision.request import ImageLimits
+
 PREPROCESSOR_FILE = "preprocessor_config.json"
-
-
-class ImageError(ValueError):
-    """An image that cannot be used: undecodable, too large, or of an extreme shape."""
-
-
-@dataclass(frozen=True)
-class ImageLimits:
-    """What a request may send: encoded bytes and decoded pixels per image."""
-
-    max_bytes: int = 20 * 2**20
-    max_pixels: int = 40_000_000
 
 
 @dataclass(frozen=True)
