@@ -302,13 +302,12 @@ class Engine:
         """One decode step: feed ``token`` ([1] long, on the device), return the next
         one, still on the device (reading it is the caller's synchronisation point).
         Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free.
-        ``rope_delta`` (after images, edge/vision) decodes eagerly: the captured graphs'
-        RoPE reads the row of the KV position."""
-        decoder = self.slot_decoder(seq) if rope_delta == 0 else None
+        ``rope_delta``: the RoPE offset after a prompt with images (edge/vision)."""
+        decoder = self.slot_decoder(seq)
         if decoder is None:
             return sample(self.forward(seq, token, rope_delta=rope_delta), sampler, greedy)
         if decoder.bound is not seq:
-            decoder.bind(seq, sampler, token)
+            decoder.bind(seq, sampler, token, rope_delta)
         return torch.tensor([decoder.next_token(seq, greedy)])
 
     def settle(self, seq: SequenceKV) -> None:
@@ -472,4 +471,14 @@ class Engine:
             }
         if self.budget is not None:
             out["kv_budget"] = self.budget.as_dict()
+        if self.vision is not None:
+            v, proc = self.vision.cfg.vision, self.vision.processor
+            out["vision"] = {
+                "architecture": v.kind,
+                "layers": v.depth,
+                "hidden_size": v.hidden_size,
+                "patch_size": v.patch_size,
+                "min_pixels": proc.min_pixels,
+                "max_pixels": proc.max_pixels,
+            }
         return out

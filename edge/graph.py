@@ -95,16 +95,31 @@ class SlotDecoder:
         self.bound: PagedSequence | None = None
         self.inflight: deque[int] = deque()  # ring slots of launched steps whose token is unread
         self.kv = GraphStepKV(self)
+        # A vision-language model decodes after images at RoPE position pos + delta
+        # (edge/vision/mrope.py): the step reads the slot's own cos/sin tables, which
+        # ``bind`` shifts by the request's delta (a device copy), so ``pos`` still
+        # indexes both the KV slot and the tables.
+        vision = engine.vision
+        rows = self.cache.max_seq_len
+        self.rope = None if vision is None else tuple(t[:rows].clone() for t in vision.decode_rope(0))
+        self.rope_delta = 0
         # Every graph of the slot is captured on this stream: its kernel workspaces are
         # the slot's own, and never another slot's.
         self.capture_stream = engine.new_stream()
 
     # -- binding a request -----------------------------------------------------------
 
-    def bind(self, seq: PagedSequence, sampler: SamplerState, token: torch.Tensor) -> None:
+    def bind(self, seq: PagedSequence, sampler: SamplerState, token: torch.Tensor, rope_delta: int = 0) -> None:
         """Make ``seq`` the slot's sequence: its table syncs straight into the static
         table from now on; sampler state and the first token are copied on the device.
-        One small host-to-device copy (``pos``) per request, none per step."""
+        One small host-to-device copy (``pos``) per request, none per step.
+        ``rope_delta``: the RoPE offset of a prompt with images (edge/vision)."""
+        if rope_delta != self.rope_delta:
+            if self.rope is None:
+                raise ValueError("rope_delta needs a vision-language engine")
+            for table, shifted in zip(self.rope, self.engine.vision.decode_rope(rope_delta)):
+                table.copy_(shifted[: table.shape[0]])
+            self.rope_delta = rope_delta
         n = len(seq.blocks)
         self.table[:n].copy_(seq.table.device[:n])
         seq.table.device = self.table
@@ -122,7 +137,7 @@ class SlotDecoder:
 
     def _body(self, greedy: bool) -> None:
         kern = self.kernels
-        hidden, norm = self.model.hidden(self.token, self.pos, self.kv, kern)  # int32 positions
+        hidden, norm = self.model.hidden(self.token, self.pos, self.kv, kern, rope=self.rope)  # int32 positions
         if greedy and not self.sampler.use_penalty:
             # The token straight from the lm_head (an int8 one's kernel skips the
             # logits and takes the final norm); greedy decoding never reads the

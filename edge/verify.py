@@ -18,12 +18,16 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from edge.engine import Engine, default_device
 from edge.kv.paged import PagedKVCache
 from edge.sampling import SamplerState, SamplingParams
+
+if TYPE_CHECKING:
+    from edge.vision.runtime import MultimodalPrompt
 
 DEFAULT_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
@@ -32,6 +36,7 @@ DEFAULT_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float1
 class Case:
     name: str
     turns: list[tuple[list[int], int]]  # (new prompt tokens, tokens to generate) per turn
+    image: MultimodalPrompt | None = None  # a prompt with images, before the turns (VL models)
 
 
 @dataclass
@@ -75,47 +80,73 @@ def prompt_suite(engine: Engine, page: int, min_tokens: int = 24) -> list[Case]:
 
     n = max(24, min_tokens)
     per_turn = max(20, -(-min_tokens // 3))
-    return [
+    cases = [
         Case("shorter-than-page", [(take(max(1, page // 2 - 1)), n)]),
         Case("exactly-one-page", [(take(page), n)]),
         Case("several-pages", [(take(3 * page + 5, 7), n)]),
         Case("long-decode", [(take(5, 11), max(n, 6 * page + 3))]),
         Case("multi-turn", [(take(page + 3, 13), per_turn), (take(7, 200), per_turn), (take(2 * page, 300), per_turn)]),
     ]
+    if engine.vision is not None and engine.tokenizer is not None:
+        # Multimodal RoPE in prefill, position + delta in decode, image tokens across pages.
+        image = engine.chat_prompt([{"role": "user", "content": [
+            {"type": "image", "image": test_image(320, 240)}, {"type": "text", "text": "What does the kiosk camera see?"}
+        ]}])
+        cases.append(Case("image", [([], max(n, 3 * page + 3))], image=image))
+        cases.append(Case("image-multi-turn", [([], per_turn), (take(page + 1, 40), per_turn)], image=image))
+    return cases
+
+
+def test_image(width: int, height: int):  # noqa: ANN201 - PIL stays out of text-only imports
+    """A deterministic picture: colour gradients with a bright square."""
+    import numpy as np
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], axis=-1)
+    rgb[height // 4 : height // 2, width // 4 : width // 2] = 255
+    return Image.fromarray(rgb.astype(np.uint8))
 
 
 def run_case(engine: Engine, case: Case) -> Trace:
     """Greedy generation of every turn; each turn resends the whole conversation on a
     fresh sequence, so blocks freed by one turn are reused (stale) by the next."""
     trace = Trace()
-    history: list[int] = []
+    mm = case.image
+    history: list[int] = [] if mm is None else list(mm.ids)
+    delta = 0 if mm is None else mm.rope_delta
     for new_ids, n in case.turns:
         history = history + new_ids
         seq = engine.new_sequence(slot=0)
         try:
-            logits = engine.prefill(seq, history)
+            if mm is None:
+                logits = engine.prefill(seq, history)
+            else:
+                logits = engine.prefill(seq, list(mm.ids), mm=mm)
+                if len(history) > seq.length:  # text after the image prompt: positions + delta
+                    logits = engine.forward(seq, history[seq.length :], rope_delta=delta)
             if engine.cuda_graph:
-                history += _graph_tokens(engine, seq, logits, n, trace)
+                history += _graph_tokens(engine, seq, logits, n, trace, delta)
                 continue
             for _ in range(n):
                 tok = int(torch.argmax(logits))
                 trace.tokens.append(tok)
                 trace.logits.append(logits.float().cpu())
                 history.append(tok)
-                logits = engine.forward(seq, [tok])
+                logits = engine.forward(seq, [tok], rope_delta=delta)
         finally:
             engine.end_sequence(seq)
     return trace
 
 
-def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trace) -> list[int]:  # noqa: ANN001
+def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trace, delta: int = 0) -> list[int]:  # noqa: ANN001
     """Greedy tokens from the captured decode graph (it yields tokens, not logits)."""
     sampler = SamplerState(engine.cfg.vocab_size, engine.device)
     sampler.load(SamplingParams(), [])
     first = torch.argmax(logits).view(1)
     out = [int(first)]
     decoder = engine.slot_decoder(seq)
-    decoder.bind(seq, sampler, first)
+    decoder.bind(seq, sampler, first, delta)
     while len(out) < n:
         out.append(decoder.read(decoder.launch(seq, True)))
     trace.tokens += out
@@ -148,7 +179,7 @@ def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
     def paged(name: str, **kw) -> None:
         out[name] = Engine(
             base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks,
-            page_size=base.page_size, max_seq_len=base.max_seq_len, **kw,
+            page_size=base.page_size, max_seq_len=base.max_seq_len, vision=base.vision, **kw,
         )
 
     paged("paged-reference", kernels="reference", cuda_graph=False)

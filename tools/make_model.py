@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Write a random-weight model directory in Hugging Face format (see edge/random_model.py).
+"""Write a random-weight model directory in Hugging Face format (see edge/random_model.py;
+the vision-language presets qwen3-vl-tiny, qwen2.5-vl-tiny and qwen3-vl-8b: edge/vision/random_model.py).
 
 python tools/make_model.py OUT_DIR [--arch qwen3] [--preset tiny] [--seed 0]
     [--dtype float32] [--max-shard-mb N] [--vocab-size N] [--num-layers N]
@@ -17,6 +18,7 @@ if importlib.util.find_spec("edge") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from edge.random_model import ARCHITECTURES, PRESETS, make_model
+from edge.vision.random_model import VL_PRESETS, make_vl_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -28,7 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="architecture (default: the preset's own, qwen3 for tiny)",
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    parser.add_argument("--preset", choices=sorted(PRESETS) + sorted(VL_PRESETS), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     parser.add_argument(
@@ -49,6 +51,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_layers is not None:
         overrides["num_hidden_layers"] = args.num_layers
     max_shard_bytes = None if args.max_shard_mb is None else int(args.max_shard_mb * 2**20)
+    if args.preset in VL_PRESETS:
+        if args.arch is not None:
+            raise SystemExit(f"--arch does not apply to the vision-language preset {args.preset}")
+        out = make_vl_model(
+            args.out_dir, args.preset, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes, **overrides
+        )
+        print(out)
+        return 0
     out = make_model(
         args.out_dir,
         arch=args.arch,
