@@ -8,6 +8,10 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
   scheduler  two-slot scheduler: background-prefill slowdown, switch gap, second-turn
              TTFT with and without prefix reuse (tools/bench_scheduler.py)
 
+  vision     a random qwen3-vl-8b-shaped model: vision-tower time and TTFT for 448x448
+             and 1280x720 images, decode tok/s after an image and after text of the
+             same length (tools/bench_vision.py)
+
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
             achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
@@ -549,6 +553,7 @@ def build_parser() -> argparse.ArgumentParser:
     # End-to-end modes live in their own modules beside this file.
     import bench_decode
     import bench_scheduler
+    import bench_vision
 
     d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
     bench_decode.add_arguments(d)
@@ -556,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
     sch = sub.add_parser("scheduler", help="ping-pong scheduler benchmark (tools/bench_scheduler.py)")
     bench_scheduler.add_arguments(sch)
     sch.set_defaults(func=bench_scheduler.run)
+    v = sub.add_parser("vision", help="vision-language: tower time, TTFT with an image, decode (tools/bench_vision.py)")
+    bench_vision.add_arguments(v)
+    v.set_defaults(func=bench_vision.run)
     return ap
 
 
