@@ -221,9 +221,7 @@ class Engine:
         if vl:
             from edge.vision.loader import checked_tensors, load_vision_language
 
-            if quantize is not None:
-                raise ValueError("quantize is not supported for vision-language models yet")
-            model, vision = load_vision_language(path, dev, dt, seq_len)
+            model, vision = load_vision_language(path, dev, dt, seq_len, quantize, quant_group_size)
             if check_weights:
                 check_finite_weights(*checked_tensors(path, model, vision))
         else:

@@ -45,7 +45,7 @@ launch: an RMSNorm of its input (``norm``), SwiGLU of a ``[gate; up]`` output
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -370,8 +370,11 @@ def load_quantized_weights(
     group_size: int | None = None,
     keep_lm_head_float: bool = False,
     chunk_bytes: int = READ_CHUNK_BYTES,
+    tensor_names: Mapping[str, str] | None = None,
 ) -> dict[str, torch.Tensor | Int8Weight]:
     """Load a checkpoint into fused device weights with int8 projections.
+    ``tensor_names`` maps edge's tensor names to the checkpoint's where they differ (a
+    vision-language model's decoder, edge/vision/loader.py).
 
     A checkpoint whose metadata says q8_0 is loaded as it is (route A; ``quantize`` and
     ``group_size`` must agree with it or be None). A float checkpoint is quantized while
@@ -424,8 +427,10 @@ def load_quantized_weights(
     names = list(shapes)
     if stored is not None:
         names += [scale_name(n) for n in sorted(qnames)]
-    for piece in iter_tensor_rows(model_dir, names, chunk_bytes):
-        name, shape, r0, host = piece.name, piece.shape, piece.row, piece.data
+    rename = dict(tensor_names or {})
+    back = {c: n for n, c in rename.items()}
+    for piece in iter_tensor_rows(model_dir, [rename.get(n, n) for n in names], chunk_bytes):
+        name, shape, r0, host = back.get(piece.name, piece.name), piece.shape, piece.row, piece.data
         del piece  # the chunk goes with ``host``, before the next one is read
         if name.endswith(SCALE_SUFFIX) and name not in shapes:
             base = name[: -len(SCALE_SUFFIX)]

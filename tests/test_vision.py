@@ -217,3 +217,22 @@ def test_prefix_cache_keys_image_tokens_by_content(vl) -> None:
     assert second.token_ids == engine.generate(engine.chat_prompt(follow), params).token_ids
     assert third.usage.cached_tokens <= image_start
     assert other.tower_runs == 1
+
+
+def test_int8_decoder_follows_float(vl) -> None:
+    """``quantize="int8"`` quantizes the decoder's projections while loading (under the
+    VL checkpoint's tensor names); the tower stays float. Logits stay close to float's."""
+    from edge.quant import Int8Weight
+
+    _, path, _, _, engine = vl
+    int8 = Engine.from_pretrained(path, device="cpu", dtype="float32", quantize="int8", quant_group_size=32)
+    assert isinstance(int8.model.w["model.layers.0.self_attn.qkv_proj.weight"], Int8Weight)
+    outs = []
+    for e in (engine, int8):
+        prompt = e.chat_prompt([user(random_image(100, 100, seed=9), "What is it?")])
+        seq = e.new_sequence()
+        try:
+            outs.append(e.prefill(seq, prompt.ids, all_logits=True, mm=prompt))
+        finally:
+            e.end_sequence(seq)
+    assert 0 < ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 5e-2

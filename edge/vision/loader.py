@@ -15,7 +15,7 @@ import torch
 
 from edge.config import ModelConfig
 from edge.loader import TensorRows, checkpoint_files, expected_shapes, iter_tensor_rows, place_rows
-from edge.validate import check_tensor
+from edge.validate import CheckpointError, check_tensor
 from edge.vision.config import VisionConfig
 from edge.vision.tower import VisionTower, vision_shapes
 
@@ -84,16 +84,34 @@ def checked_tensors(
 
 
 def load_vision_language(
-    model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_seq_len: int
+    model_dir: str | Path,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_seq_len: int,
+    quantize: str | None = None,
+    quant_group_size: int | None = None,
 ) -> tuple["Model", "VisionLanguage"]:
-    """The text decoder and its :class:`VisionLanguage` (tower, processor, RoPE layout)."""
+    """The text decoder and its :class:`VisionLanguage` (tower, processor, RoPE layout).
+    ``quantize="int8"``: the decoder's projections quantized while loading (the tower
+    stays in ``dtype``)."""
     from edge.model import Model
+    from edge.quant import checkpoint_quantization, load_quantized_weights, parse_quantize
     from edge.vision.config import VLConfig
     from edge.vision.preprocess import ProcessorConfig
     from edge.vision.runtime import VisionLanguage
 
     cfg = VLConfig.from_pretrained(model_dir)
     processor = ProcessorConfig.from_pretrained(model_dir)
-    model = Model(cfg.text, load_text_weights(model_dir, cfg.text, device, dtype), max_seq_len)
+    if checkpoint_quantization(model_dir) is not None:
+        raise CheckpointError(f"{model_dir}: pre-quantized vision-language checkpoints are not supported; "
+                              "load the float checkpoint with quantize='int8'")
+    if parse_quantize(quantize) is not None:
+        names = {edge: stored for stored, edge in text_tensor_names(model_dir, cfg.text).items()}
+        weights = load_quantized_weights(
+            model_dir, cfg.text, device, dtype, quantize, quant_group_size, tensor_names=names
+        )
+    else:
+        weights = load_text_weights(model_dir, cfg.text, device, dtype)
+    model = Model(cfg.text, weights, max_seq_len)
     tower = load_tower(model_dir, cfg.vision, device, dtype)
     return model, VisionLanguage(cfg, tower, processor, model.w["model.embed_tokens.weight"], max_seq_len)
