@@ -13,12 +13,18 @@ import torch
 
 pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
-from PIL import Image  # noqa: E402
+from PIL import Image
 
-from edge.engine import Engine  # noqa: E402
-from edge.sampling import SamplingParams  # noqa: E402
-from edge.vision.preprocess import ImageError, ImageLimits, ProcessorConfig, decode_image, preprocess  # noqa: E402
-from edge.vision.random_model import make_vl_model  # noqa: E402
+from edge.engine import Engine
+from edge.sampling import SamplingParams
+from edge.vision.preprocess import (
+    ImageError,
+    ImageLimits,
+    ProcessorConfig,
+    decode_image,
+    preprocess,
+)
+from edge.vision.random_model import make_vl_model
 
 PRESETS = ["qwen3-vl-tiny", "qwen2.5-vl-tiny"]
 # (width, height): upscaled to min_pixels, landscape, tall and narrow, downscaled to max_pixels.
@@ -33,12 +39,12 @@ def random_image(width: int, height: int, seed: int, mode: str = "RGB") -> Image
     return Image.fromarray(data[..., 0] if channels == 1 else data, mode)
 
 
-def image_only_processor(model_dir: Path, preset: str):  # noqa: ANN201
+def image_only_processor(model_dir: Path, preset: str):
     """The model's HF processor without its video processor (which needs torchvision)."""
     base = transformers.Qwen3VLProcessor if preset.startswith("qwen3") else transformers.Qwen2_5_VLProcessor
 
     class ImageOnly(base):  # type: ignore[misc, valid-type]
-        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:  # noqa: ANN001
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs) -> None:
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
     tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)

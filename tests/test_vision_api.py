@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 
 pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
-from test_server_support import CHAT, ROOT, ServerProc, server_env  # noqa: E402
+from PIL import Image
+from test_server_support import CHAT, ROOT, ServerProc, server_env
 
-from edge.engine import Engine  # noqa: E402
-from edge.sampling import SamplingParams  # noqa: E402
-from edge.vision.random_model import make_vl_model  # noqa: E402
+from edge.engine import Engine
+from edge.sampling import SamplingParams
+from edge.vision.random_model import make_vl_model
 
 
 def png_bytes(width: int, height: int, seed: int) -> bytes:
@@ -109,7 +109,7 @@ def test_cli_generate_with_image(vl_dir: Path, tmp_path: Path) -> None:
     path.write_bytes(png_bytes(120, 90, seed=3))
     cmd = [sys.executable, "-m", "edge.cli", "generate", "--model", str(vl_dir), "--image", str(path),
            "--prompt", "What is this?", "--max-tokens", "6", "--ignore-eos", "--json"]
-    out = subprocess.run(cmd, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=120)
+    out = subprocess.run(cmd, cwd=ROOT, env=server_env(), capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     engine = Engine.from_pretrained(vl_dir, device="cpu", dtype="float32")
@@ -117,6 +117,6 @@ def test_cli_generate_with_image(vl_dir: Path, tmp_path: Path) -> None:
     expected = engine.generate(engine.chat_prompt(messages), SamplingParams(max_tokens=6, ignore_eos=True))
     assert result["token_ids"] == expected.token_ids
     bad = subprocess.run([*cmd[:7], str(tmp_path / "missing.png"), *cmd[8:]], cwd=ROOT, env=server_env(),
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120, check=False)
     # Checked up front, as every CLI flag is, before the model loads.
     assert bad.returncode == 2 and "missing.png: no such file" in bad.stderr

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 pytest.importorskip("PIL")
-from PIL import Image  # noqa: E402
+from PIL import Image
 
-from edge.engine import Engine  # noqa: E402
-from edge.sampling import SamplingParams  # noqa: E402
-from edge.vision.random_model import make_vl_model  # noqa: E402
+from edge.engine import Engine
+from edge.sampling import SamplingParams
+from edge.vision.random_model import make_vl_model
 
 pytestmark = pytest.mark.cuda
 

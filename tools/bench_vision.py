@@ -26,7 +26,13 @@ from edge.sampling import SamplingParams
 from edge.tokenizer import Tokenizer
 from edge.vision.config import VLConfig
 from edge.vision.preprocess import ProcessorConfig, preprocess
-from edge.vision.random_model import VL_PRESETS, VL_SPECIAL_TOKENS, preprocessor_config, vl_model_config, vl_state_dict_shapes
+from edge.vision.random_model import (
+    VL_PRESETS,
+    VL_SPECIAL_TOKENS,
+    preprocessor_config,
+    vl_model_config,
+    vl_state_dict_shapes,
+)
 from edge.vision.runtime import VisionLanguage
 from edge.vision.tower import VisionTower
 
@@ -77,7 +83,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     )
 
 
-def picture(width: int, height: int) -> "Image.Image":  # noqa: F821
+def picture(width: int, height: int) -> Image.Image:  # noqa: F821
     from PIL import Image
 
     rng = np.random.default_rng(width * height)
@@ -89,7 +95,7 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _ms(fn) -> float:  # noqa: ANN001
+def _ms(fn) -> float:
     _sync()
     t = time.perf_counter()
     fn()
@@ -110,7 +116,7 @@ def run(args: argparse.Namespace) -> dict:
             t = time.perf_counter()
             prepared = preprocess(image, vision.processor)
             pre.append((time.perf_counter() - t) * 1e3)
-            tower.append(_ms(lambda: vision.tower(prepared.pixels, [prepared.grid])))
+            tower.append(_ms(lambda p=prepared: vision.tower(p.pixels, [p.grid])))
             messages = [{"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "Describe it."}]}]
             _sync()
             t = time.perf_counter()

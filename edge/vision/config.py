@@ -98,7 +98,7 @@ class VLConfig:
         return self.vision.kind
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "VLConfig":
+    def from_pretrained(cls, path: str | Path) -> VLConfig:
         file = Path(path) / "config.json"
         try:
             return cls.from_dict(json.loads(file.read_text()))
@@ -106,7 +106,7 @@ class VLConfig:
             raise ConfigError(f"cannot read {file}: {exc}") from exc
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "VLConfig":
+    def from_dict(cls, d: dict[str, Any]) -> VLConfig:
         arch = vl_architecture(d)
         if arch is None:
             raise ConfigError(f"not a vision-language config: architectures {d.get('architectures')!r}")

@@ -90,12 +90,16 @@ def load_vision_language(
     max_seq_len: int,
     quantize: str | None = None,
     quant_group_size: int | None = None,
-) -> tuple["Model", "VisionLanguage"]:
+) -> tuple[Model, VisionLanguage]:
     """The text decoder and its :class:`VisionLanguage` (tower, processor, RoPE layout).
     ``quantize="int8"``: the decoder's projections quantized while loading (the tower
     stays in ``dtype``)."""
     from edge.model import Model
-    from edge.quant import checkpoint_quantization, load_quantized_weights, parse_quantize
+    from edge.quant import (
+        checkpoint_quantization,
+        load_quantized_weights,
+        parse_quantize,
+    )
     from edge.vision.config import VLConfig
     from edge.vision.preprocess import ProcessorConfig
     from edge.vision.runtime import VisionLanguage

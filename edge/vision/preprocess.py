@@ -53,7 +53,7 @@ class ProcessorConfig:
         return self.patch_size * self.merge_size
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> "ProcessorConfig":
+    def from_pretrained(cls, path: str | Path) -> ProcessorConfig:
         file = Path(path) / PREPROCESSOR_FILE
         try:
             data = json.loads(file.read_text())
@@ -64,7 +64,7 @@ class ProcessorConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ProcessorConfig":
+    def from_dict(cls, d: dict[str, Any]) -> ProcessorConfig:
         # As Qwen2VLImageProcessor: min_pixels / max_pixels override size's edges.
         size = d.get("size") or {}
         min_pixels = d.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels") or 56 * 56

@@ -126,15 +126,17 @@ async def _fetch(url: str, policy: ImagePolicy) -> bytes:
 
     limit = policy.limits.max_bytes
     try:
-        async with httpx.AsyncClient(timeout=policy.fetch_timeout_s, follow_redirects=True) as client:
-            async with client.stream("GET", url) as response:
-                if response.status_code != 200:
-                    raise ImageError(f"fetching the image failed: HTTP {response.status_code}")
-                data = bytearray()
-                async for chunk in response.aiter_bytes():
-                    data += chunk
-                    if len(data) > limit:
-                        raise ImageError(f"remote image exceeds the limit of {limit} bytes")
-                return bytes(data)
+        async with (
+            httpx.AsyncClient(timeout=policy.fetch_timeout_s, follow_redirects=True) as client,
+            client.stream("GET", url) as response,
+        ):
+            if response.status_code != 200:
+                raise ImageError(f"fetching the image failed: HTTP {response.status_code}")
+            data = bytearray()
+            async for chunk in response.aiter_bytes():
+                data += chunk
+                if len(data) > limit:
+                    raise ImageError(f"remote image exceeds the limit of {limit} bytes")
+            return bytes(data)
     except httpx.HTTPError as exc:
         raise ImageError(f"fetching the image failed: {exc}") from None

@@ -25,10 +25,16 @@ import torch
 from edge.config import rope_inv_freq
 from edge.vision.config import VLConfig
 from edge.vision.mrope import frequency_axes, mrope_tables, rope_positions
-from edge.vision.preprocess import ImageError, ImageLimits, PreparedImage, ProcessorConfig, decode_image, load_image, preprocess
+from edge.vision.preprocess import (
+    ImageError,
+    ImageLimits,
+    PreparedImage,
+    ProcessorConfig,
+    decode_image,
+    load_image,
+    preprocess,
+)
 from edge.vision.tower import ImageFeatures, VisionTower
-
-ImageSource = "bytes | str | Path | PIL.Image.Image"
 
 
 @dataclass
@@ -92,10 +98,11 @@ class VisionLanguage:
 
     # -- prompts ------------------------------------------------------------------------
 
-    def prepare(self, source: Any, limits: ImageLimits = ImageLimits()) -> PreparedImage:
+    def prepare(self, source: Any, limits: ImageLimits | None = None) -> PreparedImage:
         """Bytes, a path or a PIL image -> a preprocessed image (ImageError if unusable)."""
         from PIL import Image
 
+        limits = limits or ImageLimits()
         if isinstance(source, (bytes, bytearray)):
             image = decode_image(bytes(source), limits)
         elif isinstance(source, (str, Path)):
@@ -131,7 +138,7 @@ class VisionLanguage:
         return MultimodalPrompt(out, list(images), spans, positions, delta, keys)
 
     def prompt_from_messages(
-        self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], limits: ImageLimits = ImageLimits()
+        self, tokenizer: Any, messages: Sequence[Mapping[str, Any]], limits: ImageLimits | None = None
     ) -> MultimodalPrompt:
         """Chat messages whose content may hold ``{"type": "image", "image": source}``
         parts -> the prompt the model's chat template and image processor make of them."""

@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
@@ -223,12 +224,12 @@ def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds:
     """Bidirectional attention within each segment ``[bounds[i], bounds[i+1])`` of
     ``q, k, v [N, heads, D]`` -> ``[N, heads, D]``. Segments of equal length run as one
     batched call (windows are mostly of one size)."""
-    n, heads, d = q.shape
+    _, heads, d = q.shape
     if len(bounds) == 2:
         o = F.scaled_dot_product_attention(*(t.transpose(0, 1)[None] for t in (q, k, v)))
         return o[0].transpose(0, 1)
     by_length: dict[int, list[int]] = defaultdict(list)
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in pairwise(bounds):
         if end > start:
             by_length[end - start].append(start)
     out = torch.empty_like(q)
