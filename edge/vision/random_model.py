@@ -106,22 +106,22 @@ _QWEN2_5_VL = {
     "template": QWEN2_5_VL_CHAT_TEMPLATE,
 }
 
+_TINY_TEXT = {
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rope_theta": 10000.0,
+    "max_position_embeddings": 4096,
+    "vocab_size": None,  # the local tokenizer's
+}
+
 # text: the decoder; vision: the tower; pixels: the image processor's (min, max) area.
 VL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-vl-tiny": {
         **_QWEN3_VL,
-        "text": {
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "head_dim": 32,
-            "rope_theta": 10000.0,
-            "mrope_section": [6, 5, 5],
-            "max_position_embeddings": 4096,
-            "vocab_size": None,
-        },
+        "text": {**_TINY_TEXT, "head_dim": 32, "mrope_section": [6, 5, 5]},
         "vision": {
             "depth": 3,
             "hidden_size": 64,
@@ -137,17 +137,7 @@ VL_PRESETS: dict[str, dict[str, Any]] = {
     },
     "qwen2.5-vl-tiny": {
         **_QWEN2_5_VL,
-        "text": {
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 3,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "rope_theta": 10000.0,
-            "mrope_section": [4, 6, 6],
-            "max_position_embeddings": 4096,
-            "vocab_size": None,
-        },
+        "text": {**_TINY_TEXT, "mrope_section": [4, 6, 6]},
         "vision": {
             "depth": 4,
             "hidden_size": 64,
