@@ -50,7 +50,7 @@ class _Strict(BaseModel):
 
 
 class ImageUrl(_Strict):
-    url: str
+    url: str | None = None
     detail: str | None = None
 
 
@@ -217,9 +217,10 @@ def image_urls(req: ChatCompletionRequest) -> list[str]:
     ]
 
 
-def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def chat_messages(req: ChatCompletionRequest, images: bool = False) -> list[dict[str, Any]]:
     """Messages as the chat template wants them: {role, content} with text content, or,
-    where a message holds images, a list of text and ``image_url`` parts in order."""
+    where a user message holds images (``images``: the model takes them), a list of text
+    and ``image_url`` parts in order."""
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages", code="empty_array")
     out: list[dict[str, str]] = []
@@ -249,14 +250,18 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         else:
             parts: list[dict[str, Any]] = []
             for j, part in enumerate(content):
-                if part.type == "image_url" and part.image_url is not None and role == "user":
+                if part.type == "image_url" and images and role == "user":
+                    if part.image_url is None or not part.image_url.url:
+                        raise bad_request(f"{param}.content[{j}]: an image_url part needs image_url.url",
+                                          param=f"{param}.content[{j}].image_url.url",
+                                          code="missing_required_parameter")
                     parts.append({"type": "image_url", "image_url": {"url": part.image_url.url}})
                 elif part.type == "text" and part.text is not None:
                     parts.append({"type": "text", "text": part.text})
                 else:
+                    kinds = "text and, in user messages, image_url" if images else "text"
                     raise bad_request(
-                        f"{param}.content[{j}]: only text (and, in user messages, image_url) content parts "
-                        f"are supported (got {part.type!r})",
+                        f"{param}.content[{j}]: this model takes {kinds} content parts only (got {part.type!r})",
                         param=f"{param}.content[{j}].type",
                         code="unsupported_parameter",
                     )

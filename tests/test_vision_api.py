@@ -101,7 +101,7 @@ def test_image_in_assistant_message_is_refused(vl_server: ServerProc) -> None:
                 {"role": "user", "content": "?"}]
     with vl_server.client() as c:
         r = c.post(CHAT, json={"messages": messages, "max_tokens": 2})
-    assert r.status_code == 400 and "image_url" in r.json()["error"]["message"]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0].content[0].type"
 
 
 def test_cli_generate_with_image(vl_dir: Path, tmp_path: Path) -> None:
@@ -120,3 +120,11 @@ def test_cli_generate_with_image(vl_dir: Path, tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=120, check=False)
     # Checked up front, as every CLI flag is, before the model loads.
     assert bad.returncode == 2 and "missing.png: no such file" in bad.stderr
+
+
+def test_image_part_without_url_is_refused(vl_server: ServerProc) -> None:
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {}}, {"type": "text", "text": "?"}]}]
+    with vl_server.client() as c:
+        r = c.post(CHAT, json={"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "missing_required_parameter"

@@ -71,10 +71,8 @@ def encode_request(
     ctx = engine.max_seq_len
     if kind == "chat":
         param = "messages"
-        messages = schema.chat_messages(req)
-        if count_images(messages) and engine.vision is None:
-            raise BadRequest("this model takes no images: it is not a vision-language model", param=param,
-                             code="unsupported_model")
+        # A text model's chat_messages refuses image parts (400 at the part's type).
+        messages = schema.chat_messages(req, images=engine.vision is not None)
         if tok is None or not tok.chat_template:
             raise BadRequest("this model has no chat template: use /v1/completions", param=param,
                              code="unsupported_model")
