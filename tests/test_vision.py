@@ -242,3 +242,21 @@ def test_int8_decoder_follows_float(vl) -> None:
         finally:
             e.end_sequence(seq)
     assert 0 < ((outs[1] - outs[0]).norm() / outs[0].norm()).item() < 5e-2
+
+
+@pytest.mark.parametrize(
+    ("name", "row"),
+    [("model.language_model.layers.0.mlp.up_proj.weight", 3), ("model.visual.blocks.0.mlp.linear_fc1.weight", 1)],
+)
+def test_non_finite_weights_are_named_by_checkpoint_tensor(tmp_path: Path, name: str, row: int) -> None:
+    from safetensors.torch import load_file, save_file
+
+    from edge.validate import CheckpointError
+
+    path = make_vl_model(tmp_path / "vl", "qwen3-vl-tiny")
+    tensors = load_file(path / "model.safetensors")
+    tensors[name][row, 0] = float("nan")
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=rf"weight {name} holds 1 NaN or infinite values \(the first at \[{row}\b"):
+        Engine.from_pretrained(path, device="cpu", dtype="float32")
+    Engine.from_pretrained(path, device="cpu", dtype="float32", check_weights=False)  # skipped on request

@@ -128,3 +128,32 @@ def test_image_part_without_url_is_refused(vl_server: ServerProc) -> None:
         r = c.post(CHAT, json={"messages": messages, "max_tokens": 2})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "missing_required_parameter"
+
+
+def test_remote_images_are_fetched_only_when_allowed(tmp_path: Path) -> None:
+    import asyncio
+    import http.server
+    import threading
+    from functools import partial
+
+    from edge.errors import ImageError
+    from edge.vision.request import ImageLimits, ImagePolicy, fetch_images, resolve_images
+
+    image = png_bytes(40, 30, seed=5)
+    (tmp_path / "cat.png").write_bytes(image)
+    handler = partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path))
+    with http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler) as httpd:
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        url = f"{base}/cat.png"
+        allowed = ImagePolicy(allow_remote=True)
+        fetched = asyncio.run(fetch_images([url], allowed))
+        messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]
+        assert resolve_images(messages, allowed, fetched)[0]["content"][0] == {"type": "image", "image": image}
+        with pytest.raises(ImageError, match="remote image URLs are disabled"):
+            asyncio.run(fetch_images([url], ImagePolicy()))
+        with pytest.raises(ImageError, match="HTTP 404"):
+            asyncio.run(fetch_images([f"{base}/missing.png"], allowed))
+        with pytest.raises(ImageError, match=f"exceeds the limit of {len(image) - 1} bytes"):
+            asyncio.run(fetch_images([url], ImagePolicy(ImageLimits(max_bytes=len(image) - 1), allow_remote=True)))
+        httpd.shutdown()

@@ -14,7 +14,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.config import ModelConfig
-from edge.loader import TensorRows, checkpoint_files, expected_shapes, iter_tensor_rows, place_rows
+from edge.loader import (
+    TensorRows,
+    checkpoint_files,
+    expected_shapes,
+    iter_tensor_rows,
+    place_rows,
+)
 from edge.validate import CheckpointError, check_tensor
 from edge.vision.config import VisionConfig
 from edge.vision.tower import VisionTower, vision_shapes

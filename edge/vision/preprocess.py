@@ -127,8 +127,9 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Image:
+def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
     """Encoded bytes -> upright RGB image; ImageError for anything unusable."""
+    limits = limits or ImageLimits()
     if len(data) > limits.max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
     try:
@@ -145,7 +146,7 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits()) -> Image.Imag
         raise ImageError(f"cannot decode image: {exc}") from exc
 
 
-def load_image(path: str | Path, limits: ImageLimits = ImageLimits()) -> Image.Image:
+def load_image(path: str | Path, limits: ImageLimits | None = None) -> Image.Image:
     try:
         data = Path(path).read_bytes()
     except OSError as exc:
