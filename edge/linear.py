@@ -50,18 +50,22 @@ def weight_format(w: Any) -> str:
     return "float" if isinstance(w, torch.Tensor) else w.FORMAT
 
 
-class FloatLinear:
-    """``F.linear`` (cuBLAS on a GPU), the fusions composed from the layer ops."""
+class ComposedLinear:
+    """A plain matmul (``matmul(x, w, bias)``), the fusions composed of the layer ops
+    around it: no kernel of its own takes them."""
 
-    name = "torch F.linear"
+    name = "composed"
 
     def __init__(self, layer_ops: Any) -> None:
         self.ops = layer_ops
 
+    def matmul(self, x: torch.Tensor, w: Any, bias: torch.Tensor | None = None) -> torch.Tensor:
+        raise NotImplementedError
+
     def linear(
         self,
         x: torch.Tensor,
-        w: torch.Tensor,
+        w: Any,
         bias: torch.Tensor | None = None,
         *,
         norm: Norm | None = None,
@@ -69,47 +73,36 @@ class FloatLinear:
         swiglu: bool = False,
     ) -> torch.Tensor:
         if norm is None and residual is None and not swiglu:
-            return F.linear(x, w, bias)
-        return fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops)
+            return self.matmul(x, w, bias)
+        return fused_linear_reference(
+            x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=self.matmul
+        )
 
-    def fuses(self, x: torch.Tensor, w: torch.Tensor) -> bool:
+    def fuses(self, x: torch.Tensor, w: Any) -> bool:
         return False
 
     def argmax(
-        self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None, *, norm: Norm | None = None
+        self, x: torch.Tensor, w: Any, bias: torch.Tensor | None, out: torch.Tensor | None, *, norm: Norm | None = None
     ) -> torch.Tensor | None:
         return None
 
 
-class Int8ReferenceLinear:
+class FloatLinear(ComposedLinear):
+    """``F.linear`` (cuBLAS on a GPU)."""
+
+    name = "torch F.linear"
+
+    def matmul(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, bias)
+
+
+class Int8ReferenceLinear(ComposedLinear):
     """The torch reference W8A16 linear (dequantize, then ``F.linear``)."""
 
     name = "int8 torch reference (dequantize + F.linear)"
 
-    def __init__(self, layer_ops: Any) -> None:
-        self.ops = layer_ops
-
-    def linear(
-        self,
-        x: torch.Tensor,
-        w: Int8Weight,
-        bias: torch.Tensor | None = None,
-        *,
-        norm: Norm | None = None,
-        residual: torch.Tensor | None = None,
-        swiglu: bool = False,
-    ) -> torch.Tensor:
-        if norm is None and residual is None and not swiglu:
-            return int8_linear_reference(x, w, bias)
-        return fused_linear_reference(x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops)
-
-    def fuses(self, x: torch.Tensor, w: Int8Weight) -> bool:
-        return False
-
-    def argmax(
-        self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, out: torch.Tensor | None, *, norm: Norm | None = None
-    ) -> torch.Tensor | None:
-        return None
+    def matmul(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int8_linear_reference(x, w, bias)
 
 
 class Linears:
