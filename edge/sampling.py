@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from edge.errors import SamplingError
+from edge.speculative.params import SpeculativeParams
 
 _MASK32 = 0xFFFFFFFF
 _MUL = 0x45D9F3B  # < 2**27, so products of 32-bit values fit in int64 without overflow
@@ -31,6 +32,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    speculative: SpeculativeParams | None = None  # None: plain decoding (or the service default)
 
     def validate(self, max_allowed_tokens: int | None = None) -> None:
         if not isinstance(self.max_tokens, int) or self.max_tokens < 0:
@@ -47,6 +49,8 @@ class SamplingParams:
             raise SamplingError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise SamplingError("stop strings must be non-empty strings")
+        if self.speculative is not None:
+            self.speculative.validate()
 
     @property
     def greedy(self) -> bool:
@@ -107,9 +111,7 @@ class SamplerState:
 def sample(logits: torch.Tensor, state: SamplerState, greedy: bool) -> torch.Tensor:
     """Next token ``[1]`` (long) from float32 ``logits [vocab]``; advances ``state.step``
     and marks the token as seen, all on the device."""
-    if state.use_penalty:
-        pen = torch.where(logits > 0, logits / state.penalty, logits * state.penalty)
-        logits = torch.where(state.seen, pen, logits)
+    logits = penalized(logits, state)
     if greedy:
         token = torch.argmax(logits).view(1)
     else:
@@ -120,7 +122,8 @@ def sample(logits: torch.Tensor, state: SamplerState, greedy: bool) -> torch.Ten
     return token
 
 
-def _sample_stochastic(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+def _filtered(logits: torch.Tensor, state: SamplerState) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tempered logits sorted in descending order, -inf outside top-k and top-p; their ids."""
     vocab = logits.shape[0]
     scaled = logits / state.temperature.clamp(min=1e-5)
     vals, ids = torch.sort(scaled, descending=True)
@@ -131,11 +134,31 @@ def _sample_stochastic(logits: torch.Tensor, state: SamplerState) -> torch.Tenso
     before = torch.cumsum(probs, dim=-1) - probs
     # The most likely token always survives top-p, whatever p is.
     vals = vals.masked_fill((before > state.top_p) & (rank > 0), float("-inf"))
+    return vals, ids
+
+
+def _sample_stochastic(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    vals, ids = _filtered(logits, state)
     gumbel = -torch.log(-torch.log(uniform_noise(state.seed, state.step, ids)))
     choice = torch.argmax(vals + gumbel).view(1)
     # gather, not ids[choice]: indexing with a tensor scalar syncs with the host,
     # which is illegal inside graph capture.
     return ids.gather(0, choice)
+
+
+def penalized(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """``logits`` with the repetition penalty applied to the tokens seen so far."""
+    if not state.use_penalty:
+        return logits
+    pen = torch.where(logits > 0, logits / state.penalty, logits * state.penalty)
+    return torch.where(state.seen, pen, logits)
+
+
+def target_probs(logits: torch.Tensor, state: SamplerState) -> torch.Tensor:
+    """The distribution ``sample`` draws from (stochastic params) as float32 probabilities
+    ``[vocab]``: penalty, temperature, top-k, top-p. Speculative acceptance needs it."""
+    vals, ids = _filtered(penalized(logits, state), state)
+    return torch.zeros_like(vals).scatter_(0, ids, torch.softmax(vals, dim=-1))
 
 
 class StopChecker:

@@ -43,5 +43,8 @@ class SequenceKV(Protocol):
     def advance(self, n: int) -> None:
         """Commit ``n`` tokens written by the last forward pass."""
 
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` committed tokens (rejected speculative tokens)."""
+
     def release(self) -> None:
         """Drop everything the sequence holds (O(blocks held))."""

@@ -42,5 +42,11 @@ class ContiguousKV:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens (rejected speculative tokens)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+
     def release(self) -> None:
         self.length = 0

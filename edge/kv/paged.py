@@ -230,6 +230,14 @@ class PagedSequence:
     def advance(self, n: int) -> None:
         self.length += n
 
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens (rejected speculative tokens): the length drops and
+        pages left empty go back to the pool; nothing is copied or cleared."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+        self.truncate_blocks()
+
     def truncate_blocks(self) -> None:
         """Return blocks beyond ``length`` (reserved for tokens never written)."""
         keep = -(-self.length // self.pool.page_size)

@@ -1,0 +1,120 @@
+"""One request's speculative decoding: its proposer, the adaptive k, the counts."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from edge.kv import KVOutOfMemory, SequenceKV
+from edge.sampling import SamplerState
+from edge.speculative.params import SpeculativeParams
+from edge.speculative.proposers import DraftModel, PromptLookup, Proposer
+from edge.speculative.verify import verify
+
+if TYPE_CHECKING:
+    from edge.engine import Engine
+
+log = logging.getLogger(__name__)
+
+# Weight of the newest step in the acceptance-rate average that sets k.
+ACCEPTANCE_SMOOTHING = 0.5
+
+
+@dataclass
+class SpeculativeStats:
+    steps: int = 0  # verify steps (forwards of the target)
+    proposed: int = 0  # proposals checked
+    accepted: int = 0  # proposals kept
+    emitted: int = 0  # tokens out: accepted + one from the target per step
+
+    def add(self, other: SpeculativeStats) -> None:
+        self.steps += other.steps
+        self.proposed += other.proposed
+        self.accepted += other.accepted
+        self.emitted += other.emitted
+
+    def as_dict(self) -> dict:
+        return {
+            "steps": self.steps,
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "tokens_per_step": self.emitted / self.steps if self.steps else None,
+            "acceptance_rate": self.accepted / self.proposed if self.proposed else None,
+        }
+
+
+def make_proposer(params: SpeculativeParams, draft: Engine | None) -> Proposer:
+    if params.method == "ngram":
+        return PromptLookup()
+    if params.method == "draft":
+        if draft is None:
+            raise ValueError("speculative method 'draft' needs a draft model")
+        return DraftModel(draft)
+    raise ValueError(f"unknown speculative method {params.method!r}")
+
+
+class SpeculativeDecoder:
+    """Decode steps of one request on ``seq`` that each emit one or more tokens.
+
+    k starts at ``params.num_tokens`` and follows the smoothed acceptance rate:
+    ``1 + rate * num_tokens``, capped at ``num_tokens``, so a proposer that keeps
+    missing costs little more than plain decoding."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        seq: SequenceKV,
+        params: SpeculativeParams,
+        sampler: SamplerState,
+        greedy: bool,
+        proposer: Proposer,
+    ) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.params = params
+        self.sampler = sampler
+        self.greedy = greedy
+        self.proposer = proposer
+        self.k = params.num_tokens
+        self._rate = 1.0
+        self.stats = SpeculativeStats()
+        self._base = 0  # seq.length before the last step
+        self._accepted = 0  # proposals the last step kept
+
+    def step(self, context: Sequence[int], budget: int) -> list[int]:
+        """Tokens after ``context`` (prompt and output; its last token, the newest, is
+        not in ``seq`` yet). ``budget``: the most tokens the request may still emit.
+        Raises KVOutOfMemory (``seq`` unchanged) only when not even one token fits."""
+        k = min(self.k, budget - 1, self.engine.max_seq_len - self.seq.length - 1)
+        proposed = self.proposer.propose(context, k)[:k] if k > 0 else []
+        self._base = self.seq.length
+        try:
+            verdict = verify(self.engine, self.seq, int(context[-1]), proposed, self.sampler, self.greedy)
+        except KVOutOfMemory:
+            if not proposed:
+                raise
+            log.debug("no KV room for %d proposals: a plain step", len(proposed))
+            proposed = []
+            verdict = verify(self.engine, self.seq, int(context[-1]), proposed, self.sampler, self.greedy)
+        self._accepted = verdict.accepted
+        self.stats.steps += 1
+        self.stats.proposed += len(proposed)
+        self.stats.accepted += verdict.accepted
+        self.stats.emitted += len(verdict.tokens)
+        if proposed:
+            rate = verdict.accepted / len(proposed)
+            self._rate = (1 - ACCEPTANCE_SMOOTHING) * self._rate + ACCEPTANCE_SMOOTHING * rate
+            self.k = max(1, min(self.params.num_tokens, 1 + int(self._rate * self.params.num_tokens)))
+        return verdict.tokens
+
+    def keep(self, n: int) -> None:
+        """The request ended after the first ``n`` tokens of the last step: hold only the
+        K/V plain decoding would hold then (the input and the tokens before the n-th)."""
+        extra = self.seq.length - (self._base + n)
+        if extra > 0:
+            self.seq.rollback(extra)
+
+    def close(self) -> None:
+        self.proposer.close()
