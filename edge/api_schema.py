@@ -13,7 +13,10 @@ conversion) and unknown fields are ignored, as OpenAI does. Parameter mapping:
 * ``stop``: a string or a list of up to 16 non-empty strings.
 * ``frequency_penalty`` / ``presence_penalty``: only 0 is accepted (400 otherwise);
   use the ``repetition_penalty`` extension instead.
-* Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``.
+* Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``speculative``
+  (``{"method": "ngram" | "draft", "num_tokens": 1..16}``; unset: the server's default).
+  A speculative response's ``usage`` carries ``speculative``: steps, proposed and
+  accepted tokens, tokens per step, acceptance rate.
 * Refused with 400: ``n`` > 1, ``logprobs``/``top_logprobs``, ``tools``/``functions``
   and tool messages, ``response_format`` other than text, ``logit_bias``, ``echo``,
   ``suffix``, ``best_of`` > 1, content parts other than text and ``image_url`` (the
@@ -76,6 +79,13 @@ class ResponseFormat(_Strict):
     type: str
 
 
+class SpeculativeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)  # a misspelt key is a 400, not plain decoding
+
+    method: str
+    num_tokens: int = 4
+
+
 class _Common(_Strict):
     model: str | None = None
     stream: bool | None = False
@@ -94,6 +104,7 @@ class _Common(_Strict):
     top_k: int | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool | None = False
+    speculative: SpeculativeRequest | None = None
 
 
 class ChatCompletionRequest(_Common):
@@ -339,6 +350,16 @@ def sampling_params(
     if any(not s for s in stop):
         raise bad_request("stop strings must be non-empty", param="stop", code="invalid_value")
     seed = None if req.seed is None else req.seed % (1 << 63)
+    speculative = None
+    if req.speculative is not None:
+        from edge.errors import SamplingError
+        from edge.speculative.params import SpeculativeParams
+
+        speculative = SpeculativeParams(req.speculative.method, req.speculative.num_tokens)
+        try:
+            speculative.validate()
+        except SamplingError as exc:
+            raise bad_request(str(exc), param="speculative", code="invalid_value") from None
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -348,6 +369,7 @@ def sampling_params(
         seed=seed,
         stop=stop,
         ignore_eos=bool(req.ignore_eos),
+        speculative=speculative,
     )
 
 
@@ -366,12 +388,16 @@ def usage_body(usage: Any) -> dict:
     prompt = int(getattr(usage, "prompt_tokens", 0) or 0)
     completion = int(getattr(usage, "completion_tokens", 0) or 0)
     cached = int(getattr(usage, "cached_tokens", 0) or 0)
-    return {
+    body = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": cached},
     }
+    speculative = getattr(usage, "speculative", None)
+    if speculative is not None:
+        body["speculative"] = jsonable(speculative)  # extension
+    return body
 
 
 def timings_body(usage: Any) -> dict:

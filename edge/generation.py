@@ -22,6 +22,7 @@ class Usage:
     seed: int | None = None
     energy_j: float | None = None
     energy_j_per_token: float | None = None
+    speculative: dict | None = None  # SpeculativeStats.as_dict() of a speculative request
 
     def as_dict(self) -> dict:
         return asdict(self)

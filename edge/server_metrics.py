@@ -16,6 +16,9 @@ Service metrics (prefix ``edge_``):
 * ``queue_depth``, ``kv_blocks{state=used|cached|evictable|free}``, ``kv_blocks_total``,
   ``slots{state=idle|prefilling|ready|decoding}``, ``scheduler_requests_finished_total{reason}``,
   ``scheduler_alive``, ``scheduler_heartbeat_age_seconds``, ``model_ready``
+* ``speculative_steps_total``, ``speculative_proposed_tokens_total``,
+  ``speculative_accepted_tokens_total`` (finished speculative requests; accepted per step
+  is their ratio), ``speculative_acceptance_rate`` (accepted / proposed, all time)
 """
 
 from __future__ import annotations
@@ -76,6 +79,7 @@ class _SchedulerCollector(Collector):
         for reason, n in sorted((stats.get("requests_finished") or {}).items()):
             fin.add_metric([str(reason)], float(n))
         yield fin
+        yield from _speculative_metrics(stats.get("speculative") or {})
         alive = GaugeMetricFamily("edge_scheduler_alive", "1 while the engine loop runs")
         alive.add_metric([], 1.0 if stats.get("alive") else 0.0)
         yield alive
@@ -84,6 +88,22 @@ class _SchedulerCollector(Collector):
             age = GaugeMetricFamily("edge_scheduler_heartbeat_age_seconds", "Seconds since the engine loop's heartbeat")
             age.add_metric([], max(0.0, time.monotonic() - float(hb)))
             yield age
+
+
+def _speculative_metrics(spec: dict[str, Any]) -> Iterator[Any]:
+    for key, name, doc in (
+        ("steps", "edge_speculative_steps", "Verify steps of speculative requests"),
+        ("proposed_tokens", "edge_speculative_proposed_tokens", "Speculative tokens proposed"),
+        ("accepted_tokens", "edge_speculative_accepted_tokens", "Speculative tokens accepted"),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(spec.get(key) or 0))
+        yield c
+    rate = spec.get("acceptance_rate")
+    if rate is not None:
+        g = GaugeMetricFamily("edge_speculative_acceptance_rate", "Accepted / proposed speculative tokens")
+        g.add_metric([], float(rate))
+        yield g
 
 
 class ServiceMetrics:

@@ -22,6 +22,7 @@ from edge.generation import Chunk, Generation, Usage
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample
+from edge.speculative.decoding import SpeculativeDecoder, SpeculativeStats, make_proposer
 from edge.scheduler.policy import (
     Action,
     Activate,
@@ -69,6 +70,7 @@ class _SlotRun:
         self.next_input: torch.Tensor | None = None  # the last sampled token, on the device
         self.first_token: int | None = None
         self.pending: PendingToken | None = None  # a background first token on its way
+        self.spec: SpeculativeDecoder | None = None  # set when the request decodes speculatively
 
 
 class ActionRunner:
@@ -82,8 +84,11 @@ class ActionRunner:
         lock: threading.Lock,
         streams: HostStreams | CudaStreams,
         energy=None,
+        draft: Engine | None = None,
     ) -> None:
         self.engine = engine
+        self.draft = draft  # the draft model of speculative requests with method "draft"
+        self.speculative = SpeculativeStats()  # totals over finished requests (/metrics)
         self.policy = policy
         self._lock = lock
         self.streams = streams
@@ -146,10 +151,18 @@ class ActionRunner:
                 if action.shared:
                     run.seq.share_prefix(list(action.shared))
                 gen = self.engine.new_generation(req.prompt_ids, req.params, run.sampler)
+                spec = req.params.speculative
+                if spec is not None:
+                    proposer = make_proposer(spec, self.draft)
+                    run.spec = SpeculativeDecoder(
+                        self.engine, run.seq, spec, run.sampler, req.params.greedy, proposer
+                    )
         except Exception as exc:
             log.exception("request %s: admission failed", req.id)
             if run.seq is not None:
                 run.seq.release()
+            if run.spec is not None:
+                run.spec.close()
             run.reset()
             with self._lock:
                 self.policy.vacate(action.slot)
@@ -256,6 +269,9 @@ class ActionRunner:
     def _decode(self, run: _SlotRun) -> None:
         req, gen, seq = run.request, run.gen, run.seq
         assert req is not None and gen is not None and seq is not None and run.next_input is not None
+        if run.spec is not None:
+            self._decode_speculative(run)
+            return
         try:
             with self.streams.on(run.lane, high=True, carry=run.next_input):
                 token = self.engine.decode(
@@ -274,6 +290,34 @@ class ActionRunner:
             return
         self._emit(run, chunk)
 
+    def _decode_speculative(self, run: _SlotRun) -> None:
+        """One verify step (eager; k varies per step): several tokens into one chunk."""
+        req, gen, seq, spec = run.request, run.gen, run.seq, run.spec
+        assert req is not None and gen is not None and seq is not None and spec is not None
+        try:
+            with self.streams.on(run.lane, high=True, carry=run.next_input):
+                budget = gen.stop.max_tokens - gen.stop.count
+                tokens = spec.step(req.prompt_ids + gen.token_ids, budget)
+                run.next_input = torch.tensor([tokens[-1]], device=self.engine.device)
+            with self._lock:
+                self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
+            ids: list[int] = []
+            text = ""
+            for n, token in enumerate(tokens, start=1):
+                chunk = gen.feed(token)
+                ids += chunk.token_ids
+                text += chunk.text
+                if gen.done:
+                    spec.keep(n)  # stop string, stop token or max_tokens inside the step
+                    break
+        except KVOutOfMemory as exc:
+            self._finish(run, "length", f"generation stopped: {exc}")
+            return
+        except Exception as exc:
+            self._fail(run, exc)
+            return
+        self._emit(run, Chunk(ids, text))
+
     def _fail(self, run: _SlotRun, exc: BaseException) -> None:
         rid = run.request.id if run.request is not None else "?"
         log.error("request %s failed: %s", rid, exc, exc_info=exc)
@@ -285,6 +329,9 @@ class ActionRunner:
         """End the slot's request: release (or cache) its blocks, then send the final chunk."""
         req, gen = run.request, run.gen
         assert req is not None and gen is not None
+        if run.spec is not None:
+            gen.usage.speculative = run.spec.stats.as_dict() | {"method": run.spec.params.method}
+            self.speculative.add(run.spec.stats)
         try:
             final = gen.finish(reason, message)
         except Exception as exc:  # never leave a stream without its end
@@ -310,6 +357,8 @@ class ActionRunner:
             log.exception("request %s: releasing its sequence failed", req.id if req is not None else "?")
         finally:
             self.engine.end_sequence(seq)
+            if run.spec is not None:
+                run.spec.close()
             run.reset()
 
     def end_unstarted(self, req: Request, reason: str, message: str | None = None) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from edge.engine import Engine
-from edge.errors import SchedulerStopped
+from edge.errors import SamplingError, SchedulerStopped
 from edge.kv.prefix import PrefixCache
 from edge.sampling import SamplingParams
 from edge.scheduler.executor import ActionRunner
@@ -34,6 +34,7 @@ from edge.scheduler.pacing import Pacing
 from edge.scheduler.policy import Decode, Idle, Request, RoundDone, SchedulerPolicy
 from edge.scheduler.request import InvalidPrompt, RequestHandle
 from edge.scheduler.streams import device_streams
+from edge.speculative.params import SpeculativeParams
 
 if TYPE_CHECKING:
     from edge.vision.runtime import MultimodalPrompt
@@ -55,7 +56,9 @@ class Scheduler:
     the engine's KV cache is paged). ``governor``: ``allow_background_prefill()``,
     ``decode_delay_s()``, ``check_admission()`` (may raise). ``energy``: ``begin(id)``,
     ``end(id) -> J | None``. ``idle_wait_s``: the loop goes round (heartbeat) at least
-    this often when idle.
+    this often when idle. ``speculative``: the speculative decoding of requests that do
+    not choose (None: plain decoding); ``draft``: the draft model (same vocabulary, paged
+    KV) of method "draft". Requests with images decode plainly.
     """
 
     def __init__(
@@ -69,11 +72,27 @@ class Scheduler:
         itl_target: float = 1.15,
         prefill_budget_ms: float | None = None,
         idle_wait_s: float = 0.5,
+        speculative: SpeculativeParams | None = None,
+        draft: Engine | None = None,
     ) -> None:
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         if prefill_budget_ms is not None and not prefill_budget_ms > 0:
             raise ValueError(f"prefill_budget_ms must be positive, got {prefill_budget_ms}")
+        if draft is not None:
+            if draft.cfg.vocab_size != engine.cfg.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft.cfg.vocab_size}) differs from the model's "
+                    f"({engine.cfg.vocab_size})"
+                )
+            if draft.kv is None or draft.kv is engine.kv:
+                raise ValueError("the draft model needs its own engine with kv_cache='paged'")
+        if speculative is not None:
+            speculative.validate()
+            if speculative.method == "draft" and draft is None:
+                raise ValueError("speculative method 'draft' needs a draft model")
+        self.speculative = speculative
+        self.draft = draft
         pool = engine.kv.pool if engine.kv is not None else None
         if prefix_cache is None:
             prefix_cache = pool is not None
@@ -101,7 +120,7 @@ class Scheduler:
             prefix_cache=self.prefix_cache,
             governor=governor,
         )
-        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine), energy)
+        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine), energy, draft)
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._stopping = False
         self._shut_down = False
@@ -146,6 +165,13 @@ class Scheduler:
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         mm = None if isinstance(prompt_ids, list) else prompt_ids
+        if params.speculative is None and mm is None:
+            params.speculative = self.speculative
+        elif params.speculative is not None:
+            if mm is not None:
+                raise SamplingError("speculative decoding does not support prompts with images")
+            if params.speculative.method == "draft" and self.draft is None:
+                raise SamplingError("speculative method 'draft' needs a draft model; this server has none")
         ids = [int(t) for t in (prompt_ids if mm is None else mm.ids)]
         self.engine.check_prompt(ids, params.max_tokens)
         vocab = self.engine.cfg.vocab_size
@@ -228,6 +254,7 @@ class Scheduler:
             "requests_finished": finished,
             "background_waits": waits,
             "background_prefill": pacing,
+            "speculative": self.runner.speculative.as_dict(),
             "alive": thread is not None and thread.is_alive(),
             "last_heartbeat": self._heartbeat,
         }
