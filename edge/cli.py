@@ -358,7 +358,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
         "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "prefill_budget_ms",
-        "config", "log_level")}
+        "speculative", "draft_model", "config", "log_level")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     check_engine_args(settings.model, settings.device, settings.dtype)
@@ -438,6 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--prefill-chunk", type=int, help="largest background prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--prefill-budget-ms", help="time one background prefill chunk may take [EDGE_PREFILL_BUDGET_MS] "
                    "(default: twice the active conversation's inter-token latency, measured)")
+    s.add_argument("--speculative", help="speculative decoding of requests that do not choose: ngram[:K], "
+                   "draft[:K] or off [EDGE_SPECULATIVE] (default off)")
+    s.add_argument("--draft-model", help="draft model directory (same tokenizer) for speculative method "
+                   "'draft' [EDGE_DRAFT_MODEL]")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")

@@ -118,6 +118,14 @@ class Service:
             log.info("captured %d decode graphs", engine.capture_graphs())
             mon = self.monitor
             governor = _WarmupExempt(mon.governor) if mon else None
+            draft = None
+            if s.draft_model is not None:
+                # Its own small paged pool: proposals for two slots never need much.
+                draft = Engine.from_pretrained(
+                    s.draft_model, device=s.device, dtype=s.dtype, kv_cache="paged", page_size=s.page_size,
+                    max_seq_len=engine.max_seq_len, kv_blocks=2 * -(-engine.max_seq_len // s.page_size) + 2,
+                    cuda_graph=False,
+                )
             sched = Scheduler(
                 engine,
                 queue_size=s.queue_size,
@@ -126,6 +134,8 @@ class Service:
                 prefix_cache=s.prefix_cache,
                 governor=governor,
                 energy=mon.energy if mon else None,
+                speculative=s.speculative,
+                draft=draft,
             )
             with self._lock:
                 if self.stopping:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edge.budget import parse_bytes, parse_reserve
+from edge.speculative.params import SpeculativeParams
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,16 @@ def power_of_two(text: str) -> int:
     if v < 1 or v & (v - 1):
         raise ValueError(f"must be a power of two, got {v}")
     return v
+
+
+def parse_speculative(text: str) -> SpeculativeParams | None:
+    """``METHOD[:K]`` (``ngram:4``, ``draft``) or ``off``."""
+    if text.strip().lower() in ("", "off", "none"):
+        return None
+    method, _, k = text.strip().partition(":")
+    params = SpeculativeParams(method, int(k) if k else SpeculativeParams.num_tokens)
+    params.validate()
+    return params
 
 
 def positive_float(text: str) -> float:
@@ -112,6 +123,8 @@ class Settings:
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
     prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True
+    speculative: SpeculativeParams | None = None  # speculative decoding of requests that do not choose
+    draft_model: str | None = None  # the draft model directory of speculative method "draft"
     cuda_graph: bool | None = None  # None: on a GPU
     skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
@@ -150,6 +163,8 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFILL_BUDGET_MS": ("prefill_budget_ms", positive_float),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
+    "EDGE_SPECULATIVE": ("speculative", parse_speculative),
+    "EDGE_DRAFT_MODEL": ("draft_model", str),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
     "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),
     "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", positive_int),

@@ -12,7 +12,12 @@ import pytest
 import torch
 
 from edge.api.errors import BadRequest
-from edge.api_schema import ChatCompletionRequest, parse_request, sampling_params, usage_body
+from edge.api_schema import (
+    ChatCompletionRequest,
+    parse_request,
+    sampling_params,
+    usage_body,
+)
 from edge.engine import Engine
 from edge.errors import SamplingError
 from edge.random_model import make_model
@@ -298,3 +303,14 @@ def test_usage_carries_the_speculative_counts() -> None:
     body = usage_body(Usage(prompt_tokens=3, completion_tokens=5, speculative={"steps": 2, "acceptance_rate": 0.5}))
     assert body["speculative"] == {"steps": 2, "acceptance_rate": 0.5}
     assert "speculative" not in usage_body(Usage())
+
+
+def test_service_default_setting_parses_and_refuses_bad_values() -> None:
+    from edge.settings import resolve
+
+    s, _ = resolve({}, environ={"EDGE_SPECULATIVE": "ngram:6", "EDGE_DRAFT_MODEL": "/models/qwen3-0.6b"})
+    assert (s.speculative, s.draft_model) == (SpeculativeParams("ngram", 6), "/models/qwen3-0.6b")
+    assert resolve({"speculative": "off"}, environ={"EDGE_SPECULATIVE": "draft"})[0].speculative is None
+    for bad in ("eagle:4", "ngram:0", "ngram:x"):
+        with pytest.raises(ValueError, match="EDGE_SPECULATIVE"):
+            resolve({}, environ={"EDGE_SPECULATIVE": bad})

@@ -22,7 +22,6 @@ from edge.generation import Chunk, Generation, Usage
 from edge.kv import KVOutOfMemory, SequenceKV
 from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample
-from edge.speculative.decoding import SpeculativeDecoder, SpeculativeStats, make_proposer
 from edge.scheduler.policy import (
     Action,
     Activate,
@@ -40,6 +39,11 @@ from edge.scheduler.streams import (
     HostStreams,
     Lane,
     PendingToken,
+)
+from edge.speculative.decoding import (
+    SpeculativeDecoder,
+    SpeculativeStats,
+    make_proposer,
 )
 
 if TYPE_CHECKING:
