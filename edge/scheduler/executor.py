@@ -271,21 +271,10 @@ class ActionRunner:
             self._finish(run)
 
     def _decode(self, run: _SlotRun) -> None:
-        req, gen, seq = run.request, run.gen, run.seq
-        assert req is not None and gen is not None and seq is not None and run.next_input is not None
-        if run.spec is not None:
-            self._decode_speculative(run)
-            return
+        assert run.request is not None and run.gen is not None and run.seq is not None
+        assert run.next_input is not None
         try:
-            with self.streams.on(run.lane, high=True, carry=run.next_input):
-                token = self.engine.decode(
-                    seq, run.next_input, run.sampler, req.params.greedy, rope_delta=req.rope_delta
-                )
-                value = self.streams.read(token)
-            run.next_input = token
-            with self._lock:
-                self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
-            chunk = gen.feed(value)
+            chunk = self._speculative_step(run) if run.spec is not None else self._decode_step(run)
         except KVOutOfMemory as exc:
             self._finish(run, "length", f"generation stopped: {exc}")
             return
@@ -294,33 +283,37 @@ class ActionRunner:
             return
         self._emit(run, chunk)
 
-    def _decode_speculative(self, run: _SlotRun) -> None:
-        """One verify step (eager; k varies per step): several tokens into one chunk."""
+    def _decode_step(self, run: _SlotRun) -> Chunk:
+        req, gen, seq = run.request, run.gen, run.seq
+        assert req is not None and gen is not None and seq is not None and run.next_input is not None
+        with self.streams.on(run.lane, high=True, carry=run.next_input):
+            token = self.engine.decode(seq, run.next_input, run.sampler, req.params.greedy, rope_delta=req.rope_delta)
+            value = self.streams.read(token)
+        run.next_input = token
+        with self._lock:
+            self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
+        return gen.feed(value)
+
+    def _speculative_step(self, run: _SlotRun) -> Chunk:
+        """One verify step (eager; k varies per step): its tokens in one chunk."""
         req, gen, seq, spec = run.request, run.gen, run.seq, run.spec
         assert req is not None and gen is not None and seq is not None and spec is not None
-        try:
-            with self.streams.on(run.lane, high=True, carry=run.next_input):
-                budget = gen.stop.max_tokens - gen.stop.count
-                tokens = spec.step(req.prompt_ids + gen.token_ids, budget)
-                run.next_input = torch.tensor([tokens[-1]], device=self.engine.device)
-            with self._lock:
-                self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
-            ids: list[int] = []
-            text = ""
-            for n, token in enumerate(tokens, start=1):
-                chunk = gen.feed(token)
-                ids += chunk.token_ids
-                text += chunk.text
-                if gen.done:
-                    spec.keep(n)  # stop string, stop token or max_tokens inside the step
-                    break
-        except KVOutOfMemory as exc:
-            self._finish(run, "length", f"generation stopped: {exc}")
-            return
-        except Exception as exc:
-            self._fail(run, exc)
-            return
-        self._emit(run, Chunk(ids, text))
+        with self.streams.on(run.lane, high=True, carry=run.next_input):
+            budget = gen.stop.max_tokens - gen.stop.count
+            tokens = spec.step(req.prompt_ids + gen.token_ids, budget)
+            run.next_input = torch.tensor([tokens[-1]], device=self.engine.device)
+        with self._lock:
+            self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
+        ids: list[int] = []
+        text = ""
+        for n, token in enumerate(tokens, start=1):
+            chunk = gen.feed(token)
+            ids += chunk.token_ids
+            text += chunk.text
+            if gen.done:
+                spec.keep(n)  # stop string, stop token or max_tokens inside the step
+                break
+        return Chunk(ids, text)
 
     def _fail(self, run: _SlotRun, exc: BaseException) -> None:
         rid = run.request.id if run.request is not None else "?"
