@@ -76,7 +76,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: the CUDA kernels on a GPU, which must load (else an error naming the fix); "
         "reference: the slow torch reference, chosen explicitly (env EDGE_KERNELS)",
     )
-    p.add_argument("--quantize", choices=("int8",), help="quantize a float checkpoint to int8 (q8_0) while loading")
+    p.add_argument(
+        "--quantize", choices=("int8", "int4"), help="quantize a float checkpoint while loading: int8 (q8_0) or int4 (RTN)"
+    )
+    p.add_argument(
+        "--quant-lm-head", choices=("int8", "int4", "float"), default="int8",
+        help="how an int4 model holds its lm_head (default int8)",
+    )
+    p.add_argument(
+        "--quant-embedding", choices=("int8", "float"), default="int8",
+        help="how an int4 model holds its embedding table (default int8 rows)",
+    )
     p.add_argument("--kv-blocks", type=POSITIVE_INT, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
     p.add_argument(
@@ -152,6 +162,8 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         cuda_graph=False if args.no_cuda_graph else None,
         kernels=args.kernels,
         quantize=args.quantize,
+        quant_lm_head=args.quant_lm_head,
+        quant_embedding=args.quant_embedding,
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
         memory_utilization=args.memory_utilization,

@@ -184,13 +184,19 @@ class Engine:
         quantize: str | None = None,
         quant_group_size: int | None = None,
         check_weights: bool = True,
+        quant_lm_head: str = "int8",
+        quant_embedding: str = "int8",
         **options,
     ) -> "Engine":
         """Load a Hugging Face model directory (default: the embedded random model).
 
         dtype defaults to float32 on the CPU and bfloat16 on a GPU. A q8_0 checkpoint
         (tools/quantize.py) loads with int8 projections; ``quantize="int8"`` quantizes a
-        float one while loading (group size ``quant_group_size``, default 128).
+        float one while loading (group size ``quant_group_size``, default 128). An AWQ /
+        GPTQ / compressed-tensors checkpoint loads with int4 projections, and
+        ``quantize="int4"`` quantizes a float one to int4 while loading (RTN); such a
+        model keeps its lm_head and embedding as ``quant_lm_head`` (int8, int4 or float)
+        and ``quant_embedding`` (int8 or float).
         ``check_weights`` refuses weights holding NaN or infinity (edge/validate.py).
         """
         if path is None:
@@ -225,7 +231,10 @@ class Engine:
             if check_weights:
                 check_finite_weights(*checked_tensors(path, model, vision))
         else:
-            model = Model.load(path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size)
+            model = Model.load(
+                path, cfg, dev, dt, seq_len, quantize=quantize, quant_group_size=quant_group_size,
+                lm_head=quant_lm_head, embedding=quant_embedding,
+            )
             if check_weights:
                 tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
                 check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
@@ -459,6 +468,8 @@ class Engine:
             "overlapped_launches": self.cuda_graph and self.backend.overlap_launches,
             "backend": self.backend.describe(),
         }
+        if self.model.weight_formats is not None:
+            out["weights"] = dict(self.model.weight_formats)
         if self.kv is not None:
             pool = self.kv.pool
             out |= {

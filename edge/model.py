@@ -28,9 +28,12 @@ from edge.backend import Backend, StepKernels, reference_backend
 from edge.config import ModelConfig, rope_inv_freq
 from edge.kernels.reference import Rope
 from edge.kv import SequenceKV
+from edge.int4 import DEFAULT_GROUP_SIZE as DEFAULT_INT4_GROUP_SIZE
+from edge.int4 import Int4Weight
 from edge.loader import load_weights
 from edge.quant import (
     Int8Weight,
+    QuantError,
     Norm,
     Weight,
     checkpoint_quantization,
@@ -56,16 +59,21 @@ class Model:
         embed = weights["model.embed_tokens.weight"]
         self.device, self.dtype = embed.device, embed.dtype
         self.backend = backend if backend is not None else reference_backend(self.device)
-        self.lm_head = embed if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # A quantized embedding (int4 models) ties the lm_head to its int8 table.
+        tied = embed if isinstance(embed, torch.Tensor) else embed.table
+        self.lm_head = tied if cfg.tie_word_embeddings else weights["lm_head.weight"]
+        # How the weights are held (quantized models): engine.info() reports it.
+        self.weight_formats: dict[str, str] | None = None
         self.layers = [self._layer_weights(i) for i in range(cfg.num_layers)]
         # The norm after each layer's residual add: the next layer's input norm, or the
         # final norm after the last layer.
         for lw, nxt in zip(self.layers, self.layers[1:]):
             lw["ln_out"] = nxt["ln1"]
         self.layers[-1]["ln_out"] = weights["model.norm.weight"]
-        # Every projection int8: forward may fold norms and residual adds into them.
+        # Every projection quantized (int8 or int4): forward may fold norms and residual
+        # adds into them where their kernel fuses.
         self.int8_projections = all(
-            isinstance(lw[k], Int8Weight) for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
+            isinstance(lw[k], (Int8Weight, Int4Weight)) for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
         )
         positions = torch.arange(max_seq_len, dtype=torch.float64)
         angles = torch.outer(positions, rope_inv_freq(cfg))
@@ -97,9 +105,28 @@ class Model:
         quantize: str | None = None,
         quant_group_size: int | None = None,
         backend: Backend | None = None,
+        lm_head: str = "int8",
+        embedding: str = "int8",
     ) -> "Model":
         """Load a checkpoint; int8 projections when its metadata says q8_0 (route A) or
-        ``quantize="int8"`` asks to quantize a float one while loading (route B)."""
+        ``quantize="int8"`` asks to quantize a float one while loading (route B); int4
+        projections for an AWQ / GPTQ / compressed-tensors checkpoint or with
+        ``quantize="int4"`` (edge.int4_checkpoints; ``lm_head`` / ``embedding`` say how
+        an int4 model holds those: int8 by default)."""
+        from edge.int4_checkpoints import Int4Format, describe_weights, detect_format, load_int4_weights, parse_int4
+
+        fmt = detect_format(model_dir)
+        if parse_int4(quantize):
+            if fmt is not None:
+                raise QuantError(f"{model_dir} is already an int4 checkpoint ({fmt.describe()}); drop --quantize")
+            fmt = Int4Format("rtn", quant_group_size or DEFAULT_INT4_GROUP_SIZE)
+        elif fmt is not None and quantize is not None and parse_quantize(quantize) is not None:
+            raise QuantError(f"{model_dir} is an int4 checkpoint ({fmt.describe()}); it cannot be quantized to {quantize}")
+        if fmt is not None:
+            weights = load_int4_weights(model_dir, cfg, device, dtype, fmt, lm_head=lm_head, embedding=embedding)
+            model = cls(cfg, weights, max_seq_len, backend)
+            model.weight_formats = describe_weights(weights, fmt)
+            return model
         if parse_quantize(quantize) is not None or checkpoint_quantization(model_dir) is not None:
             weights = load_quantized_weights(model_dir, cfg, device, dtype, quantize, quant_group_size)
             return cls(cfg, weights, max_seq_len, backend)

@@ -103,7 +103,7 @@ def parse_quantize(value: str | None) -> str | None:
     try:
         return QUANTIZE_ALIASES[str(value).lower()]
     except KeyError:
-        raise QuantError(f"unsupported quantization {value!r}; supported: int8 (q8_0 group-wise W8A16)") from None
+        raise QuantError(f"unsupported quantization {value!r}; supported: int8 (q8_0 group-wise W8A16), int4 (W4A16)") from None
 
 
 def check_group_size(in_features: int, group_size: int, name: str = "tensor") -> None:
@@ -305,7 +305,7 @@ def fused_linear_reference(
 
 def weight_tensors(w: Weight) -> tuple[torch.Tensor, ...]:
     """The tensors that hold ``w`` (for byte counts)."""
-    return w.tensors() if isinstance(w, Int8Weight) else (w,)
+    return (w,) if isinstance(w, torch.Tensor) else w.tensors()
 
 
 # -- which tensors, and checkpoint metadata ----------------------------------------
