@@ -52,8 +52,9 @@ DEQUANT_CHUNK_ELEMENTS = 1 << 24
 # Nibble j of a word <-> (e, kh, rh) with j = rh + 2 kh + 4 e; lane = 4 g + t.
 # Codes [RB, 2 rh, 8 g, KB, 4 s, 4 t, 2 kh, 2 e] <-> words' nibbles [RB, KB, 8 g, 4 t, 4 s, 2 e, 2 kh, 2 rh].
 _PACK_ORDER = (0, 3, 2, 5, 4, 7, 6, 1)
-_UNPACK_ORDER = (0, 7, 2, 1, 4, 3, 6, 5)
-_SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
+# Bit offsets of the nibbles in (rh, kh, e) order.
+_UNPACK_SHIFTS = torch.tensor([4 * (rh + 2 * kh + 4 * e) for rh in (0, 1) for kh in (0, 1) for e in (0, 1)],
+                              dtype=torch.int32)
 
 
 def check_int4_shape(out_features: int, in_features: int, group_size: int, name: str = "tensor") -> None:
@@ -89,8 +90,11 @@ def unpack_codes(words: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_codes`: int32 ``[rb, 2 in]`` -> int32 codes ``[rb * 16, in]``."""
     rb, nwords = words.shape
     kb = nwords // WORDS_PER_TILE
-    nib = (words.view(rb, kb, 8, 4, 4, 1) >> _SHIFTS.to(words.device)) & QMAX
-    return nib.view(rb, kb, 8, 4, 4, 2, 2, 2).permute(*_UNPACK_ORDER).reshape(rb * BLOCK_ROWS, kb * BLOCK_COLS)
+    # Words to [RB, g, KB, s, t] first (an eighth of the elements), then the nibbles in
+    # (rh, kh, e) order, so only rh moves in the last copy.
+    w = words.view(rb, kb, 8, 4, 4).permute(0, 2, 1, 4, 3).unsqueeze(-1)
+    nib = (w >> _UNPACK_SHIFTS.to(words.device)) & QMAX  # [RB, g, KB, s, t, (rh, kh, e)]
+    return nib.view(rb, 8, kb, 4, 4, 2, 4).permute(0, 5, 1, 2, 3, 4, 6).reshape(rb * BLOCK_ROWS, kb * BLOCK_COLS)
 
 
 class Int4Weight:
@@ -233,6 +237,18 @@ class Int4ReferenceLinear:
         self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, out: torch.Tensor | None, *, norm: Norm | None = None
     ) -> torch.Tensor | None:
         return None
+
+
+def interim_linear(x: torch.Tensor, ops: ModuleType | Any) -> Any:
+    """The int4 implementation for ``x``'s device until the engine's backend chooses it:
+    the CUDA kernels on a GPU where they load (kernels compile once per process; a
+    failure is KernelsUnavailable / KernelCompileError), else the torch reference."""
+    if x.device.type == "cuda" and ops is not reference:
+        from edge.kernels.int4_cuda import Int4CudaLinear, NvrtcLauncher
+
+        return Int4CudaLinear(NvrtcLauncher(x.device.index if x.device.index is not None else
+                                            torch.cuda.current_device()), ops)
+    return Int4ReferenceLinear(ops)
 
 
 # -- building weights -----------------------------------------------------------------

@@ -1,0 +1,436 @@
+// W4A16 linear kernels (compiled at run time by NVRTC, see edge/kernels/nvrtc.py) for the
+// packed layout of edge/int4.py:
+//
+//   y[t, o] = sum_k x[t, perm[k]] * (q[o, k] - zero[o, k / G]) * scale[o, k / G]  (+ bias[o])
+//
+// int4_gemv_*: decode (1..8 tokens). Memory-bound: each weight byte is read once with
+// 16-byte streaming loads. The products run on tensor cores (mma.sync m16n8k16, float32
+// accumulation): a lane's 16-byte load is exactly its A fragments of 4 k16 steps of a
+// 16-row x 64-column tile, dequantized in registers with two logic ops per pair of
+// codes: OR-ing a nibble pair into the mantissas of 1024.0 (float16) or 128.0
+// (bfloat16) and subtracting 1024 + zero (128 + zero) gives q - zero exactly. The B
+// operand is the tokens (lane 4n + t holds token n's 4 consecutive activations), so 8
+// tokens cost what one does. The scale multiplies each group's float32 partial sums
+// (a group is a run of 64-column tiles: G a multiple of 64).
+//
+// A CTA owns kTiles tiles of 16 rows (kSwiglu: the gate tile and its up tile) and its
+// kWarps warps split the columns, tile by tile (warp w takes tiles w, w + kWarps, ...:
+// the CTA streams its rows' bytes in order); their partial sums meet in shared memory
+// and the epilogue (bias, RMSNorm scale, residual add, SwiGLU, argmax) runs once per
+// output. Cost per k16 step and warp: ~12 instructions for 128 weight bytes.
+//
+//   kNorm       the input is the residual stream x and the linear reads rms_norm(x):
+//               the mma runs on T(x * norm_w) and the sums are scaled by 1 / rms(x) at
+//               the end (every warp sees its columns of x; their sums of squares meet
+//               in shared memory). float16 inputs whose x * norm_w exceeds 65504
+//               would overflow here; the bf16 models this targets cannot.
+//   kResidual   y[row] = T(y[row] + T(dot + bias)), in place (y must not alias x).
+//   kSwiglu     the weight is [gate; up]; y[j] = T(silu(T(g)) * T(u)).
+//   kArgmax     nothing stored: the largest T-rounded output of each token (lowest
+//               row among equals, NaN largest) into best[token] by a 64-bit atomicMax;
+//               int4_argmax_take turns it into the token id (edge/kernels/int8_gemv.cu
+//               has the same scheme).
+//
+// int4_dequant_*: prefill. Rows of whole 16-row blocks into a T buffer in the layout's
+// column order, (q - zero) * scale in float32 rounded once (what the torch reference's
+// dequantize gives, bit for bit); cuBLAS multiplies.
+//
+// No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87 Orin, sm_90).
+#include "common.cuh"
+
+#ifndef EDGE_INT4_SCALE
+#define EDGE_INT4_SCALE 1
+#endif
+#if EDGE_INT4_SCALE == 1
+typedef __half edge_scale_t;
+#elif EDGE_INT4_SCALE == 2
+typedef __nv_bfloat16 edge_scale_t;
+#elif EDGE_INT4_SCALE == 3
+typedef float edge_scale_t;
+#else
+#error "EDGE_INT4_SCALE must be 1 (float16), 2 (bfloat16) or 3 (float32)"
+#endif
+
+namespace {
+
+#ifndef EDGE_INT4_WARPS
+#define EDGE_INT4_WARPS 8
+#endif
+#ifndef EDGE_INT4_UNROLL
+#define EDGE_INT4_UNROLL 4
+#endif
+#ifndef EDGE_INT4_MIN_BLOCKS
+#define EDGE_INT4_MIN_BLOCKS 2
+#endif
+constexpr int kWarps = EDGE_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
+constexpr int kThreads = 32 * kWarps;
+constexpr int kUnroll = EDGE_INT4_UNROLL;  // tiles in flight per warp and row tile
+constexpr int kMaxTokens = 8;              // the mma's N
+constexpr int kTileWords = 128;            // 16 x 64 codes
+
+__device__ __forceinline__ uint4 ld_stream(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// (a & b) | c in one instruction.
+__device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// 16-bit lanes whose value is kBase + nibble for nibble < 16 (the mantissa's low bits).
+template <typename T>
+struct Magic;
+template <>
+struct Magic<__half> {
+  static constexpr unsigned int kBase = 0x6400u;  // 1024.0
+  __device__ __forceinline__ static unsigned int sub(unsigned int a, unsigned int b) {
+    __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<unsigned int*>(&r);
+  }
+};
+template <>
+struct Magic<__nv_bfloat16> {
+  static constexpr unsigned int kBase = 0x4300u;  // 128.0
+  __device__ __forceinline__ static unsigned int sub(unsigned int a, unsigned int b) {
+    __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
+                               *reinterpret_cast<const __nv_bfloat162*>(&b));
+    return *reinterpret_cast<unsigned int*>(&r);
+  }
+};
+
+// kBase + z in both lanes: subtracting it leaves q - z, exact (z <= 16).
+template <typename T>
+__device__ __forceinline__ unsigned int zero_pair(unsigned int z) {
+  return (Magic<T>::kBase + z) * 0x10001u;
+}
+
+// One word of the layout -> the 4 A-fragment registers (q - z) of an m16n8k16 step:
+// register p holds nibbles p and p + 4 (row g for even p with zero z0, row g + 8 for odd
+// p with z1).
+template <typename T>
+__device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, unsigned int z1, unsigned int (&a)[4]) {
+  constexpr unsigned int bias = Magic<T>::kBase * 0x10001u;
+  a[0] = Magic<T>::sub(and_or(w, 0x000F000Fu, bias), z0);
+  a[1] = Magic<T>::sub(and_or(w >> 4, 0x000F000Fu, bias), z1);
+  a[2] = Magic<T>::sub(and_or(w >> 8, 0x000F000Fu, bias), z0);
+  a[3] = Magic<T>::sub(and_or(w >> 12, 0x000F000Fu, bias), z1);
+}
+
+__device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::to_float(s[0]); }
+
+// (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
+// then lower rows. 0 is below every key (the empty slot).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
+  const unsigned int u = __float_as_uint(v);
+  const unsigned int ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
+}
+
+enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
+
+// Token n's 4 activations at column k (through perm when given) as two T pairs; kNorm
+// multiplies by the norm weight in float32 and adds the squares of x to ss.
+template <typename T, bool kNorm>
+__device__ __forceinline__ void load_b(const T* __restrict__ xr, const int* __restrict__ perm,
+                                       const T* __restrict__ norm_w, int k, unsigned int& b0, unsigned int& b1,
+                                       float& ss) {
+  alignas(8) T v[4];
+  alignas(8) T nw[4];
+  if (perm == nullptr) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(xr + k));
+    *reinterpret_cast<uint2*>(v) = u;
+    if (kNorm) *reinterpret_cast<uint2*>(nw) = __ldg(reinterpret_cast<const uint2*>(norm_w + k));
+  } else {
+    const int4 idx = __ldg(reinterpret_cast<const int4*>(perm + k));
+    v[0] = xr[idx.x];
+    v[1] = xr[idx.y];
+    v[2] = xr[idx.z];
+    v[3] = xr[idx.w];
+    if (kNorm) {
+      nw[0] = norm_w[idx.x];
+      nw[1] = norm_w[idx.y];
+      nw[2] = norm_w[idx.z];
+      nw[3] = norm_w[idx.w];
+    }
+  }
+  if (kNorm) {
+    float f[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float xf = edge::to_float(v[i]);
+      ss = fmaf(xf, xf, ss);
+      f[i] = xf * edge::to_float(nw[i]);
+    }
+    b0 = edge::pack2<T>(f[0], f[1]);
+    b1 = edge::pack2<T>(f[2], f[3]);
+  } else {
+    b0 = reinterpret_cast<const unsigned int*>(v)[0];
+    b1 = reinterpret_cast<const unsigned int*>(v)[1];
+  }
+}
+
+template <typename T, int kTiles, bool kNorm, int kEpi>
+__device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict__ x,
+                                          const unsigned int* __restrict__ packed,
+                                          const edge_scale_t* __restrict__ scale,
+                                          const unsigned char* __restrict__ zero, const int* __restrict__ perm,
+                                          const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
+                                          int out, int in, int group, int num_tokens,
+                                          unsigned long long* __restrict__ best) {
+  static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
+  static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
+  __shared__ float red[kWarps][kTiles][16][kMaxTokens];
+  __shared__ float red_ss[kWarps][kMaxTokens];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kb_count = in >> 6;
+  const int groups = in / group;
+  const int tiles_per_group = group >> 6;
+  // Rows of the weight: kSwiglu's [gate; up] has 2 * out.
+  const int rows = kEpi == kSwiglu ? 2 * out : out;
+  const int row_blocks = (rows + 15) >> 4;
+  int rb[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int b = kEpi == kSwiglu ? blockIdx.x + i * (out >> 4) : blockIdx.x * kTiles + i;
+    rb[i] = min(b, row_blocks - 1);  // a short last CTA re-reads a valid block
+  }
+  const unsigned int* base[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
+  // Constants of the step (weights): before the wait, so they stream in under the
+  // previous kernel's tail.
+  if (warp < kb_count) {
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) edge::prefetch_l2(base[i] + (long long)warp * kTileWords);
+  }
+  edge::await_inputs();
+
+  const int tok = g;
+  const bool has_tok = tok < num_tokens;
+  const T* xr = x + (long long)(has_tok ? tok : 0) * in;
+  float acc[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+  float ss = 0.f;
+
+  for (int kb0 = warp; kb0 < kb_count; kb0 += kWarps * kUnroll) {
+    uint4 wv[kUnroll][kTiles];
+    float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
+    unsigned int z0[kUnroll][kTiles], z1[kUnroll][kTiles];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int kb = kb0 + u * kWarps;
+      if (kb < kb_count) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) wv[u][i] = ld_stream(base[i] + (long long)kb * kTileWords);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int kb = kb0 + u * kWarps;
+      if (kb < kb_count) {
+        const int gi = kb / tiles_per_group;
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const long long at = ((long long)rb[i] * groups + gi) * 16 + g;
+          s0[u][i] = scale_at(scale + at);
+          s1[u][i] = scale_at(scale + at + 8);
+          z0[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at));
+          z1[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at + 8));
+        }
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int kb = kb0 + u * kWarps;
+      if (kb < kb_count) {
+        float part[kTiles][4];
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+        const unsigned int* wq[kTiles];
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) wq[i] = reinterpret_cast<const unsigned int*>(&wv[u][i]);
+#pragma unroll
+        for (int s = 0; s < 4; ++s) {
+          unsigned int b0 = 0u, b1 = 0u;
+          if (has_tok) load_b<T, kNorm>(xr, perm, norm_w, kb * 64 + 16 * s + 4 * t, b0, b1, ss);
+#pragma unroll
+          for (int i = 0; i < kTiles; ++i) {
+            unsigned int a[4];
+            dequant_word<T>(wq[i][s], z0[u][i], z1[u][i], a);
+            edge::mma16816<T>(part[i], a, b0, b1);
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          acc[i][0] = fmaf(s0[u][i], part[i][0], acc[i][0]);
+          acc[i][1] = fmaf(s0[u][i], part[i][1], acc[i][1]);
+          acc[i][2] = fmaf(s1[u][i], part[i][2], acc[i][2]);
+          acc[i][3] = fmaf(s1[u][i], part[i][3], acc[i][3]);
+        }
+      }
+    }
+  }
+  // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    red[warp][i][g][2 * t] = acc[i][0];
+    red[warp][i][g][2 * t + 1] = acc[i][1];
+    red[warp][i][g + 8][2 * t] = acc[i][2];
+    red[warp][i][g + 8][2 * t + 1] = acc[i][3];
+  }
+  if (kNorm) {
+    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+    if (t == 0) red_ss[warp][g] = ss;
+  }
+  __syncthreads();
+
+  constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
+  const int total = kOutTiles * 16 * num_tokens;
+  for (int o = threadIdx.x; o < ((total + 31) & ~31); o += kThreads) {
+    const int n = o / (kOutTiles * 16);
+    const int i = (o / 16) % kOutTiles;
+    const int r = o & 15;
+    const bool live = o < total;
+    const int nn = live ? n : 0;
+    float v = 0.f, up = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      v += red[w][i][r][nn];
+      if (kEpi == kSwiglu) up += red[w][kTiles - 1][r][nn];
+    }
+    if (kNorm) {
+      float sq = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sq += red_ss[w][nn];
+      const float inv_rms = rsqrtf(sq / static_cast<float>(in) + eps);
+      v *= inv_rms;
+      up *= inv_rms;
+    }
+    // A clamped duplicate tile (past the last row block) has rows >= out: not written.
+    const int row = (kEpi == kSwiglu ? blockIdx.x : blockIdx.x * kTiles + i) * 16 + r;
+    const bool writes = live && row < out;
+    if (bias != nullptr && writes) {
+      v += edge::to_float(bias[row]);
+      if (kEpi == kSwiglu) up += edge::to_float(bias[out + row]);
+    }
+    if (kEpi == kArgmax) {
+      unsigned long long key = writes ? argmax_key(edge::round_to<T>(v), row) : 0ull;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+        key = other > key ? other : key;
+      }
+      if (lane == 0 && key != 0ull) atomicMax(best + n, key);
+      continue;
+    }
+    if (!writes) continue;
+    T* yo = y + (long long)n * out + row;
+    if (kEpi == kSwiglu) {
+      const float gg = edge::round_to<T>(v);
+      v = gg / (1.f + __expf(-gg)) * edge::round_to<T>(up);
+    } else if (kEpi == kResidual) {
+      v = edge::to_float(*yo) + edge::round_to<T>(v);
+    }
+    *yo = edge::from_float<T>(v);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned int* __restrict__ packed,
+                                             const edge_scale_t* __restrict__ scale,
+                                             const unsigned char* __restrict__ zero, int rb0, int nrb, int in,
+                                             int group) {
+  edge::await_inputs();
+  const long long words_per_block = 2LL * in;
+  const long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (w >= nrb * words_per_block) return;
+  const int b = static_cast<int>(w / words_per_block);  // row block within the chunk
+  const int within = static_cast<int>(w % words_per_block);
+  const int kb = within >> 7, lane = (within >> 2) & 31, s = within & 3;
+  const int g = lane >> 2, t = lane & 3;
+  const int k0 = kb * 64 + 16 * s + 4 * t;
+  const int gi = k0 / group;
+  const int groups = in / group;
+  const unsigned int word = packed[(long long)(rb0 + b) * words_per_block + within];
+  const long long at = ((long long)(rb0 + b) * groups + gi) * 16 + g;
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const float sc = scale_at(scale + at + 8 * rh);
+    const float z = zero == nullptr ? 8.f : static_cast<float>(zero[at + 8 * rh]);
+    // Columns k0 .. k0 + 3 hold nibbles rh, rh + 4, rh + 2, rh + 6.
+    const float q0 = static_cast<float>((word >> (4 * rh)) & 15u);
+    const float q1 = static_cast<float>((word >> (4 * rh + 16)) & 15u);
+    const float q2 = static_cast<float>((word >> (4 * rh + 8)) & 15u);
+    const float q3 = static_cast<float>((word >> (4 * rh + 24)) & 15u);
+    float f[4] = {(q0 - z) * sc, (q1 - z) * sc, (q2 - z) * sc, (q3 - z) * sc};
+    uint2 v = make_uint2(edge::pack2<T>(f[0], f[1]), edge::pack2<T>(f[2], f[3]));
+    *reinterpret_cast<uint2*>(out + (long long)(b * 16 + g + 8 * rh) * in + k0) = v;
+  }
+}
+
+}  // namespace
+
+#if EDGE_INT4_MIN_BLOCKS > 0
+#define EDGE_INT4_BOUNDS __launch_bounds__(kThreads, EDGE_INT4_MIN_BLOCKS)
+#else
+#define EDGE_INT4_BOUNDS __launch_bounds__(kThreads)
+#endif
+
+// One signature for every mode (norm_w / eps unused without the norm, best without argmax).
+#define EDGE_INT4_GEMV(NAME, T, TILES, NORM, EPI)                                                      \
+  extern "C" __global__ void EDGE_INT4_BOUNDS NAME(                                                    \
+      T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
+      const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
+      const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
+      int out, int in, int group, int num_tokens, unsigned long long* __restrict__ best) {            \
+    int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in, group,   \
+                                   num_tokens, best);                                                   \
+  }
+
+// The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
+#define EDGE_INT4_MODES(DT, T)                                                              \
+  EDGE_INT4_GEMV(int4_gemv_##DT##_t1, T, 1, false, kStore)                                  \
+  EDGE_INT4_GEMV(int4_gemv_##DT##_t2, T, 2, false, kStore)                                  \
+  EDGE_INT4_GEMV(int4_gemv_norm_##DT##_t1, T, 1, true, kStore)                              \
+  EDGE_INT4_GEMV(int4_gemv_norm_##DT##_t2, T, 2, true, kStore)                              \
+  EDGE_INT4_GEMV(int4_gemv_residual_##DT##_t1, T, 1, false, kResidual)                      \
+  EDGE_INT4_GEMV(int4_gemv_residual_##DT##_t2, T, 2, false, kResidual)                      \
+  EDGE_INT4_GEMV(int4_gemv_norm_swiglu_##DT##_t2, T, 2, true, kSwiglu)                      \
+  EDGE_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu)                          \
+  EDGE_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax)                          \
+  EDGE_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax)                      \
+  extern "C" __global__ void int4_dequant_##DT(T* __restrict__ out, const unsigned int* __restrict__ packed, \
+                                               const edge_scale_t* __restrict__ scale,                      \
+                                               const unsigned char* __restrict__ zero, int rb0, int nrb,   \
+                                               int in, int group) {                                         \
+    int4_dequant<T>(out, packed, scale, zero, rb0, nrb, in, group);                                         \
+  }
+
+EDGE_INT4_MODES(bf16, __nv_bfloat16)
+EDGE_INT4_MODES(f16, __half)
+
+// After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
+// for the next launch on the stream. One warp; n <= 32 tokens.
+extern "C" __global__ void int4_argmax_take(unsigned long long* __restrict__ best, long long* __restrict__ token,
+                                            int n) {
+  edge::await_inputs();
+  const int t = threadIdx.x;
+  if (t < n) {
+    token[t] = static_cast<long long>(0xFFFFFFFFu - static_cast<unsigned int>(best[t]));
+    best[t] = 0ull;
+  }
+}
