@@ -26,6 +26,8 @@ import torch
 
 from edge.config import ModelConfig
 from edge.kernels import reference
+from edge.int4 import Int4ReferenceLinear, Int4Weight
+from edge.kernels.int4_cuda import Int4Tuning
 from edge.kernels.int8_cuda import Int8Tuning
 from edge.kernels.paged_cuda import DecodeTuning
 from edge.linear import FloatLinear, Int8ReferenceLinear, Linears, weight_format
@@ -90,6 +92,7 @@ class Backend:
     graph: StepKernels | None
     decode_tuning: DecodeTuning | None = None
     int8_tuning: Int8Tuning | None = None
+    int4_tuning: Int4Tuning | None = None
     overlap_launches: bool = False
     launcher: Any = None  # edge.kernels.launcher.Launcher on CUDA
     sms: int | None = None
@@ -115,6 +118,8 @@ class Backend:
             out["decode_tuning"] = dataclasses.asdict(self.decode_tuning)
         if self.int8_tuning is not None:
             out["int8_tuning"] = dataclasses.asdict(self.int8_tuning)
+        if self.int4_tuning is not None:
+            out["int4_tuning"] = dataclasses.asdict(self.int4_tuning)
         return out
 
     def launch_counts(self) -> dict[str, int]:
@@ -148,7 +153,9 @@ def reference_backend(device: torch.device | str = "cpu", why: str | None = None
 
 
 def _reference_linears(layer: LayerOps) -> Linears:
-    return Linears({"float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer)})
+    return Linears(
+        {"float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer), Int4Weight.FORMAT: Int4ReferenceLinear(layer)}
+    )
 
 
 def kernel_fix_hint(exc: BaseException) -> str:
@@ -171,6 +178,7 @@ def select_backend(
     overlap_launches: bool = True,
     decode_tuning: DecodeTuning | None = None,
     int8_tuning: Int8Tuning | None = None,
+    int4_tuning: Int4Tuning | None = None,
     sms: int | None = None,
 ) -> Backend:
     """Plan the backend of one engine (see the module docstring). ``weights`` are the
@@ -187,7 +195,9 @@ def select_backend(
         log.warning("torch reference kernels on %s, as chosen: no CUDA graphs, slow decode", device)
         return reference_backend(device, "chosen by the operator (kernels='reference')")
     try:
-        return _cuda_backend(cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, sms)
+        return _cuda_backend(
+            cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms
+        )
     except BackendUnavailable:
         raise
     except Exception as exc:  # the kernels' import, compile or load failed
@@ -206,15 +216,17 @@ def _cuda_backend(
     overlap_launches: bool,
     decode_tuning: DecodeTuning | None,
     int8_tuning: Int8Tuning | None,
+    int4_tuning: Int4Tuning | None,
     sms: int | None,
 ) -> Backend:
-    from edge.kernels import fused_cuda, int8_cuda, nvrtc, paged_cuda
+    from edge.kernels import fused_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
     from edge.kernels.launcher import Launcher
 
     dev = nvrtc.device_index(device, "the CUDA kernels")
     nvrtc.check_available(dev)
     decode_tuning = decode_tuning or DecodeTuning()
     int8_tuning = int8_tuning or Int8Tuning()
+    int4_tuning = int4_tuning or Int4Tuning()
     launcher = Launcher(dev, sms=sms)
     notes: list[str] = []
     fused = fused_cuda.FusedCuda(launcher)
@@ -233,9 +245,13 @@ def _cuda_backend(
     int8_why = next((r for r in (int8_cuda.weight_support(w, dtype) for w in int8) if r), None)
     if int8 and int8_why:
         notes.append(f"int8 linear: {int8_why}")
+    int4 = [w for w in weights if isinstance(w, Int4Weight)]
+    int4_why = next((r for r in (int4_cuda.weight_support(w, dtype) for w in int4) if r), None)
+    if int4 and int4_why:
+        notes.append(f"int4 linear: {int4_why}")
 
     def step(l: Launcher, fz: fused_cuda.FusedCuda, att: paged_cuda.PagedAttentionCuda | None,
-             i8: int8_cuda.Int8CudaLinear | None) -> StepKernels:
+             i8: int8_cuda.Int8CudaLinear | None, i4: int4_cuda.Int4CudaLinear | None) -> StepKernels:
         pick = {op: (reference if why[op] else fz) for op in LAYER_OPS}
         names = {op: ("cuda" if pick[op] is fz else f"reference ({why[op]})") for op in LAYER_OPS}
         layer = LayerOps(
@@ -255,6 +271,7 @@ def _cuda_backend(
             impls[QUANT_METHOD] = i8.with_launcher(l, layer)
         else:
             impls[QUANT_METHOD] = Int8ReferenceLinear(layer)
+        impls[Int4Weight.FORMAT] = i4.with_launcher(l, layer) if i4 is not None else Int4ReferenceLinear(layer)
         return StepKernels(layer, attention, Linears(impls))
 
     att = None
@@ -267,11 +284,16 @@ def _cuda_backend(
         i8 = int8_cuda.Int8CudaLinear(launcher, None, int8_tuning)
     elif int8 and not int8_why:
         notes.append(f"int8 linear: no GEMV for {dtype} activations")
-    eager = step(launcher, fused, att, i8)
+    # int4 kernels only for a model that has int4 weights (a module per scale dtype).
+    i4 = None
+    if int4 and not int4_why:
+        scale_dtypes = tuple(sorted({w.scale.dtype for w in int4}, key=str))
+        i4 = int4_cuda.Int4CudaLinear(launcher, None, int4_tuning, scale_dtypes)
+    eager = step(launcher, fused, att, i8, i4)
     graph = None
     if att is not None:
         glauncher = launcher.overlapped() if overlap_launches else launcher
-        graph = eager if glauncher is launcher else step(glauncher, fused.with_launcher(glauncher), att, i8)
+        graph = eager if glauncher is launcher else step(glauncher, fused.with_launcher(glauncher), att, i8, i4)
     backend = Backend(
         "cuda",
         device,
@@ -279,6 +301,7 @@ def _cuda_backend(
         graph,
         decode_tuning,
         int8_tuning,
+        int4_tuning if int4 else None,
         overlap_launches=graph is not None and graph is not eager and glauncher.overlap,
         launcher=launcher,
         sms=launcher.sm_count(),

@@ -25,6 +25,7 @@ from edge.config import ModelConfig, parse_dtype
 from edge.errors import PromptTooLong
 from edge.generation import Chunk, Generation, GenerationResult
 from edge.graph import SlotDecoder
+from edge.kernels.int4_cuda import Int4Tuning
 from edge.kernels.int8_cuda import Int8Tuning
 from edge.kernels.paged_cuda import DecodeTuning
 from edge.kv import KVOutOfMemory, SequenceKV
@@ -71,6 +72,7 @@ class Engine:
         memory_info: MemoryInfo | None = None,
         decode_tuning: DecodeTuning | None = None,
         int8_tuning: Int8Tuning | None = None,
+        int4_tuning: Int4Tuning | None = None,
         sms: int | None = None,
         backend: Backend | None = None,
         blocking_waits: bool = True,
@@ -109,6 +111,7 @@ class Engine:
             overlap_launches=overlap_launches,
             decode_tuning=decode_tuning,
             int8_tuning=int8_tuning,
+            int4_tuning=int4_tuning,
             sms=sms,
         )
         log.info("backend: %s", self.backend.describe())

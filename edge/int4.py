@@ -239,18 +239,6 @@ class Int4ReferenceLinear:
         return None
 
 
-def interim_linear(x: torch.Tensor, ops: ModuleType | Any) -> Any:
-    """The int4 implementation for ``x``'s device until the engine's backend chooses it:
-    the CUDA kernels on a GPU where they load (kernels compile once per process; a
-    failure is KernelsUnavailable / KernelCompileError), else the torch reference."""
-    if x.device.type == "cuda" and ops is not reference:
-        from edge.kernels.int4_cuda import Int4CudaLinear, NvrtcLauncher
-
-        return Int4CudaLinear(NvrtcLauncher(x.device.index if x.device.index is not None else
-                                            torch.cuda.current_device()), ops)
-    return Int4ReferenceLinear(ops)
-
-
 # -- building weights -----------------------------------------------------------------
 
 

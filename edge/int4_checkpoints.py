@@ -380,6 +380,33 @@ def load_int4_weights(
     return weights
 
 
+def quantize_fused_weights(
+    weights: dict[str, Any],
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    group_size: int = DEFAULT_GROUP_SIZE,
+    lm_head: str = "int8",
+    embedding: str = "int8",
+) -> None:
+    """Quantize fused float device weights in place, one tensor at a time, as loading a
+    float checkpoint with ``quantize="int4"`` does (RTN is row by row, so fused or
+    part by part gives the same codes): every projection int4, the lm_head and the
+    embedding as ``lm_head`` / ``embedding`` say."""
+    lm_head = parse_choice(lm_head, HEAD_CHOICES, "lm_head")
+    embedding = parse_choice(embedding, EMBED_CHOICES, "embedding")
+    for name in list(weights):
+        w = weights[name]
+        if name.endswith("_proj.weight"):
+            weights[name] = pack_weight([quantize_rtn(w, group_size, torch.float16, name)], w.device, name)
+        elif name == LM_HEAD and lm_head == "int8":
+            weights[name] = _int8(w, name)
+        elif name == LM_HEAD and lm_head == "int4":
+            weights[name] = pack_weight([quantize_rtn(w, DEFAULT_GROUP_SIZE, torch.float16, name)], w.device, name)
+        elif name == EMBED and embedding == "int8":
+            weights[name] = Int8Embedding(_int8(w, name), dtype)
+        del w
+
+
 def _float(reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     if name.removesuffix(".weight") + ".qweight" in reader or name + "_packed" in reader:
         raise CheckpointError(f"tensor {name} is quantized in this checkpoint; expected it float")

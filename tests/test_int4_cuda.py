@@ -35,13 +35,22 @@ def _gen() -> torch.Generator:
     return torch.Generator(device="cuda").manual_seed(_seed[0])
 
 
+SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def make_linear(tuning=None):
+    from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning
+    from edge.kernels.launcher import Launcher
+
+    return Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning or Int4Tuning(), SCALE_DTYPES)
+
+
 @pytest.fixture(scope="module")
 def lin():
-    from edge.kernels.int4_cuda import Int4CudaLinear, NvrtcLauncher
     from edge.kernels.nvrtc import KernelsUnavailable
 
     try:
-        return Int4CudaLinear(NvrtcLauncher(torch.cuda.current_device())).load()
+        return make_linear()
     except KernelsUnavailable as exc:  # pragma: no cover - reported, not hidden
         pytest.fail(f"GPU present but the int4 kernels are unavailable: {exc}")
 
@@ -91,7 +100,7 @@ def check(y: torch.Tensor, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | 
 
 
 def run(lin, x, w, bias=None, **kw):
-    assert lin.supports(x, w, bias, **kw), "these arguments should take the GEMV"
+    assert lin.fuses(x, w), "a decode input: the GEMV"
     rows = w.out_features // 2 if kw.get("swiglu") else w.out_features
     out = None
     if kw.get("residual") is None:
@@ -130,9 +139,10 @@ def test_every_layout_and_token_count(lin, scale_dtype, zero, act_order, group, 
 
 @pytest.mark.parametrize("tiles", [1, 2])
 def test_both_tile_counts(tiles) -> None:
-    from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning, NvrtcLauncher
+    from edge.kernels.int4_cuda import Int4Tuning
 
-    lin = Int4CudaLinear(NvrtcLauncher(torch.cuda.current_device()), tuning=Int4Tuning(tiles=tiles))
+    lin = make_linear(Int4Tuning(tiles=tiles))
+    assert lin.plan(1040, False)[0] == tiles
     g = _gen()
     w = random_weight(1040, 2048, 128, g)
     x = torch.randn(2, 2048, generator=g, device="cuda").to(torch.float16)
@@ -199,9 +209,9 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit(lin) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 def test_prefill_chunks(dtype) -> None:
-    from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning, NvrtcLauncher
+    from edge.kernels.int4_cuda import Int4Tuning
 
-    lin = Int4CudaLinear(NvrtcLauncher(torch.cuda.current_device()), tuning=Int4Tuning(dequant_chunk=1 << 20))
+    lin = make_linear(Int4Tuning(dequant_chunk=1 << 20))
     g = _gen()
     w = random_weight(3000, 1024, 128, g, act_order=True)
     x = torch.randn(77, 1024, generator=g, device="cuda").to(dtype)
@@ -234,9 +244,22 @@ def test_graph_capture_matches_eager(lin) -> None:
         assert torch.equal(a, b)
 
 
+def test_unplanned_arguments_raise(lin) -> None:
+    from edge.kernels.nvrtc import UnplannedArguments
+
+    g = _gen()
+    w = random_weight(64, 256, 64, g)
+    x = torch.randn(1, 256, generator=g, device="cuda").to(torch.bfloat16)
+    with pytest.raises(UnplannedArguments):
+        lin.linear(x, w, torch.zeros(63, dtype=torch.bfloat16, device="cuda"))
+    with pytest.raises(UnplannedArguments):
+        lin.linear(x.float(), w)
+
+
 def test_int4_engine_on_the_gpu_tracks_the_reference(tmp_path) -> None:
-    """A random model quantized to int4 while loading: the CUDA engine (GEMV decode,
-    dequantize + cuBLAS prefill, graphs) against the same weights on the torch reference."""
+    """A random model quantized to int4 while loading: the CUDA engine (GEMV decode with
+    the fused plan, dequantize + cuBLAS prefill, graphs) against the same weights on the
+    torch reference."""
     from edge.engine import Engine
     from edge.sampling import SamplingParams
     from tests.conftest import build_hf_model
@@ -245,6 +268,7 @@ def test_int4_engine_on_the_gpu_tracks_the_reference(tmp_path) -> None:
     cuda = Engine.from_pretrained(tmp_path, device="cuda", dtype="bfloat16", quantize="int4", quant_group_size=64)
     ref = Engine.from_pretrained(tmp_path, device="cuda", dtype="bfloat16", quantize="int4", quant_group_size=64,
                                  kernels="reference")
+    assert cuda.info()["backend"]["linears"]["int4"] == "int4 GEMV (decode, tensor cores), dequantize + cuBLAS (prefill)"
     ids = list(range(3, 60))
     a, b = cuda.score(ids), ref.score(ids)
     assert ((a - b).norm() / b.norm()).item() < 2e-2

@@ -42,6 +42,11 @@ VARIANTS = [
         "int8_gemv.cu",
         {"CFG_INT8_WARPS": 8, "CFG_INT8_UNROLL_R1": 8, "CFG_INT8_MIN_BLOCKS": 2},
     ),
+    ("int4_gemv.cu", {}),  # float16 scales, the default tuning
+    (
+        "int4_gemv.cu",
+        {"CFG_INT4_SCALE": 2, "CFG_INT4_WARPS": 4, "CFG_INT4_UNROLL": 2, "CFG_INT4_MIN_BLOCKS": 0},
+    ),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [

@@ -26,7 +26,8 @@ from edge.config import ModelConfig, parse_dtype
 from edge.engine import Engine
 from edge.loader import fuse_weights
 from edge.model import Model
-from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor
+from edge.int4_checkpoints import quantize_fused_weights
+from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor, weight_tensors
 from edge.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
 from edge.tokenizer import Tokenizer
@@ -45,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers with a static cache")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: W8A16 projections (q8_0, group 128)")
+    p.add_argument(
+        "--quantize", choices=("none", "int8", "int4"), default="none",
+        help="int8: W8A16 projections (q8_0, group 128); int4: W4A16 (RTN, group 128; lm_head and embedding int8)",
+    )
     p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
     p.add_argument("--no-hf-compile", action="store_true", help="with --compare-hf: skip the compiled transformers run")
 
@@ -80,7 +84,9 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     raw = model_config(preset=args.preset)
     cfg = ModelConfig.from_dict(raw)
     weights = fuse_weights(iter_random_tensors(raw, 0, dtype, device), cfg, device, dtype)
-    if _quantize(args):
+    if _quantize(args) == "int4":
+        quantize_fused_weights(weights, cfg, dtype)
+    elif _quantize(args):
         quantize_projections(weights, cfg)
     model = Model(cfg, weights, args.max_seq_len)
     tokenizer = Tokenizer.from_pretrained(default_model_path())
@@ -116,12 +122,12 @@ def prompt_ids(engine: Engine, n: int, seed: int) -> list[int]:
 def weight_bytes_per_token(engine: Engine) -> int:
     """Bytes of weights one decode step reads: all of them but the embedding table,
     of which it reads one row (with tied embeddings the table is read as lm_head).
-    Int8 projections count their int8 bytes and float32 scales (Model.weight_bytes)."""
+    Quantized weights count their codes, scales and zero points (Model.weight_bytes)."""
     cfg = engine.cfg
     total = engine.model.weight_bytes()
     if not cfg.tie_word_embeddings:
-        emb = engine.model.w["model.embed_tokens.weight"]
-        total -= emb.numel() * emb.element_size() - emb.shape[1] * emb.element_size()
+        table = sum(t.numel() * t.element_size() for t in weight_tensors(engine.model.w["model.embed_tokens.weight"]))
+        total -= table - table // cfg.vocab_size
     return total
 
 

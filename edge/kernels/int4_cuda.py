@@ -1,21 +1,18 @@
 """CUDA W4A16 linear for :class:`edge.int4.Int4Weight`: the decode GEMV on tensor cores
 with the int8 GEMV's fused epilogues, and dequantize + cuBLAS for prefill chunks.
 
-:class:`Int4CudaLinear` is one backend's int4 implementation (the LinearImpl shape of
-the engine's backend: ``linear`` / ``fuses`` / ``argmax``, :func:`edge.quant.linear`'s
-semantics). It owns the kernels it loaded (``int4_gemv.cu``, one module per scale dtype
-and :class:`Int4Tuning`) and launches them through its launcher; nothing here is
-process-wide.
+:class:`Int4CudaLinear` is the backend's linear for the int4 format (``linear`` /
+``fuses`` / ``argmax`` with :func:`edge.quant.fused_linear_reference`'s semantics). It
+loads its kernels (``int4_gemv.cu``, one module per scale dtype, compiled with its
+:class:`Int4Tuning`) through the backend's launcher at construction; which weights they
+take is checked once per weight (:func:`weight_support`) when the backend is planned.
 
-- Decode (at most :data:`MAX_GEMV_TOKENS` tokens, ``x`` float16 / bfloat16 on the
-  weight's device, group size a multiple of 64): the GEMV, with ``norm`` (RMSNorm of the
-  input folded in), ``residual`` (in-place add), ``swiglu`` (``[gate; up]`` epilogue,
-  alone or after the norm) and the greedy lm_head's argmax (:meth:`argmax`).
-- Prefill chunks: each row chunk of the weight is dequantized by a kernel into a
-  bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS;
-  the fusions are composed with the layer ops.
-- Anything else (float32 activations, group sizes below 64) runs the torch reference,
-  :class:`edge.int4.Int4ReferenceLinear`.
+- Decode (at most :data:`MAX_GEMV_TOKENS` tokens): the GEMV, with ``norm`` (RMSNorm of
+  the input folded in), ``residual`` (in-place add), ``swiglu`` (``[gate; up]``
+  epilogue, alone or after the norm) and the greedy lm_head's argmax (:meth:`argmax`).
+- Prefill chunks: each row chunk of the weight is dequantized by a kernel into one
+  bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS
+  (the plan, not a fallback); the fusions are composed with the layer ops.
 
 Graph-safe: a launch allocates only its output (through torch), reads nothing back to
 the host, and its grid depends only on shapes.
@@ -30,9 +27,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge.int4 import BLOCK_ROWS, Int4Weight, int4_linear_reference
-from edge.kernels import nvrtc, reference
+from edge.int4 import BLOCK_ROWS, Int4Weight
+from edge.kernels.launcher import Launcher
+from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import Norm, fused_linear_reference
+
+__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MODES", "Int4CudaLinear", "Int4Tuning", "weight_support"]
 
 SOURCE = "int4_gemv.cu"
 DTYPES = (torch.float16, torch.bfloat16)
@@ -56,7 +56,7 @@ _MIN_CTAS_PER_SM = 4
 
 @dataclasses.dataclass(frozen=True)
 class Int4Tuning:
-    """Compile-time knobs of int4_gemv.cu and launch choices (one per backend)."""
+    """Compile-time knobs of int4_gemv.cu (its CFG_INT4_* defines) and launch choices."""
 
     warps: int = 8  # warps per CTA, splitting the columns
     unroll: int = 4  # 16-byte loads in flight per lane and row tile
@@ -72,32 +72,11 @@ class Int4Tuning:
 
     def defines(self, scale_dtype: torch.dtype) -> dict[str, int]:
         return {
-            "EDGE_INT4_SCALE": SCALE_CODES[scale_dtype],
-            "EDGE_INT4_WARPS": self.warps,
-            "EDGE_INT4_UNROLL": self.unroll,
-            "EDGE_INT4_MIN_BLOCKS": self.min_blocks,
+            "CFG_INT4_SCALE": SCALE_CODES[scale_dtype],
+            "CFG_INT4_WARPS": self.warps,
+            "CFG_INT4_UNROLL": self.unroll,
+            "CFG_INT4_MIN_BLOCKS": self.min_blocks,
         }
-
-
-class NvrtcLauncher:
-    """Loads and launches kernels on one device through :mod:`edge.kernels.nvrtc` (the
-    launcher interface the engine's backend hands its implementations)."""
-
-    def __init__(self, device_index: int) -> None:
-        self.device_index = int(device_index)
-
-    def kernel(self, source: str, name: str, defines: dict[str, Any] | None = None) -> Any:
-        return nvrtc.get_kernel(self.device_index, source, name, defines)
-
-    def launch(self, kernel: Any, grid: int | tuple[int, ...], block: int | tuple[int, ...], args: Any,
-               shmem: int = 0) -> None:
-        nvrtc.launch(self.device_index, kernel, grid, block, args, shmem)
-
-    def scratch(self, name: str, fits: Any, make: Any) -> Any:
-        return nvrtc.stream_scratch(name, self.device_index, fits, make)
-
-    def sm_count(self) -> int:
-        return int(torch.cuda.get_device_properties(self.device_index).multi_processor_count)
 
 
 def _is_vector(t: torch.Tensor, x: torch.Tensor, shape: int | tuple[int, ...], align: int = 1) -> bool:
@@ -110,12 +89,16 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
-def weight_support(w: Int4Weight) -> str | None:
-    """Why the GEMV cannot take this weight (None: it can)."""
+def weight_support(w: Int4Weight, dtype: torch.dtype) -> str | None:
+    """None when the kernels take this weight for activations of ``dtype``, else why not."""
+    if dtype not in _DTYPE_NAME:
+        return f"no int4 GEMV for {dtype} activations"
     if w.group_size % 64:
         return f"group size {w.group_size} (the GEMV needs a multiple of 64)"
     if w.scale.dtype not in SCALE_CODES:
         return f"{w.scale.dtype} scales"
+    if w.device.type != "cuda" or any(t.data_ptr() % 16 for t in w.tensors()):
+        return "weights must be 16-byte aligned on the GPU"
     if w.packed.numel() >= 2**31:
         return "more than 2^31 packed words"
     return None
@@ -123,73 +106,68 @@ def weight_support(w: Int4Weight) -> str | None:
 
 class Int4CudaLinear:
     """The int4 linear of a CUDA backend (module docstring). ``layer_ops`` composes the
-    fusions a kernel does not take."""
+    fusions a kernel mode does not take. Every weight it is given passed
+    :func:`weight_support`; its scale dtype is one of ``scale_dtypes`` (a module each)."""
 
     name = "int4 GEMV (decode, tensor cores), dequantize + cuBLAS (prefill)"
 
-    def __init__(self, launcher: Any, layer_ops: Any = reference, tuning: Int4Tuning = Int4Tuning()) -> None:
+    def __init__(
+        self,
+        launcher: Launcher,
+        layer_ops: Any,
+        tuning: Int4Tuning = Int4Tuning(),
+        scale_dtypes: tuple[torch.dtype, ...] = (torch.float16,),
+    ) -> None:
         self.launcher = launcher
         self.ops = layer_ops
         self.tuning = tuning
         self._sms = launcher.sm_count()
-        self._kernels: dict[tuple[torch.dtype, str], Any] = {}
-
-    def load(self, scale_dtypes: tuple[torch.dtype, ...] = (torch.float16, torch.bfloat16)) -> "Int4CudaLinear":
-        """Compile (or fetch from the disk cache) and load every kernel for these scale
-        dtypes now (before graph capture). Raises KernelsUnavailable / KernelCompileError."""
+        self._k: dict[tuple[torch.dtype, str], Any] = {}
         for sd in scale_dtypes:
-            for dtype in DTYPES:
-                for infix, _ in (*MODES.values(), *((a, True) for a in ARGMAX_MODES.values())):
-                    self._kernel(sd, f"int4_gemv_{infix}{_DTYPE_NAME[dtype]}_t2")
-                    if not infix.endswith(("swiglu_", "argmax_")):
-                        self._kernel(sd, f"int4_gemv_{infix}{_DTYPE_NAME[dtype]}_t1")
-                self._kernel(sd, f"int4_dequant_{_DTYPE_NAME[dtype]}")
-            self._kernel(sd, "int4_argmax_take")
-        return self
+            defines = tuning.defines(sd)
+            names = ["int4_argmax_take"]
+            for dt in _DTYPE_NAME.values():
+                names.append(f"int4_dequant_{dt}")
+                for infix, two in (*MODES.values(), *((a, True) for a in ARGMAX_MODES.values())):
+                    names.append(f"int4_gemv_{infix}{dt}_t2")
+                    if not two:
+                        names.append(f"int4_gemv_{infix}{dt}_t1")
+            for name in names:
+                self._k[(sd, name)] = launcher.kernel(SOURCE, name, defines)
 
-    def _kernel(self, scale_dtype: torch.dtype, name: str) -> Any:
-        key = (scale_dtype, name)
-        k = self._kernels.get(key)
-        if k is None:
-            k = self._kernels[key] = self.launcher.kernel(SOURCE, name, self.tuning.defines(scale_dtype))
-        return k
+    def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int4CudaLinear":
+        """The same kernels launched through ``launcher`` (an overlapped sibling)."""
+        other = object.__new__(Int4CudaLinear)
+        other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
+        return other
 
-    # -- the backend's interface ------------------------------------------------------
-
-    def supports(
-        self,
-        x: torch.Tensor,
-        w: Int4Weight,
-        bias: torch.Tensor | None = None,
-        *,
-        norm: Norm | None = None,
-        residual: torch.Tensor | None = None,
-        swiglu: bool = False,
-    ) -> bool:
-        """Whether the GEMV runs for these arguments (else: prefill path or reference)."""
-        if (norm is not None, residual is not None, bool(swiglu)) not in MODES:
-            return False
-        if x.device.type != "cuda" or x.dtype not in _DTYPE_NAME or x.device != w.device:
-            return False
-        cols = w.in_features
-        if x.shape[-1] != cols or x.numel() == 0 or x.numel() // cols > MAX_GEMV_TOKENS:
-            return False
-        if weight_support(w) is not None or not x.is_contiguous() or x.data_ptr() % 16:
-            return False
-        if swiglu and w.out_features % 32:
-            return False
-        rows = w.out_features // 2 if swiglu else w.out_features
-        if norm is not None and not _is_vector(norm[0], x, cols, align=16):
-            return False
-        if residual is not None and not (
-            _is_vector(residual, x, (*x.shape[:-1], rows)) and not _overlap(residual, x)
-        ):
-            return False
-        return bias is None or _is_vector(bias, x, w.out_features)
+    def _gemv(self, x: torch.Tensor, w: Int4Weight) -> bool:
+        """Whether ``x`` is a decode input (the GEMV); else a prefill chunk."""
+        return x.numel() // w.in_features <= MAX_GEMV_TOKENS
 
     def fuses(self, x: torch.Tensor, w: Int4Weight) -> bool:
         """Decode inputs run norm / residual / SwiGLU inside the GEMV."""
-        return self.supports(x, w)
+        return self._gemv(x, w)
+
+    def _check(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, norm: Norm | None,
+               residual: torch.Tensor | None, swiglu: bool) -> None:
+        cols = w.in_features
+        rows = w.out_features // 2 if swiglu else w.out_features
+        ok = (
+            x.dtype in _DTYPE_NAME
+            and x.device == w.device
+            and x.shape[-1] == cols
+            and x.numel() > 0
+            and x.is_contiguous()
+            and x.data_ptr() % 16 == 0
+            and (w.scale.dtype, "int4_argmax_take") in self._k
+            and not (swiglu and w.out_features % 32)
+            and (norm is None or _is_vector(norm[0], x, cols, align=16))
+            and (residual is None or (_is_vector(residual, x, (*x.shape[:-1], rows)) and not _overlap(residual, x)))
+            and (bias is None or _is_vector(bias, x, w.out_features))
+        )
+        if not ok:
+            raise UnplannedArguments(f"int4 GEMV of {x.dtype} {tuple(x.shape)} by {w!r}")
 
     def linear(
         self,
@@ -202,19 +180,22 @@ class Int4CudaLinear:
         swiglu: bool = False,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``x @ dequant(w).T + bias`` in ``x``'s dtype with :func:`edge.quant.linear`'s
-        fusions. ``out`` (contiguous, the result's shape) receives a plain or SwiGLU
-        result; with ``residual`` the result is ``residual`` itself."""
+        """``x @ dequant(w).T + bias`` in ``x``'s dtype, ``x`` ``[..., in]`` -> ``[..., out]``,
+        with the fusions of :func:`edge.quant.fused_linear_reference`. ``out``
+        (contiguous, the result's shape) receives a plain or SwiGLU result; with
+        ``residual`` the result is ``residual`` itself (updated in place)."""
         if residual is not None and out is not None:
             raise ValueError("out and residual are exclusive: the residual is updated in place")
-        if not self.supports(x, w, bias, norm=norm, residual=residual, swiglu=swiglu):
+        mode = MODES.get((norm is not None, residual is not None, bool(swiglu)))
+        if not self._gemv(x, w) or mode is None:
             if norm is None and residual is None and not swiglu:
-                y = self.matmul(x, w, bias)
-            else:
+                y = self._prefill(x, w, bias)
+            else:  # prefill, or a combination the GEMV has no mode for: composed
                 y = fused_linear_reference(
-                    x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=self.matmul
+                    x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=self._plain
                 )
             return y if out is None else out.copy_(y)
+        self._check(x, w, bias, norm, residual, swiglu)
         outputs = w.out_features // 2 if swiglu else w.out_features
         shape = (*x.shape[:-1], outputs)
         if residual is not None:
@@ -223,24 +204,27 @@ class Int4CudaLinear:
             out = torch.empty(shape, dtype=x.dtype, device=x.device)
         elif tuple(out.shape) != shape or out.dtype != x.dtype or out.device != x.device or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {x.dtype} tensor of shape {shape} on {x.device}")
-        infix, two = MODES[(norm is not None, residual is not None, bool(swiglu))]
-        self._launch(x, w, bias, infix, out.data_ptr(), outputs, norm=norm, two_tiles=two)
+        self._launch(x, w, bias, mode[0], out.data_ptr(), outputs, norm=norm, two_tiles=mode[1])
         return out
+
+    def _plain(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return self.linear(x, w, bias)
 
     def argmax(
         self,
         x: torch.Tensor,
         w: Int4Weight,
-        bias: torch.Tensor | None,
-        out: torch.Tensor | None,
+        bias: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
         *,
         norm: Norm | None = None,
     ) -> torch.Tensor | None:
         """Greedy token ids ``[tokens]`` (int64) without the logits: ``torch.argmax`` of
-        the logits rounded to ``x``'s dtype (first of equal maxima), in two launches.
-        None when the GEMV does not take these arguments."""
-        if not self.supports(x, w, bias, norm=norm):
+        the logits rounded to ``x``'s dtype (first of equal maxima), in two launches, the
+        GEMV with its argmax epilogue and the take. None for a prefill chunk."""
+        if not self._gemv(x, w):
             return None
+        self._check(x, w, bias, norm, None, False)
         tokens = x.numel() // w.in_features
         if out is None:
             out = torch.empty(tokens, dtype=torch.int64, device=x.device)
@@ -253,11 +237,11 @@ class Int4CudaLinear:
         )
         self._launch(x, w, bias, ARGMAX_MODES[norm is not None], 0, w.out_features, norm=norm, two_tiles=True,
                      best_ptr=best.data_ptr())
-        take = self._kernel(w.scale.dtype, "int4_argmax_take")
+        take = self._k[(w.scale.dtype, "int4_argmax_take")]
         self.launcher.launch(take, 1, 32, (best.data_ptr(), out.data_ptr(), np.int32(tokens)))
         return out
 
-    # -- kernels ----------------------------------------------------------------------
+    # -- launches ---------------------------------------------------------------------
 
     def plan(self, out_features: int, two_tiles: bool) -> tuple[int, int]:
         """(row tiles a CTA, CTAs) of a GEMV over ``out_features`` outputs."""
@@ -281,13 +265,11 @@ class Int4CudaLinear:
         best_ptr: int = 0,
     ) -> None:
         tokens = x.numel() // w.in_features
-        swiglu = infix.endswith("swiglu_")
         tiles, ctas = self.plan(outputs, two_tiles)
-        if swiglu:
+        if infix.endswith("swiglu_"):
             ctas = outputs // BLOCK_ROWS  # a gate tile and its up tile each
-        kernel = self._kernel(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")
         self.launcher.launch(
-            kernel,
+            self._k[(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
             ctas,
             32 * self.tuning.warps,
             (
@@ -309,12 +291,11 @@ class Int4CudaLinear:
         )
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:
-        """Rows ``[16 rb0, 16 rb1)`` into ``out`` (contiguous, ``[16 (rb1 - rb0), in]`` of
-        float16 / bfloat16): :meth:`edge.int4.Int4Weight.dequantize_blocks`, by a kernel."""
+        """Rows ``[16 rb0, 16 rb1)`` into ``out`` (contiguous ``[16 (rb1 - rb0), in]``,
+        float16 / bfloat16): :meth:`edge.int4.Int4Weight.dequantize_blocks` by a kernel."""
         n = (rb1 - rb0) * 2 * w.in_features  # words: one thread each
-        kernel = self._kernel(w.scale.dtype, f"int4_dequant_{_DTYPE_NAME[out.dtype]}")
         self.launcher.launch(
-            kernel,
+            self._k[(w.scale.dtype, f"int4_dequant_{_DTYPE_NAME[out.dtype]}")],
             -(-n // 256),
             256,
             (
@@ -330,13 +311,11 @@ class Int4CudaLinear:
         )
         return out
 
-    def matmul(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """The plain linear of a call the GEMV does not take: dequantize + cuBLAS on a
-        CUDA float16 / bfloat16 input, else the torch reference."""
-        if x.device.type != "cuda" or x.dtype not in _DTYPE_NAME or x.device != w.device or weight_support(w):
-            return int4_linear_reference(x, w, bias)
-        if x.numel() // w.in_features <= MAX_GEMV_TOKENS and self.supports(x, w, bias):
-            return self.linear(x, w, bias)
+    def _prefill(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A prefill chunk: each row chunk of the weight dequantized into one bounded
+        buffer, multiplied by cuBLAS."""
+        if x.dtype not in _DTYPE_NAME or x.device != w.device:
+            raise UnplannedArguments(f"int4 prefill of {x.dtype} {tuple(x.shape)} on {x.device} by {w!r}")
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
         blocks = w.packed.shape[0]

@@ -38,33 +38,33 @@
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87 Orin, sm_90).
 #include "common.cuh"
 
-#ifndef EDGE_INT4_SCALE
-#define EDGE_INT4_SCALE 1
+#ifndef CFG_INT4_SCALE
+#define CFG_INT4_SCALE 1
 #endif
-#if EDGE_INT4_SCALE == 1
+#if CFG_INT4_SCALE == 1
 typedef __half edge_scale_t;
-#elif EDGE_INT4_SCALE == 2
+#elif CFG_INT4_SCALE == 2
 typedef __nv_bfloat16 edge_scale_t;
-#elif EDGE_INT4_SCALE == 3
+#elif CFG_INT4_SCALE == 3
 typedef float edge_scale_t;
 #else
-#error "EDGE_INT4_SCALE must be 1 (float16), 2 (bfloat16) or 3 (float32)"
+#error "CFG_INT4_SCALE must be 1 (float16), 2 (bfloat16) or 3 (float32)"
 #endif
 
 namespace {
 
-#ifndef EDGE_INT4_WARPS
-#define EDGE_INT4_WARPS 8
+#ifndef CFG_INT4_WARPS
+#define CFG_INT4_WARPS 8
 #endif
-#ifndef EDGE_INT4_UNROLL
-#define EDGE_INT4_UNROLL 4
+#ifndef CFG_INT4_UNROLL
+#define CFG_INT4_UNROLL 4
 #endif
-#ifndef EDGE_INT4_MIN_BLOCKS
-#define EDGE_INT4_MIN_BLOCKS 2
+#ifndef CFG_INT4_MIN_BLOCKS
+#define CFG_INT4_MIN_BLOCKS 2
 #endif
-constexpr int kWarps = EDGE_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
+constexpr int kWarps = CFG_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kUnroll = EDGE_INT4_UNROLL;  // tiles in flight per warp and row tile
+constexpr int kUnroll = CFG_INT4_UNROLL;  // tiles in flight per warp and row tile
 constexpr int kMaxTokens = 8;              // the mma's N
 constexpr int kTileWords = 128;            // 16 x 64 codes
 
@@ -384,15 +384,15 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
 
 }  // namespace
 
-#if EDGE_INT4_MIN_BLOCKS > 0
-#define EDGE_INT4_BOUNDS __launch_bounds__(kThreads, EDGE_INT4_MIN_BLOCKS)
+#if CFG_INT4_MIN_BLOCKS > 0
+#define CFG_INT4_BOUNDS __launch_bounds__(kThreads, CFG_INT4_MIN_BLOCKS)
 #else
-#define EDGE_INT4_BOUNDS __launch_bounds__(kThreads)
+#define CFG_INT4_BOUNDS __launch_bounds__(kThreads)
 #endif
 
 // One signature for every mode (norm_w / eps unused without the norm, best without argmax).
-#define EDGE_INT4_GEMV(NAME, T, TILES, NORM, EPI)                                                      \
-  extern "C" __global__ void EDGE_INT4_BOUNDS NAME(                                                    \
+#define CFG_INT4_GEMV(NAME, T, TILES, NORM, EPI)                                                      \
+  extern "C" __global__ void CFG_INT4_BOUNDS NAME(                                                    \
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
       const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
@@ -402,17 +402,17 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
   }
 
 // The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
-#define EDGE_INT4_MODES(DT, T)                                                              \
-  EDGE_INT4_GEMV(int4_gemv_##DT##_t1, T, 1, false, kStore)                                  \
-  EDGE_INT4_GEMV(int4_gemv_##DT##_t2, T, 2, false, kStore)                                  \
-  EDGE_INT4_GEMV(int4_gemv_norm_##DT##_t1, T, 1, true, kStore)                              \
-  EDGE_INT4_GEMV(int4_gemv_norm_##DT##_t2, T, 2, true, kStore)                              \
-  EDGE_INT4_GEMV(int4_gemv_residual_##DT##_t1, T, 1, false, kResidual)                      \
-  EDGE_INT4_GEMV(int4_gemv_residual_##DT##_t2, T, 2, false, kResidual)                      \
-  EDGE_INT4_GEMV(int4_gemv_norm_swiglu_##DT##_t2, T, 2, true, kSwiglu)                      \
-  EDGE_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu)                          \
-  EDGE_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax)                          \
-  EDGE_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax)                      \
+#define CFG_INT4_MODES(DT, T)                                                              \
+  CFG_INT4_GEMV(int4_gemv_##DT##_t1, T, 1, false, kStore)                                  \
+  CFG_INT4_GEMV(int4_gemv_##DT##_t2, T, 2, false, kStore)                                  \
+  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t1, T, 1, true, kStore)                              \
+  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t2, T, 2, true, kStore)                              \
+  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t1, T, 1, false, kResidual)                      \
+  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t2, T, 2, false, kResidual)                      \
+  CFG_INT4_GEMV(int4_gemv_norm_swiglu_##DT##_t2, T, 2, true, kSwiglu)                      \
+  CFG_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu)                          \
+  CFG_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax)                          \
+  CFG_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax)                      \
   extern "C" __global__ void int4_dequant_##DT(T* __restrict__ out, const unsigned int* __restrict__ packed, \
                                                const edge_scale_t* __restrict__ scale,                      \
                                                const unsigned char* __restrict__ zero, int rb0, int nrb,   \
@@ -420,8 +420,8 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
     int4_dequant<T>(out, packed, scale, zero, rb0, nrb, in, group);                                         \
   }
 
-EDGE_INT4_MODES(bf16, __nv_bfloat16)
-EDGE_INT4_MODES(f16, __half)
+CFG_INT4_MODES(bf16, __nv_bfloat16)
+CFG_INT4_MODES(f16, __half)
 
 // After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
 // for the next launch on the stream. One warp; n <= 32 tokens.

@@ -1,0 +1,196 @@
+#!/usr/bin/env python3
+"""Int4 (W4A16) kernel benchmark: the decode GEMVs of a whole model step and the prefill
+path, against the device's copy bandwidth measured in the same process (GPU).
+
+    python tools/bench_int4.py gemv [--sms N] [--preset qwen3-8b]
+    python tools/bench_int4.py prefill [--tokens 2048]
+
+``gemv`` builds every layer's int4 projections of the preset (random codes, group 128,
+float16 scales and zero points), captures one CUDA graph of the decode step's linears
+(qkv with the input norm folded in, o and down with the residual add, gate_up with
+norm + SwiGLU) and times its replays: bytes read over time, as a fraction of the copy
+bandwidth. ``--sms N`` first makes a CUDA green context of N SMs current (16: an AGX
+Orin's SM count), so copy and GEMVs run on those SMs. ``prefill`` times dequantize +
+cuBLAS against bfloat16 cuBLAS at the preset's shapes. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("edge") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def restrict_sms(n: int) -> object:
+    """A green context of ``n`` SMs, current, with its stream torch's current one."""
+    from torch.cuda.green_contexts import GreenContext
+
+    torch.cuda.init()
+    ctx = GreenContext.create(num_sms=n)
+    if hasattr(ctx, "set_context"):
+        ctx.set_context()
+    if hasattr(ctx, "Stream"):
+        torch.cuda.set_stream(ctx.Stream())
+    return ctx
+
+
+def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Bytes read + written per second by a device-to-device copy (median)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * nbytes / statistics.median(times[2:])
+
+
+def _weight(out: int, inp: int, g: torch.Generator):
+    from edge.int4 import Int4Codes, pack_weight
+
+    q = torch.randint(0, 16, (out, inp), generator=g, device="cuda", dtype=torch.uint8)
+    scale = ((torch.rand(out, inp // 128, generator=g, device="cuda") + 0.5) * 1e-2).half()
+    zero = torch.randint(0, 16, (out, inp // 128), generator=g, device="cuda", dtype=torch.uint8)
+    return pack_weight([Int4Codes(q, scale, zero, 128)], "cuda")
+
+
+def _time_graph(fn, reps: int = 20) -> float:
+    """Median seconds of one ``fn()`` replayed from a CUDA graph (warmed up first)."""
+    stream = torch.cuda.current_stream()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        fn()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        graph.replay()
+        b.record(stream)
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times[2:])
+
+
+def gemv(args: argparse.Namespace) -> dict:
+    from edge.config import ModelConfig
+    from edge.kernels import reference
+    from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning
+    from edge.kernels.launcher import Launcher
+    from edge.random_model import model_config
+
+    green = restrict_sms(args.sms) if args.sms else None
+    bw = copy_bandwidth()
+    cfg = ModelConfig.from_dict(model_config(preset=args.preset))
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(0)
+    layers = [
+        {
+            "qkv": _weight(cfg.q_size + 2 * cfg.kv_size, h, g),
+            "o": _weight(h, cfg.q_size, g),
+            "gate_up": _weight(2 * inter, h, g),
+            "down": _weight(h, inter, g),
+        }
+        for _ in range(cfg.num_layers)
+    ]
+    x = torch.randn(1, h, generator=g, device="cuda").to(torch.bfloat16)
+    a = torch.randn(1, cfg.q_size, generator=g, device="cuda").to(torch.bfloat16)
+    ln = (torch.rand(h, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
+                    "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
+                    "green_context": green is not None, "copy_GBps": bw / 1e9}
+    tunings = {"default": Int4Tuning()}
+    if args.sweep:
+        tunings |= {f"w{w}u{u}": Int4Tuning(warps=w, unroll=u) for w in (4, 8) for u in (2, 4, 8) if (w, u) != (8, 4)}
+    for label, tuning in tunings.items():
+        lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
+        resid = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
+
+        def run(kinds=("qkv", "o", "gate_up", "down")):
+            def step() -> None:
+                for lw in layers:
+                    if "qkv" in kinds:
+                        lin.linear(x, lw["qkv"], norm=(ln, 1e-6))
+                    if "o" in kinds:
+                        lin.linear(a, lw["o"], residual=resid)
+                    if "gate_up" in kinds:
+                        act = lin.linear(x, lw["gate_up"], norm=(ln, 1e-6), swiglu=True)
+                    else:
+                        act = None
+                    if "down" in kinds:
+                        lin.linear(act if act is not None else torch.zeros(1, inter, dtype=x.dtype, device="cuda"),
+                                   lw["down"], residual=resid)
+            return step
+
+        total = sum(w.nbytes() for lw in layers for w in lw.values())
+        t = _time_graph(run())
+        row = {"step_us": t * 1e6, "bytes": total, "GBps": total / t / 1e9, "fraction_of_copy": total / t / bw}
+        for kind in ("qkv", "o", "gate_up"):
+            nb = sum(lw[kind].nbytes() for lw in layers)
+            tk = _time_graph(run((kind,)))
+            row[f"{kind}_fraction"] = nb / tk / bw
+        result[label] = row
+    return result
+
+
+def prefill(args: argparse.Namespace) -> dict:
+    import torch.nn.functional as F
+
+    from edge.config import ModelConfig
+    from edge.kernels import reference
+    from edge.kernels.int4_cuda import Int4CudaLinear
+    from edge.kernels.launcher import Launcher
+    from edge.random_model import model_config
+
+    cfg = ModelConfig.from_dict(model_config(preset=args.preset))
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference)
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h),
+              "down": (h, inter)}
+    result: dict = {"mode": "prefill", "device": torch.cuda.get_device_name(), "tokens": args.tokens}
+    t4 = tb = tdq = 0.0
+    for name, (out, inp) in shapes.items():
+        w4 = _weight(out, inp, g)
+        wb = torch.randn(out, inp, generator=g, device="cuda").to(torch.bfloat16)
+        x = torch.randn(args.tokens, inp, generator=g, device="cuda").to(torch.bfloat16)
+        buf = torch.empty(out, inp, dtype=torch.bfloat16, device="cuda")
+        a = _time_graph(lambda: lin.linear(x, w4))
+        b = _time_graph(lambda: F.linear(x, wb))
+        d = _time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
+        result[name] = {"int4_us": a * 1e6, "bf16_us": b * 1e6, "dequant_us": d * 1e6}
+        t4, tb, tdq = t4 + a, tb + b, tdq + d
+        del w4, wb, buf
+    result["layer_int4_over_bf16"] = t4 / tb
+    result["layer_dequant_share"] = tdq / t4
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=("gemv", "prefill"))
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
+    p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
+    p.add_argument("--tokens", type=int, default=2048)
+    args = p.parse_args(argv)
+    out = gemv(args) if args.mode == "gemv" else prefill(args)
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
