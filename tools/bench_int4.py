@@ -4,6 +4,7 @@ path, against the device's copy bandwidth measured in the same process (GPU).
 
     python tools/bench_int4.py gemv [--sms N] [--preset qwen3-8b]
     python tools/bench_int4.py prefill [--tokens 2048]
+    python tools/bench_int4.py load [--preset qwen3-1.7b]
 
 ``gemv`` builds every layer's int4 projections of the preset (random codes, group 128,
 float16 scales and zero points), captures one CUDA graph of the decode step's linears
@@ -11,7 +12,10 @@ float16 scales and zero points), captures one CUDA graph of the decode step's li
 norm + SwiGLU) and times its replays: bytes read over time, as a fraction of the copy
 bandwidth. ``--sms N`` first makes a CUDA green context of N SMs current (16: an AGX
 Orin's SM count), so copy and GEMVs run on those SMs. ``prefill`` times dequantize +
-cuBLAS against bfloat16 cuBLAS at the preset's shapes. Prints one JSON line.
+cuBLAS against bfloat16 cuBLAS at the preset's shapes. ``load`` writes a random float
+checkpoint of the preset, quantizes it offline (RTN, compressed-tensors) and loads it
+on the GPU: peak device memory while loading against the final weight bytes. Prints
+one JSON line.
 """
 
 from __future__ import annotations
@@ -179,15 +183,35 @@ def prefill(args: argparse.Namespace) -> dict:
     return result
 
 
+def load(args: argparse.Namespace) -> dict:
+    import tempfile
+
+    from edge.engine import Engine
+    from edge.int4_quantize import quantize_checkpoint_int4
+    from edge.random_model import make_model
+
+    root = Path(tempfile.mkdtemp())
+    src = make_model(root / "float", preset=args.preset, dtype="bfloat16")
+    quantize_checkpoint_int4(src, root / "int4")
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    engine = Engine.from_pretrained(root / "int4", device="cuda", dtype="bfloat16", kv_blocks=64)
+    peak = torch.cuda.max_memory_allocated() - base
+    weights = engine.model.weight_bytes()
+    return {"mode": "load", "device": torch.cuda.get_device_name(), "preset": args.preset,
+            "weight_bytes": weights, "peak_while_loading_bytes": peak, "peak_over_weights_GiB": (peak - weights) / 2**30,
+            "weights": engine.info()["weights"]}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("gemv", "prefill"))
+    p.add_argument("mode", choices=("gemv", "prefill", "load"))
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
     p.add_argument("--tokens", type=int, default=2048)
     args = p.parse_args(argv)
-    out = gemv(args) if args.mode == "gemv" else prefill(args)
+    out = {"gemv": gemv, "prefill": prefill, "load": load}[args.mode](args)
     print(json.dumps(out))
     return 0
 
