@@ -73,7 +73,11 @@ def _weight(out: int, inp: int, g: torch.Generator):
 def _time_graph(fn, reps: int = 20) -> float:
     """Median seconds of one ``fn()`` replayed from a CUDA graph (warmed up first)."""
     stream = torch.cuda.current_stream()
-    fn()
+    if stream == torch.cuda.default_stream():  # graphs are captured on a side stream
+        stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
@@ -118,7 +122,14 @@ def gemv(args: argparse.Namespace) -> dict:
                     "green_context": green is not None, "copy_GBps": bw / 1e9}
     tunings = {"default": Int4Tuning()}
     if args.sweep:
-        tunings |= {f"w{w}u{u}": Int4Tuning(warps=w, unroll=u) for w in (4, 8) for u in (2, 4, 8) if (w, u) != (8, 4)}
+        tunings |= {
+            "skip_math": Int4Tuning(skip_math=True),
+            "w8u4mb1": Int4Tuning(unroll=4, min_blocks=1),
+            "w8u1mb3": Int4Tuning(unroll=1, min_blocks=3),
+            "w4u2mb4": Int4Tuning(warps=4, min_blocks=4),
+            "w4u4mb2": Int4Tuning(warps=4, unroll=4, min_blocks=2),
+            "tiles1": Int4Tuning(tiles=1),
+        }
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
         resid = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
@@ -195,7 +206,7 @@ def load(args: argparse.Namespace) -> dict:
     quantize_checkpoint_int4(src, root / "int4")
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    engine = Engine.from_pretrained(root / "int4", device="cuda", dtype="bfloat16", kv_blocks=64)
+    engine = Engine.from_pretrained(root / "int4", device="cuda", dtype="bfloat16", max_seq_len=1024, kv_blocks=80)
     peak = torch.cuda.max_memory_allocated() - base
     weights = engine.model.weight_bytes()
     return {"mode": "load", "device": torch.cuda.get_device_name(), "preset": args.preset,

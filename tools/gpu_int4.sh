@@ -8,8 +8,8 @@ export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EDGE_CACHE_D
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
 timeout 300 python3 -m pytest -x -q -p no:cacheprovider tests/test_int4_cuda.py >"$OUT/tests.log" 2>&1; tail -n 15 "$OUT/tests.log"
-for a in "gemv" "gemv --sms 16" "prefill" "load --preset qwen3-1.7b"; do
-    timeout 120 python3 tools/bench_int4.py $a 2>"$OUT/err.log" | tee -a "$OUT/bench_int4.jsonl" || tail -n 5 "$OUT/err.log"
+for a in "gemv --sweep" "gemv --sms 16 --sweep" "prefill" "load --preset qwen3-1.7b"; do
+    timeout 150 python3 tools/bench_int4.py $a 2>"$OUT/err.log" | tee -a "$OUT/bench_int4.jsonl" || tail -n 5 "$OUT/err.log"
 done
 timeout 240 python3 tools/bench.py decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 \
     --ttft-lengths 512,2048 >"$OUT/decode-8b-int4.json" 2>"$OUT/err-decode.log" || tail -n 8 "$OUT/err-decode.log"

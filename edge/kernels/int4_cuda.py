@@ -59,10 +59,11 @@ class Int4Tuning:
     """Compile-time knobs of int4_gemv.cu (its CFG_INT4_* defines) and launch choices."""
 
     warps: int = 8  # warps per CTA, splitting the columns
-    unroll: int = 4  # 16-byte loads in flight per lane and row tile
+    unroll: int = 2  # column tiles a register stage (two stages in flight), per warp and row tile
     min_blocks: int = 2  # resident CTAs per SM asked of the register allocator (0: none)
     tiles: int | None = None  # row tiles per CTA (1 or 2); None: chosen per shape
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
+    skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or self.min_blocks < 0:
@@ -76,6 +77,7 @@ class Int4Tuning:
             "CFG_INT4_WARPS": self.warps,
             "CFG_INT4_UNROLL": self.unroll,
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
+            "CFG_INT4_SKIP_MATH": int(self.skip_math),
         }
 
 

@@ -57,14 +57,17 @@ namespace {
 #define CFG_INT4_WARPS 8
 #endif
 #ifndef CFG_INT4_UNROLL
-#define CFG_INT4_UNROLL 4
+#define CFG_INT4_UNROLL 2
 #endif
 #ifndef CFG_INT4_MIN_BLOCKS
 #define CFG_INT4_MIN_BLOCKS 2
 #endif
+#ifndef CFG_INT4_SKIP_MATH  // benchmark only: stream the weights without the products
+#define CFG_INT4_SKIP_MATH 0
+#endif
 constexpr int kWarps = CFG_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kUnroll = CFG_INT4_UNROLL;  // tiles in flight per warp and row tile
+constexpr int kUnroll = CFG_INT4_UNROLL;  // column tiles a stage, per warp and row tile
 constexpr int kMaxTokens = 8;              // the mma's N
 constexpr int kTileWords = 128;            // 16 x 64 codes
 
@@ -175,6 +178,88 @@ __device__ __forceinline__ void load_b(const T* __restrict__ xr, const int* __re
   }
 }
 
+// One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
+// group scales (rows g, g + 8) and zero-point pairs they need.
+template <int kTiles>
+struct Batch {
+  uint4 w[kUnroll][kTiles];
+  float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
+  unsigned int z0[kUnroll][kTiles], z1[kUnroll][kTiles];
+};
+
+// Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * kWarps).
+template <typename T, int kTiles>
+__device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int* const (&base)[kTiles],
+                                           const edge_scale_t* __restrict__ scale,
+                                           const unsigned char* __restrict__ zero, const int (&rb)[kTiles],
+                                           int kb0, int kb_count, int groups, int tiles_per_group, int g) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = kb0 + u * kWarps;
+    if (kb < kb_count) {
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) b.w[u][i] = ld_stream(base[i] + kb * kTileWords);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = kb0 + u * kWarps;
+    if (kb < kb_count) {
+      const int gi = kb / tiles_per_group;
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        const int at = (rb[i] * groups + gi) * 16 + g;
+        b.s0[u][i] = scale_at(scale + at);
+        b.s1[u][i] = scale_at(scale + at + 8);
+        b.z0[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at));
+        b.z1[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at + 8));
+      }
+    }
+  }
+}
+
+// acc += the batch's products: per column tile 4 k16 steps of mma on the dequantized
+// codes, the tile's group scale applied to the float32 partial sums.
+template <typename T, int kTiles, bool kNorm>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xr,
+                                          const int* __restrict__ perm, const T* __restrict__ norm_w, bool has_tok,
+                                          int kb0, int kb_count, int t, float& ss) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = kb0 + u * kWarps;
+    if (kb < kb_count) {
+      float part[kTiles][4];
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+#pragma unroll
+      for (int s = 0; s < 4; ++s) {
+        unsigned int b0 = 0u, b1 = 0u;
+        if (has_tok) load_b<T, kNorm>(xr, perm, norm_w, kb * 64 + 16 * s + 4 * t, b0, b1, ss);
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) {
+          const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
+#if CFG_INT4_SKIP_MATH
+          part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, b0 & 1u));
+#else
+          unsigned int a[4];
+          dequant_word<T>(word, b.z0[u][i], b.z1[u][i], a);
+          edge::mma16816<T>(part[i], a, b0, b1);
+#endif
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        acc[i][0] = fmaf(b.s0[u][i], part[i][0], acc[i][0]);
+        acc[i][1] = fmaf(b.s0[u][i], part[i][1], acc[i][1]);
+        acc[i][2] = fmaf(b.s1[u][i], part[i][2], acc[i][2]);
+        acc[i][3] = fmaf(b.s1[u][i], part[i][3], acc[i][3]);
+      }
+    }
+  }
+}
+
 template <typename T, int kTiles, bool kNorm, int kEpi>
 __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const unsigned int* __restrict__ packed,
@@ -223,65 +308,18 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
   float ss = 0.f;
 
-  for (int kb0 = warp; kb0 < kb_count; kb0 += kWarps * kUnroll) {
-    uint4 wv[kUnroll][kTiles];
-    float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
-    unsigned int z0[kUnroll][kTiles], z1[kUnroll][kTiles];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int kb = kb0 + u * kWarps;
-      if (kb < kb_count) {
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) wv[u][i] = ld_stream(base[i] + (long long)kb * kTileWords);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int kb = kb0 + u * kWarps;
-      if (kb < kb_count) {
-        const int gi = kb / tiles_per_group;
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const long long at = ((long long)rb[i] * groups + gi) * 16 + g;
-          s0[u][i] = scale_at(scale + at);
-          s1[u][i] = scale_at(scale + at + 8);
-          z0[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at));
-          z1[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at + 8));
-        }
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int kb = kb0 + u * kWarps;
-      if (kb < kb_count) {
-        float part[kTiles][4];
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-          for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
-        const unsigned int* wq[kTiles];
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) wq[i] = reinterpret_cast<const unsigned int*>(&wv[u][i]);
-#pragma unroll
-        for (int s = 0; s < 4; ++s) {
-          unsigned int b0 = 0u, b1 = 0u;
-          if (has_tok) load_b<T, kNorm>(xr, perm, norm_w, kb * 64 + 16 * s + 4 * t, b0, b1, ss);
-#pragma unroll
-          for (int i = 0; i < kTiles; ++i) {
-            unsigned int a[4];
-            dequant_word<T>(wq[i][s], z0[u][i], z1[u][i], a);
-            edge::mma16816<T>(part[i], a, b0, b1);
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          acc[i][0] = fmaf(s0[u][i], part[i][0], acc[i][0]);
-          acc[i][1] = fmaf(s0[u][i], part[i][1], acc[i][1]);
-          acc[i][2] = fmaf(s1[u][i], part[i][2], acc[i][2]);
-          acc[i][3] = fmaf(s1[u][i], part[i][3], acc[i][3]);
-        }
-      }
-    }
+  // Two register stages: the next batch's weights, scales and zero points are in flight
+  // while the current batch is multiplied, so each warp keeps loads outstanding.
+  constexpr int kStep = kWarps * kUnroll;
+  Batch<kTiles> st0, st1;
+  int kb0 = warp;
+  load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0, kb_count, groups, tiles_per_group, g);
+  for (; kb0 < kb_count; kb0 += 2 * kStep) {
+    load_batch<T, kTiles>(st1, base, scale, zero, rb, kb0 + kStep, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles, kNorm>(st0, acc, xr, perm, norm_w, has_tok, kb0, kb_count, t, ss);
+    if (kb0 + kStep >= kb_count) break;
+    load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0 + 2 * kStep, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles, kNorm>(st1, acc, xr, perm, norm_w, has_tok, kb0 + kStep, kb_count, t, ss);
   }
   // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
 #pragma unroll
