@@ -37,7 +37,8 @@ import torch
 import torch.nn.functional as F
 
 from edge.kernels import reference
-from edge.quant import Norm, QuantError, fused_linear_reference
+from edge.linear import ComposedLinear
+from edge.quant import QuantError
 
 BLOCK_ROWS = 16
 BLOCK_COLS = 64
@@ -205,38 +206,17 @@ def int4_linear_reference(x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | N
     return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
 
-class Int4ReferenceLinear:
-    """The torch implementation of int4 linears: the CPU path, and the oracle of the
-    CUDA kernels. Composes every fusion (:func:`edge.quant.fused_linear_reference`)."""
+class Int4ReferenceLinear(ComposedLinear):
+    """The torch implementation of int4 linears (dequantize, then ``F.linear``): the CPU
+    path and the oracle of the CUDA kernels. Composes every fusion."""
 
     name = "int4 torch reference (dequantize + F.linear)"
 
     def __init__(self, layer_ops: ModuleType | Any = reference) -> None:
-        self.ops = layer_ops  # composes norm / SwiGLU around the linear
+        super().__init__(layer_ops)
 
-    def linear(
-        self,
-        x: torch.Tensor,
-        w: Int4Weight,
-        bias: torch.Tensor | None = None,
-        *,
-        norm: Norm | None = None,
-        residual: torch.Tensor | None = None,
-        swiglu: bool = False,
-    ) -> torch.Tensor:
-        if norm is None and residual is None and not swiglu:
-            return int4_linear_reference(x, w, bias)
-        return fused_linear_reference(
-            x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=int4_linear_reference
-        )
-
-    def fuses(self, x: torch.Tensor, w: Int4Weight) -> bool:
-        return False
-
-    def argmax(
-        self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None, out: torch.Tensor | None, *, norm: Norm | None = None
-    ) -> torch.Tensor | None:
-        return None
+    def matmul(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return int4_linear_reference(x, w, bias)
 
 
 # -- building weights -----------------------------------------------------------------
@@ -353,7 +333,7 @@ def quantize_rtn(
 
 def codes_dequantize(c: Int4Codes) -> torch.Tensor:
     """Float32 ``[out, in]`` of codes in the module's meaning (g_idx honoured)."""
-    rows, cols = c.q.shape
+    cols = c.q.shape[1]
     gi = c.g_idx.long() if c.g_idx is not None else torch.arange(cols, device=c.q.device) // c.group_size
     z = torch.full_like(c.scale, SYMMETRIC_ZERO, dtype=torch.float32) if c.zero is None else c.zero.float()
     return (c.q.float() - z[:, gi]) * c.scale.float()[:, gi]

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ import torch
 from edge.config import ModelConfig
 from edge.int4 import DEFAULT_GROUP_SIZE, Int4Codes, codes_dequantize, quantize_rtn
 from edge.loader import INDEX_FILE, checkpoint_files
-from edge.quant import LINEAR_SUFFIXES, QuantError
+from edge.quant import LINEAR_SUFFIXES, QuantError, copy_checkpoint_extras
 
 log = logging.getLogger(__name__)
 
@@ -285,10 +284,7 @@ def quantize_checkpoint_int4(
     config = json.loads((src / "config.json").read_text())
     config["quantization_config"] = quantization_config(group_size)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    skip = {"config.json", INDEX_FILE} | {p.name for p in shard_names}
-    for p in sorted(src.iterdir()):
-        if p.is_file() and p.name not in skip and p.suffix != ".safetensors":
-            shutil.copy2(p, dst / p.name)
+    copy_checkpoint_extras(src, dst)
     summary = {
         "src": str(src), "dst": str(dst), "bits": 4, "method": method, "group_size": group_size,
         "format": "compressed-tensors pack-quantized", "quantized_tensors": len(qset),

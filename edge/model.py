@@ -119,6 +119,8 @@ class Model:
         if parse_int4(quantize):
             if fmt is not None:
                 raise QuantError(f"{model_dir} is already an int4 checkpoint ({fmt.describe()}); drop --quantize")
+            if checkpoint_quantization(model_dir) is not None:
+                raise QuantError(f"{model_dir} is already quantized (q8_0); int4 quantizes float checkpoints")
             fmt = Int4Format("rtn", quant_group_size or DEFAULT_INT4_GROUP_SIZE)
         elif fmt is not None and quantize is not None and parse_quantize(quantize) is not None:
             raise QuantError(f"{model_dir} is an int4 checkpoint ({fmt.describe()}); it cannot be quantized to {quantize}")

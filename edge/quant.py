@@ -472,6 +472,19 @@ def load_quantized_weights(
 
 # -- route A: quantize a checkpoint directory offline -------------------------------
 
+
+def copy_checkpoint_extras(src: Path, dst: Path) -> None:
+    """Every file of ``src`` but config.json, the index and the weights (tokenizer,
+    generation config, ...) into ``dst``: what a quantized copy keeps as it is."""
+    import shutil
+
+    from edge.loader import INDEX_FILE
+
+    for p in sorted(src.iterdir()):
+        if p.is_file() and p.name not in ("config.json", INDEX_FILE) and p.suffix != ".safetensors":
+            shutil.copy2(p, dst / p.name)
+
+
 SCALE_DTYPES = {"float32": torch.float32, "float16": torch.float16}
 
 
@@ -566,10 +579,7 @@ def quantize_checkpoint(
         "lm_head": LM_HEAD in qset,
     }
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    skip = {"config.json", INDEX_FILE} | {p.name for p in shard_names}
-    for p in sorted(src.iterdir()):
-        if p.is_file() and p.name not in skip and p.suffix != ".safetensors":
-            shutil.copy2(p, dst / p.name)
+    copy_checkpoint_extras(src, dst)
     summary = {
         "src": str(src),
         "dst": str(dst),

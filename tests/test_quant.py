@@ -468,8 +468,10 @@ def test_bad_quantized_checkpoints(tiny_src: Path, tmp_path: Path) -> None:
     assert torch.equal(a, Engine.from_pretrained(dst, device="cpu", max_seq_len=64).score(ids))
     with pytest.raises(QuantError, match="group_size 128, not 64"):
         Engine.from_pretrained(dst, device="cpu", max_seq_len=64, quantize="int8", quant_group_size=64)
-    with pytest.raises(QuantError, match="unsupported quantization 'int4'"):
-        Engine.from_pretrained(tiny_src, device="cpu", max_seq_len=64, quantize="int4")
+    with pytest.raises(QuantError, match="unsupported quantization 'int3'"):
+        Engine.from_pretrained(tiny_src, device="cpu", max_seq_len=64, quantize="int3")
+    with pytest.raises(QuantError, match="already quantized"):
+        Engine.from_pretrained(dst, device="cpu", max_seq_len=64, quantize="int4")
 
 
 def test_row_chunked_loading_is_the_same(tiny_src: Path, tmp_path: Path) -> None:

@@ -46,21 +46,6 @@ def restrict_sms(n: int) -> object:
     return ctx
 
 
-def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
-    """Bytes read + written per second by a device-to-device copy (median)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return 2 * nbytes / statistics.median(times[2:])
-
-
 def _weight(out: int, inp: int, g: torch.Generator):
     from edge.int4 import Int4Codes, pack_weight
 
@@ -99,6 +84,8 @@ def gemv(args: argparse.Namespace) -> dict:
     from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning
     from edge.kernels.launcher import Launcher
     from edge.random_model import model_config
+
+    from tools.bench_decode import copy_bandwidth
 
     green = restrict_sms(args.sms) if args.sms else None
     bw = copy_bandwidth()
@@ -188,7 +175,6 @@ def prefill(args: argparse.Namespace) -> dict:
         d = _time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
         result[name] = {"int4_us": a * 1e6, "bf16_us": b * 1e6, "dequant_us": d * 1e6}
         t4, tb, tdq = t4 + a, tb + b, tdq + d
-        del w4, wb, buf
     result["layer_int4_over_bf16"] = t4 / tb
     result["layer_dequant_share"] = tdq / t4
     return result

@@ -582,4 +582,26 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
   }
 }
 
+// ---- greedy argmax epilogues (int8 / int4 GEMVs) -----------------------------------------
+
+// (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
+// then lower rows. 0 is below every key (the empty slot).
+__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
+  const unsigned int u = __float_as_uint(v);
+  const unsigned int ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+  return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
+}
+
+// After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
+// for the next launch on the stream. One warp; n <= 32 tokens.
+__device__ __forceinline__ void argmax_take(unsigned long long* __restrict__ best, long long* __restrict__ token,
+                                            int n) {
+  await_inputs();
+  const int t = threadIdx.x;
+  if (t < n) {
+    token[t] = static_cast<long long>(0xFFFFFFFFu - static_cast<unsigned int>(best[t]));
+    best[t] = 0ull;
+  }
+}
+
 }  // namespace edge

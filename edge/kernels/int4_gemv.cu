@@ -127,14 +127,6 @@ __device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, un
 
 __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::to_float(s[0]); }
 
-// (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
-// then lower rows. 0 is below every key (the empty slot).
-__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
-  const unsigned int u = __float_as_uint(v);
-  const unsigned int ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
-}
-
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
 // Token n's 4 activations at column k (through perm when given) as two T pairs; kNorm
@@ -366,7 +358,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
       if (kEpi == kSwiglu) up += edge::to_float(bias[out + row]);
     }
     if (kEpi == kArgmax) {
-      unsigned long long key = writes ? argmax_key(edge::round_to<T>(v), row) : 0ull;
+      unsigned long long key = writes ? edge::argmax_key(edge::round_to<T>(v), row) : 0ull;
 #pragma unroll
       for (int off = 1; off < 32; off <<= 1) {
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
@@ -461,14 +453,8 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
 CFG_INT4_MODES(bf16, __nv_bfloat16)
 CFG_INT4_MODES(f16, __half)
 
-// After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
-// for the next launch on the stream. One warp; n <= 32 tokens.
+// After an argmax launch: the token ids, and the slots emptied (common.cuh).
 extern "C" __global__ void int4_argmax_take(unsigned long long* __restrict__ best, long long* __restrict__ token,
                                             int n) {
-  edge::await_inputs();
-  const int t = threadIdx.x;
-  if (t < n) {
-    token[t] = static_cast<long long>(0xFFFFFFFFu - static_cast<unsigned int>(best[t]));
-    best[t] = 0ull;
-  }
+  edge::argmax_take(best, token, n);
 }

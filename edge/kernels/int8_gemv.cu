@@ -100,14 +100,6 @@ __device__ __forceinline__ float dot16(const uint4& w, const float* xf) {
 //               graph step.
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
-// (value, row) as one 64-bit key whose unsigned order is argmax's: larger values first,
-// then lower rows. 0 is below every key (the empty slot).
-__device__ __forceinline__ unsigned long long argmax_key(float v, int row) {
-  const unsigned int u = __float_as_uint(v);
-  const unsigned int ordered = (u & 0x80000000u) ? ~u : (u | 0x80000000u);
-  return (static_cast<unsigned long long>(ordered) << 32) | (0xFFFFFFFFu - static_cast<unsigned int>(row));
-}
-
 // The norm weight [in] into sw, by the whole CTA (it synchronises): read before the
 // grid-dependency wait (no kernel of the step writes it).
 template <typename T>
@@ -274,7 +266,7 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
   }
   if (bias != nullptr) v += bias_v;
   if (kEpi == kArgmax) {  // lanes [0, kOuts) hold the warp's outputs
-    unsigned long long key = writes ? argmax_key(edge::round_to<T>(v), row) : 0ull;
+    unsigned long long key = writes ? edge::argmax_key(edge::round_to<T>(v), row) : 0ull;
 #pragma unroll
     for (int off = 1; off < kOuts; off <<= 1) {
       const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
@@ -357,14 +349,8 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
 CFG_INT8_MODES(bf16, __nv_bfloat16)
 CFG_INT8_MODES(f16, __half)
 
-// After an argmax launch: token[t] = the row in best[t], and best[t] back to 0 (empty)
-// for the next launch on the stream. One warp; n <= 32 tokens.
+// After an argmax launch: the token ids, and the slots emptied (common.cuh).
 extern "C" __global__ void int8_argmax_take(unsigned long long* __restrict__ best, long long* __restrict__ token,
                                             int n) {
-  edge::await_inputs();
-  const int t = threadIdx.x;
-  if (t < n) {
-    token[t] = static_cast<long long>(0xFFFFFFFFu - static_cast<unsigned int>(best[t]));
-    best[t] = 0ull;
-  }
+  edge::argmax_take(best, token, n);
 }
