@@ -222,6 +222,23 @@ def test_prefill_chunks(dtype) -> None:
     assert rel < TOL_REF[dtype] / 4, rel
 
 
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("zero", [True, False], ids=["zero", "symmetric"])
+@pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])
+def test_prefill_gemm_matches_oracle(dtype, zero, act_order) -> None:
+    """The int4 GEMM (codes dequantized in its tile loop): ragged rows and tokens."""
+    from edge.kernels.int4_cuda import Int4Tuning
+
+    lin = make_linear(Int4Tuning(prefill="gemm"))
+    g = _gen()
+    for out, inp, tokens in ((1000, 1024, 77), (4096, 4096, 512), (6144, 256, 9)):
+        w = random_weight(out, inp, 128 if inp > 256 else 64, g, zero=zero, act_order=act_order)
+        x = torch.randn(tokens, inp, generator=g, device="cuda").to(dtype)
+        bias = torch.randn(out, generator=g, device="cuda").to(dtype)
+        y = lin.linear(x, w, bias)
+        check(y, x, w, bias, f"gemm {out}x{inp} t{tokens} {dtype}")
+
+
 def test_graph_capture_matches_eager(lin) -> None:
     g = _gen()
     w = random_weight(4096, 4096, 128, g, act_order=True)

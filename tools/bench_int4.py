@@ -5,6 +5,7 @@ path, against the device's copy bandwidth measured in the same process (GPU).
     python tools/bench_int4.py gemv [--sms N] [--preset qwen3-8b]
     python tools/bench_int4.py prefill [--tokens 2048]
     python tools/bench_int4.py load [--preset qwen3-1.7b]
+    python tools/bench_int4.py ttft [--preset qwen3-8b]
 
 ``gemv`` builds every layer's int4 projections of the preset (random codes, group 128,
 float16 scales and zero points), captures one CUDA graph of the decode step's linears
@@ -12,7 +13,7 @@ float16 scales and zero points), captures one CUDA graph of the decode step's li
 norm + SwiGLU) and times its replays: bytes read over time, as a fraction of the copy
 bandwidth. ``--sms N`` first makes a CUDA green context of N SMs current (16: an AGX
 Orin's SM count), so copy and GEMVs run on those SMs. ``prefill`` times dequantize +
-cuBLAS against bfloat16 cuBLAS at the preset's shapes. ``load`` writes a random float
+cuBLAS and the int4 GEMM against bfloat16 cuBLAS at the preset's shapes. ``load`` writes a random float
 checkpoint of the preset, quantizes it offline (RTN, compressed-tensors) and loads it
 on the GPU: peak device memory while loading against the final weight bytes. Prints
 one JSON line.
@@ -112,9 +113,7 @@ def gemv(args: argparse.Namespace) -> dict:
         tunings |= {
             "skip_math": Int4Tuning(skip_math=True),
             "w8u4mb1": Int4Tuning(unroll=4, min_blocks=1),
-            "w8u1mb3": Int4Tuning(unroll=1, min_blocks=3),
             "w4u2mb4": Int4Tuning(warps=4, min_blocks=4),
-            "w4u4mb2": Int4Tuning(warps=4, unroll=4, min_blocks=2),
             "tiles1": Int4Tuning(tiles=1),
         }
     for label, tuning in tunings.items():
@@ -159,12 +158,16 @@ def prefill(args: argparse.Namespace) -> dict:
 
     cfg = ModelConfig.from_dict(model_config(preset=args.preset))
     h, inter = cfg.hidden_size, cfg.intermediate_size
+    from edge.kernels.int4_cuda import Int4Tuning
+
     g = torch.Generator(device="cuda").manual_seed(1)
-    lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference)
+    launcher = Launcher(torch.cuda.current_device())
+    lin = Int4CudaLinear(launcher, reference, Int4Tuning(prefill="dequant"))
+    gemm = Int4CudaLinear(launcher, reference, Int4Tuning(prefill="gemm"))
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h),
               "down": (h, inter)}
     result: dict = {"mode": "prefill", "device": torch.cuda.get_device_name(), "tokens": args.tokens}
-    t4 = tb = tdq = 0.0
+    t4 = tb = tdq = tg = 0.0
     for name, (out, inp) in shapes.items():
         w4 = _weight(out, inp, g)
         wb = torch.randn(out, inp, generator=g, device="cuda").to(torch.bfloat16)
@@ -173,9 +176,12 @@ def prefill(args: argparse.Namespace) -> dict:
         a = _time_graph(lambda: lin.linear(x, w4))
         b = _time_graph(lambda: F.linear(x, wb))
         d = _time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
-        result[name] = {"int4_us": a * 1e6, "bf16_us": b * 1e6, "dequant_us": d * 1e6}
-        t4, tb, tdq = t4 + a, tb + b, tdq + d
-    result["layer_int4_over_bf16"] = t4 / tb
+        m = _time_graph(lambda: gemm.linear(x, w4))
+        result[name] = {"dequant_cublas_us": a * 1e6, "int4_gemm_us": m * 1e6, "bf16_us": b * 1e6,
+                        "dequant_us": d * 1e6}
+        t4, tb, tdq, tg = t4 + a, tb + b, tdq + d, tg + m
+    result["layer_dequant_cublas_over_bf16"] = t4 / tb
+    result["layer_int4_gemm_over_bf16"] = tg / tb
     result["layer_dequant_share"] = tdq / t4
     return result
 
@@ -200,15 +206,54 @@ def load(args: argparse.Namespace) -> dict:
             "weights": engine.info()["weights"]}
 
 
+def ttft(args: argparse.Namespace) -> dict:
+    """TTFT of the preset in bf16, then int4 (RTN while building) with each prefill plan."""
+    import gc
+
+    from edge.config import ModelConfig, parse_dtype
+    from edge.engine import Engine
+    from edge.int4_checkpoints import quantize_fused_weights
+    from edge.kernels.int4_cuda import Int4Tuning
+    from edge.loader import fuse_weights
+    from edge.model import Model
+    from edge.random_model import iter_random_tensors, model_config
+    from tools.bench_decode import time_ttft
+
+    dtype = parse_dtype("bfloat16")
+    raw = model_config(preset=args.preset)
+    cfg = ModelConfig.from_dict(raw)
+    weights = fuse_weights(iter_random_tensors(raw, 0, dtype, "cuda"), cfg, "cuda", dtype)
+    lengths = (512, 2048)
+    blocks = 2 * (4096 // 16) + 8
+
+    def engine(tuning: Int4Tuning | None = None) -> Engine:
+        return Engine(Model(cfg, weights, 4096), None, Path(f"preset:{args.preset}"), max_seq_len=4096,
+                      num_blocks=blocks, int4_tuning=tuning)
+
+    result: dict = {"mode": "ttft", "device": torch.cuda.get_device_name(), "preset": args.preset}
+    e = engine()
+    result["bf16_ms"] = {n: time_ttft(e, n, 3) for n in lengths}
+    del e
+    gc.collect()
+    torch.cuda.empty_cache()
+    quantize_fused_weights(weights, cfg, dtype)
+    for plan in ("dequant", "gemm"):
+        e = engine(Int4Tuning(prefill=plan))
+        result[f"int4_{plan}_ms"] = {n: time_ttft(e, n, 3) for n in lengths}
+        result[f"int4_{plan}_over_bf16_2048"] = result[f"int4_{plan}_ms"][2048] / result["bf16_ms"][2048]
+        del e
+    return result
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=("gemv", "prefill", "load"))
+    p.add_argument("mode", choices=("gemv", "prefill", "load", "ttft"))
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
     p.add_argument("--tokens", type=int, default=2048)
     args = p.parse_args(argv)
-    out = {"gemv": gemv, "prefill": prefill, "load": load}[args.mode](args)
+    out = {"gemv": gemv, "prefill": prefill, "load": load, "ttft": ttft}[args.mode](args)
     print(json.dumps(out))
     return 0
 

@@ -10,9 +10,11 @@ take is checked once per weight (:func:`weight_support`) when the backend is pla
 - Decode (at most :data:`MAX_GEMV_TOKENS` tokens): the GEMV, with ``norm`` (RMSNorm of
   the input folded in), ``residual`` (in-place add), ``swiglu`` (``[gate; up]``
   epilogue, alone or after the norm) and the greedy lm_head's argmax (:meth:`argmax`).
-- Prefill chunks: each row chunk of the weight is dequantized by a kernel into one
-  bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS
-  (the plan, not a fallback); the fusions are composed with the layer ops.
+- Prefill chunks (``Int4Tuning.prefill``): ``"dequant"``, each row chunk of the weight
+  dequantized by a kernel into one bounded buffer (:attr:`Int4Tuning.dequant_chunk`
+  elements) and multiplied by cuBLAS; or ``"gemm"``, a GEMM that reads the packed codes
+  and dequantizes inside its tile loop (mma.sync). Either is the plan, not a fallback;
+  the fusions are composed with the layer ops.
 
 Graph-safe: a launch allocates only its output (through torch), reads nothing back to
 the host, and its grid depends only on shapes.
@@ -49,6 +51,8 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, bool]] = {
     (True, False, True): ("norm_swiglu_", True),
 }
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
+PREFILL = ("dequant", "gemm")
+_GEMM_ROWS, _GEMM_TOKENS = 64, 64  # the prefill GEMM's CTA tile (int4_gemv.cu)
 # One-tile CTAs (more, shorter CTAs) while two-tile CTAs would give fewer than this many
 # CTAs an SM.
 _MIN_CTAS_PER_SM = 4
@@ -62,6 +66,7 @@ class Int4Tuning:
     unroll: int = 2  # column tiles a register stage (two stages in flight), per warp and row tile
     min_blocks: int = 2  # resident CTAs per SM asked of the register allocator (0: none)
     tiles: int | None = None  # row tiles per CTA (1 or 2); None: chosen per shape
+    prefill: str = "dequant"  # prefill chunks: "dequant" (+ cuBLAS) or "gemm" (int4 tiles on mma.sync)
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
@@ -70,6 +75,8 @@ class Int4Tuning:
             raise ValueError(f"bad int4 GEMV tuning {self}")
         if self.tiles not in (None, 1, 2):
             raise ValueError(f"tiles must be 1, 2 or None, got {self.tiles}")
+        if self.prefill not in PREFILL:
+            raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
 
     def defines(self, scale_dtype: torch.dtype) -> dict[str, int]:
         return {
@@ -129,7 +136,7 @@ class Int4CudaLinear:
             defines = tuning.defines(sd)
             names = ["int4_argmax_take"]
             for dt in _DTYPE_NAME.values():
-                names.append(f"int4_dequant_{dt}")
+                names += [f"int4_dequant_{dt}", f"int4_gemm_{dt}"]
                 for infix, two in (*MODES.values(), *((a, True) for a in ARGMAX_MODES.values())):
                     names.append(f"int4_gemv_{infix}{dt}_t2")
                     if not two:
@@ -314,12 +321,16 @@ class Int4CudaLinear:
         return out
 
     def _prefill(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """A prefill chunk: each row chunk of the weight dequantized into one bounded
-        buffer, multiplied by cuBLAS."""
-        if x.dtype not in _DTYPE_NAME or x.device != w.device:
+        """A prefill chunk: the int4 GEMM, or each row chunk of the weight dequantized
+        into one bounded buffer and multiplied by cuBLAS (``tuning.prefill``)."""
+        if x.dtype not in _DTYPE_NAME or x.device != w.device or x.shape[-1] != w.in_features:
             raise UnplannedArguments(f"int4 prefill of {x.dtype} {tuple(x.shape)} on {x.device} by {w!r}")
+        if bias is not None and not _is_vector(bias, x, w.out_features):
+            raise UnplannedArguments(f"int4 prefill bias {bias.dtype} {tuple(bias.shape)} for {w!r}")
         if w.perm is not None:
             x = x.index_select(-1, w.perm)
+        if self.tuning.prefill == "gemm":
+            return self._gemm(x, w, bias)
         blocks = w.packed.shape[0]
         step = max(1, self.tuning.dequant_chunk // (BLOCK_ROWS * w.in_features))
         buf = torch.empty(min(step, blocks) * BLOCK_ROWS, w.in_features, dtype=x.dtype, device=x.device)
@@ -330,3 +341,30 @@ class Int4CudaLinear:
             deq = self.dequantize_blocks(w, rb0, rb1, buf[: (rb1 - rb0) * BLOCK_ROWS])
             outs.append(F.linear(x, deq[: r1 - r0], None if bias is None else bias[r0:r1]))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _gemm(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
+        """The int4 GEMM on ``x`` already in the layout's column order."""
+        x2 = x.reshape(-1, w.in_features)
+        if not x2.is_contiguous() or x2.data_ptr() % 16:  # cp.async copies 16-byte chunks
+            x2 = x2.clone(memory_format=torch.contiguous_format)
+        tokens = x2.shape[0]
+        y = torch.empty(tokens, w.out_features, dtype=x.dtype, device=x.device)
+        grid = (-(-w.out_features // _GEMM_ROWS), -(-tokens // _GEMM_TOKENS))
+        self.launcher.launch(
+            self._k[(w.scale.dtype, f"int4_gemm_{_DTYPE_NAME[x.dtype]}")],
+            grid,
+            128,
+            (
+                y.data_ptr(),
+                x2.data_ptr(),
+                w.packed.data_ptr(),
+                w.scale.data_ptr(),
+                0 if w.zero is None else w.zero.data_ptr(),
+                0 if bias is None else bias.data_ptr(),
+                np.int32(w.out_features),
+                np.int32(w.in_features),
+                np.int32(w.group_size),
+                np.int32(tokens),
+            ),
+        )
+        return y.view(*x.shape[:-1], w.out_features)

@@ -412,6 +412,115 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
   }
 }
 
+// ---- prefill GEMM: the packed codes straight into the tile loop ------------------------
+//
+// y[T, out] = x[T, in] @ dequant(w)^T (+ bias). A CTA computes 64 rows (4 row tiles, one
+// per warp) x 64 tokens (8 mma n-tiles); per 64-column tile each warp loads its 16-byte A
+// fragments from global memory (one tile ahead in registers) and the CTA copies the
+// x tile [64 tokens][64 columns] into shared memory with cp.async (two stages; rows padded
+// to 160 bytes so a half-warp's 8-byte B loads hit distinct banks). x must already be in
+// the layout's column order (act order: the caller gathers x[:, perm] once).
+constexpr int kGemmTokens = 64, kGemmLd = 80;  // tokens a CTA; x tile row: 64 + 16 pad elements
+
+template <typename T>
+__device__ __forceinline__ void gemm_load_x(T* __restrict__ dst, const T* __restrict__ x, int tok0, int tokens,
+                                            int in, int kb) {
+  // 64 rows x 128 bytes = 512 chunks of 16 bytes, 4 a thread.
+#pragma unroll
+  for (int c = 0; c < 4; ++c) {
+    const int chunk = threadIdx.x + 128 * c;
+    const int r = chunk >> 3, q = chunk & 7;
+    const int tok = tok0 + r;
+    const T* src = x + (long long)min(tok, tokens - 1) * in + kb * 64 + q * 8;
+    edge::cp_async16(edge::smem_u32(dst + r * kGemmLd + q * 8), src, tok < tokens ? 16 : 0);
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict__ x,
+                                          const unsigned int* __restrict__ packed,
+                                          const edge_scale_t* __restrict__ scale,
+                                          const unsigned char* __restrict__ zero, const T* __restrict__ bias,
+                                          int out, int in, int group, int tokens) {
+  __shared__ __align__(16) T xs[2][kGemmTokens * kGemmLd];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int kb_count = in >> 6, groups = in / group, tiles_per_group = group >> 6;
+  const int row_blocks = (out + 15) >> 4;
+  const int blk = blockIdx.x * 4 + warp;
+  const int rb = min(blk, row_blocks - 1);
+  const int tok0 = blockIdx.y * kGemmTokens;
+  const unsigned int* a_ptr = packed + (long long)rb * kb_count * kTileWords + 4 * lane;
+  edge::await_inputs();
+
+  float acc[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
+  gemm_load_x<T>(xs[0], x, tok0, tokens, in, 0);
+  edge::cp_async_commit();
+  uint4 wa = ld_stream(a_ptr);
+  for (int kb = 0; kb < kb_count; ++kb) {
+    uint4 wn = wa;
+    if (kb + 1 < kb_count) {
+      gemm_load_x<T>(xs[(kb + 1) & 1], x, tok0, tokens, in, kb + 1);
+      edge::cp_async_commit();
+      wn = ld_stream(a_ptr + (long long)(kb + 1) * kTileWords);
+      edge::cp_async_wait<1>();
+    } else {
+      edge::cp_async_wait<0>();
+    }
+    __syncthreads();
+    const int gi = kb / tiles_per_group;
+    const int at = (rb * groups + gi) * 16 + g;
+    const float s0 = scale_at(scale + at), s1 = scale_at(scale + at + 8);
+    const unsigned int z0 = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at));
+    const unsigned int z1 = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at + 8));
+    const T* xt = xs[kb & 1];
+    float part[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) part[j][c] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const unsigned int word = s == 0 ? wa.x : s == 1 ? wa.y : s == 2 ? wa.z : wa.w;
+      unsigned int a[4];
+      dequant_word<T>(word, z0, z1, a);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const uint2 b = *reinterpret_cast<const uint2*>(xt + (8 * j + g) * kGemmLd + 16 * s + 4 * t);
+        edge::mma16816<T>(part[j], a, b.x, b.y);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      acc[j][0] = fmaf(s0, part[j][0], acc[j][0]);
+      acc[j][1] = fmaf(s0, part[j][1], acc[j][1]);
+      acc[j][2] = fmaf(s1, part[j][2], acc[j][2]);
+      acc[j][3] = fmaf(s1, part[j][3], acc[j][3]);
+    }
+    __syncthreads();  // the stage is overwritten by the copy issued next iteration
+    wa = wn;
+  }
+  // C fragment of n-tile j: c0, c1 row g, tokens 8j + 2t, + 1; c2, c3 row g + 8.
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    const int row = blk * 16 + g + 8 * rh;
+    if (blk >= row_blocks || row >= out) continue;
+    const float bv = bias == nullptr ? 0.f : edge::to_float(bias[row]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int tok = tok0 + 8 * j + 2 * t + e;
+        if (tok < tokens) y[(long long)tok * out + row] = edge::from_float<T>(acc[j][2 * rh + e] + bv);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 #if CFG_INT4_MIN_BLOCKS > 0
@@ -443,6 +552,12 @@ __device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned
   CFG_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu)                          \
   CFG_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax)                          \
   CFG_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax)                      \
+  extern "C" __global__ void __launch_bounds__(128) int4_gemm_##DT(                                 \
+      T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,           \
+      const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                \
+      const T* __restrict__ bias, int out, int in, int group, int tokens) {                          \
+    int4_gemm<T>(y, x, packed, scale, zero, bias, out, in, group, tokens);                           \
+  }                                                                                                   \
   extern "C" __global__ void int4_dequant_##DT(T* __restrict__ out, const unsigned int* __restrict__ packed, \
                                                const edge_scale_t* __restrict__ scale,                      \
                                                const unsigned char* __restrict__ zero, int rb0, int nrb,   \
