@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false EDGE_CACHE_DIR=${EDGE_CACHE_DIR:-/tmp/edge-cache}
 OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader
-timeout 150 python3 -m pytest -x -q -p no:cacheprovider tests/test_int4_cuda.py >"$OUT/tests.log" 2>&1; tail -n 15 "$OUT/tests.log"
+timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_int4_cuda.py >"$OUT/tests.log" 2>&1; tail -n 15 "$OUT/tests.log"
 for a in "gemv --sms 16 --sweep" "gemv" "prefill" "ttft"; do
     timeout 120 python3 tools/bench_int4.py $a 2>"$OUT/err.log" | tee -a "$OUT/bench_int4.jsonl" || tail -n 5 "$OUT/err.log"
 done
