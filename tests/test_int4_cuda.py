@@ -138,15 +138,23 @@ def test_every_layout_and_token_count(lin, scale_dtype, zero, act_order, group, 
 
 
 @pytest.mark.parametrize("tiles", [1, 2])
-def test_both_tile_counts(tiles) -> None:
+@pytest.mark.parametrize("split", [1, 2, 8])
+def test_every_tile_count_and_column_split(tiles, split) -> None:
     from edge.kernels.int4_cuda import Int4Tuning
 
-    lin = make_linear(Int4Tuning(tiles=tiles))
-    assert lin.plan(1040, False)[0] == tiles
+    lin = make_linear(Int4Tuning(tiles=tiles, split=split))
+    assert lin.plan(1040, False)[:2] == (tiles, split)
     g = _gen()
-    w = random_weight(1040, 2048, 128, g)
+    w = random_weight(1040, 2048, 128, g, act_order=True)
     x = torch.randn(2, 2048, generator=g, device="cuda").to(torch.float16)
-    check(run(lin, x, w), x, w, None, f"tiles {tiles}")
+    check(run(lin, x, w), x, w, None, f"tiles {tiles} split {split}")
+    ln = ((torch.rand(2048, generator=g, device="cuda") + 0.5).half(), 1e-6)
+    gu = random_weight(1056, 2048, 128, g)
+    ref = _fused_ref(x, gu, norm=ln, swiglu=True)
+    y = run(lin, x, gu, norm=ln, swiglu=True)
+    assert ((y.double() - ref.double()).norm() / ref.double().norm()).item() < TOL_REF[x.dtype]
+    ids = lin.argmax(x, w, None, None, norm=ln)
+    assert torch.equal(ids, torch.argmax(lin.linear(x, w, norm=ln), dim=-1))
 
 
 def _fused_ref(x, w, bias=None, **kw):

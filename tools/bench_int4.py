@@ -69,13 +69,14 @@ def _time_graph(fn, reps: int = 20) -> float:
     with torch.cuda.graph(graph, stream=stream):
         fn()
     times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(stream)
-        graph.replay()
-        b.record(stream)
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
+    with torch.cuda.stream(stream):  # replays run on the current stream: time that one
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record(stream)
+            graph.replay()
+            b.record(stream)
+            b.synchronize()
+            times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times[2:])
 
 
@@ -111,10 +112,12 @@ def gemv(args: argparse.Namespace) -> dict:
     tunings = {"default": Int4Tuning()}
     if args.sweep:
         tunings |= {
+            "warps_per_sm16": Int4Tuning(warps_per_sm=16),
+            "warps_per_sm64": Int4Tuning(warps_per_sm=64),
+            "split1": Int4Tuning(split=1),
+            "split8": Int4Tuning(split=8),
             "skip_math": Int4Tuning(skip_math=True),
-            "w8u4mb1": Int4Tuning(unroll=4, min_blocks=1),
-            "w4u2mb4": Int4Tuning(warps=4, min_blocks=4),
-            "tiles1": Int4Tuning(tiles=1),
+            "u4mb1": Int4Tuning(unroll=4, min_blocks=1),
         }
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)

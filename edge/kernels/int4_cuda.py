@@ -53,9 +53,6 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, bool]] = {
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 PREFILL = ("dequant", "gemm")
 _GEMM_ROWS, _GEMM_TOKENS = 64, 64  # the prefill GEMM's CTA tile (int4_gemv.cu)
-# One-tile CTAs (more, shorter CTAs) while two-tile CTAs would give fewer than this many
-# CTAs an SM.
-_MIN_CTAS_PER_SM = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +62,9 @@ class Int4Tuning:
     warps: int = 8  # warps per CTA, splitting the columns
     unroll: int = 2  # column tiles a register stage (two stages in flight), per warp and row tile
     min_blocks: int = 2  # resident CTAs per SM asked of the register allocator (0: none)
-    tiles: int | None = None  # row tiles per CTA (1 or 2); None: chosen per shape
+    tiles: int = 2  # row tiles a warp group multiplies at once (1 or 2; SwiGLU and argmax: 2)
+    split: int | None = None  # warps sharing one unit's columns; None: chosen per shape
+    warps_per_sm: int = 32  # the split is the smallest that gives every SM this many warps
     prefill: str = "dequant"  # prefill chunks: "dequant" (+ cuBLAS) or "gemm" (int4 tiles on mma.sync)
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
@@ -73,8 +72,10 @@ class Int4Tuning:
     def __post_init__(self) -> None:
         if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or self.min_blocks < 0:
             raise ValueError(f"bad int4 GEMV tuning {self}")
-        if self.tiles not in (None, 1, 2):
-            raise ValueError(f"tiles must be 1, 2 or None, got {self.tiles}")
+        if self.tiles not in (1, 2):
+            raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
+        if self.split is not None and (self.split < 1 or self.warps % self.split):
+            raise ValueError(f"split must divide warps ({self.warps}), got {self.split}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
 
@@ -252,13 +253,24 @@ class Int4CudaLinear:
 
     # -- launches ---------------------------------------------------------------------
 
-    def plan(self, out_features: int, two_tiles: bool) -> tuple[int, int]:
-        """(row tiles a CTA, CTAs) of a GEMV over ``out_features`` outputs."""
-        blocks = -(-out_features // BLOCK_ROWS)
+    def plan(self, outputs: int, two_tiles: bool, swiglu: bool = False) -> tuple[int, int, int]:
+        """(row tiles a unit, warps a unit (the column split), CTAs) of a GEMV with
+        ``outputs`` outputs a token. Long column streams a warp where the SMs are few,
+        split columns where they are many: the smallest split that gives every SM
+        ``tuning.warps_per_sm`` warps."""
+        warps = self.tuning.warps
         tiles = 2 if two_tiles else self.tuning.tiles
-        if tiles is None:
-            tiles = 2 if -(-blocks // 2) >= _MIN_CTAS_PER_SM * self._sms else 1
-        return tiles, -(-blocks // tiles)
+        blocks = -(-outputs // BLOCK_ROWS)
+        units = blocks if swiglu else -(-blocks // tiles)
+        split = self.tuning.split
+        if split is None:
+            want = self.tuning.warps_per_sm * self._sms
+            split = warps
+            for cand in (1, 2, 4, 8, 16):
+                if cand <= warps and warps % cand == 0 and units * cand >= want:
+                    split = cand
+                    break
+        return tiles, split, -(-units // (warps // split))
 
     def _launch(
         self,
@@ -274,9 +286,7 @@ class Int4CudaLinear:
         best_ptr: int = 0,
     ) -> None:
         tokens = x.numel() // w.in_features
-        tiles, ctas = self.plan(outputs, two_tiles)
-        if infix.endswith("swiglu_"):
-            ctas = outputs // BLOCK_ROWS  # a gate tile and its up tile each
+        tiles, split, ctas = self.plan(outputs, two_tiles, infix.endswith("swiglu_"))
         self.launcher.launch(
             self._k[(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
             ctas,
@@ -295,6 +305,7 @@ class Int4CudaLinear:
                 np.int32(w.in_features),
                 np.int32(w.group_size),
                 np.int32(tokens),
+                np.int32(split),
                 best_ptr,
             ),
         )

@@ -13,11 +13,13 @@
 // tokens cost what one does. The scale multiplies each group's float32 partial sums
 // (a group is a run of 64-column tiles: G a multiple of 64).
 //
-// A CTA owns kTiles tiles of 16 rows (kSwiglu: the gate tile and its up tile) and its
-// kWarps warps split the columns, tile by tile (warp w takes tiles w, w + kWarps, ...:
-// the CTA streams its rows' bytes in order); their partial sums meet in shared memory
-// and the epilogue (bias, RMSNorm scale, residual add, SwiGLU, argmax) runs once per
-// output. Cost per k16 step and warp: ~12 instructions for 128 weight bytes.
+// A unit is kTiles tiles of 16 rows (kSwiglu: the gate tile and its up tile). The CTA's
+// kWarps warps form groups of `split` warps, a unit each; a group's warps share the
+// unit's columns tile by tile (warp k of a group takes tiles k, k + split, ...), with two
+// register stages of loads in flight a warp. The host picks the split per shape and SM
+// count: long streams a warp where SMs are few, split columns where they are many.
+// Partial sums meet in shared memory and the epilogue (bias, RMSNorm scale, residual
+// add, SwiGLU, argmax) runs once per output.
 //
 //   kNorm       the input is the residual stream x and the linear reads rms_norm(x):
 //               the mma runs on T(x * norm_w) and the sums are scaled by 1 / rms(x) at
@@ -179,15 +181,16 @@ struct Batch {
   unsigned int z0[kUnroll][kTiles], z1[kUnroll][kTiles];
 };
 
-// Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * kWarps).
+// Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride).
 template <typename T, int kTiles>
 __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int* const (&base)[kTiles],
                                            const edge_scale_t* __restrict__ scale,
                                            const unsigned char* __restrict__ zero, const int (&rb)[kTiles],
-                                           int kb0, int kb_count, int groups, int tiles_per_group, int g) {
+                                           int kb0, int stride, int kb_count, int groups, int tiles_per_group,
+                                           int g) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * kWarps;
+    const int kb = kb0 + u * stride;
     if (kb < kb_count) {
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) b.w[u][i] = ld_stream(base[i] + kb * kTileWords);
@@ -195,7 +198,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * kWarps;
+    const int kb = kb0 + u * stride;
     if (kb < kb_count) {
       const int gi = kb / tiles_per_group;
 #pragma unroll
@@ -215,10 +218,10 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
 template <typename T, int kTiles, bool kNorm>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xr,
                                           const int* __restrict__ perm, const T* __restrict__ norm_w, bool has_tok,
-                                          int kb0, int kb_count, int t, float& ss) {
+                                          int kb0, int stride, int kb_count, int t, float& ss) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * kWarps;
+    const int kb = kb0 + u * stride;
     if (kb < kb_count) {
       float part[kTiles][4];
 #pragma unroll
@@ -258,7 +261,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
                                           const edge_scale_t* __restrict__ scale,
                                           const unsigned char* __restrict__ zero, const int* __restrict__ perm,
                                           const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
-                                          int out, int in, int group, int num_tokens,
+                                          int out, int in, int group, int num_tokens, int split,
                                           unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
@@ -267,6 +270,10 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  // The CTA's warps form kWarps / split groups; each group owns one unit (kTiles row
+  // tiles, or a gate tile and its up tile) and its split warps share the unit's columns.
+  const int units = kWarps / split;
+  const int kw = warp % split, unit = blockIdx.x * units + warp / split;
   const int kb_count = in >> 6;
   const int groups = in / group;
   const int tiles_per_group = group >> 6;
@@ -276,7 +283,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   int rb[kTiles];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
-    const int b = kEpi == kSwiglu ? blockIdx.x + i * (out >> 4) : blockIdx.x * kTiles + i;
+    const int b = kEpi == kSwiglu ? unit + i * (out >> 4) : unit * kTiles + i;
     rb[i] = min(b, row_blocks - 1);  // a short last CTA re-reads a valid block
   }
   const unsigned int* base[kTiles];
@@ -284,9 +291,9 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   for (int i = 0; i < kTiles; ++i) base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
   // Constants of the step (weights): before the wait, so they stream in under the
   // previous kernel's tail.
-  if (warp < kb_count) {
+  if (kw < kb_count) {
 #pragma unroll
-    for (int i = 0; i < kTiles; ++i) edge::prefetch_l2(base[i] + (long long)warp * kTileWords);
+    for (int i = 0; i < kTiles; ++i) edge::prefetch_l2(base[i] + (long long)kw * kTileWords);
   }
   edge::await_inputs();
 
@@ -302,16 +309,16 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
 
   // Two register stages: the next batch's weights, scales and zero points are in flight
   // while the current batch is multiplied, so each warp keeps loads outstanding.
-  constexpr int kStep = kWarps * kUnroll;
+  const int step = split * kUnroll;
   Batch<kTiles> st0, st1;
-  int kb0 = warp;
-  load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0, kb_count, groups, tiles_per_group, g);
-  for (; kb0 < kb_count; kb0 += 2 * kStep) {
-    load_batch<T, kTiles>(st1, base, scale, zero, rb, kb0 + kStep, kb_count, groups, tiles_per_group, g);
-    mma_batch<T, kTiles, kNorm>(st0, acc, xr, perm, norm_w, has_tok, kb0, kb_count, t, ss);
-    if (kb0 + kStep >= kb_count) break;
-    load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0 + 2 * kStep, kb_count, groups, tiles_per_group, g);
-    mma_batch<T, kTiles, kNorm>(st1, acc, xr, perm, norm_w, has_tok, kb0 + kStep, kb_count, t, ss);
+  int kb0 = kw;
+  load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0, split, kb_count, groups, tiles_per_group, g);
+  for (; kb0 < kb_count; kb0 += 2 * step) {
+    load_batch<T, kTiles>(st1, base, scale, zero, rb, kb0 + step, split, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles, kNorm>(st0, acc, xr, perm, norm_w, has_tok, kb0, split, kb_count, t, ss);
+    if (kb0 + step >= kb_count) break;
+    load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0 + 2 * step, split, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles, kNorm>(st1, acc, xr, perm, norm_w, has_tok, kb0 + step, split, kb_count, t, ss);
   }
   // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
 #pragma unroll
@@ -329,29 +336,37 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   __syncthreads();
 
   constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
-  const int total = kOutTiles * 16 * num_tokens;
+  // Outputs token-major, then unit, tile, row: a warp's 32 (argmax: one token's unit).
+  const int per_token = units * kOutTiles * 16;
+  const int total = per_token * num_tokens;
   for (int o = threadIdx.x; o < ((total + 31) & ~31); o += kThreads) {
-    const int n = o / (kOutTiles * 16);
-    const int i = (o / 16) % kOutTiles;
-    const int r = o & 15;
     const bool live = o < total;
-    const int nn = live ? n : 0;
+    const int oo = live ? o : 0;
+    const int n = oo / per_token;
+    const int grp = (oo % per_token) / (kOutTiles * 16);
+    const int i = (oo / 16) % kOutTiles;
+    const int r = oo & 15;
     float v = 0.f, up = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) {
-      v += red[w][i][r][nn];
-      if (kEpi == kSwiglu) up += red[w][kTiles - 1][r][nn];
+    for (int k = 0; k < kWarps; ++k) {
+      if (k < split) {
+        v += red[grp * split + k][i][r][n];
+        if (kEpi == kSwiglu) up += red[grp * split + k][kTiles - 1][r][n];
+      }
     }
     if (kNorm) {
       float sq = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) sq += red_ss[w][nn];
+      for (int k = 0; k < kWarps; ++k) {
+        if (k < split) sq += red_ss[grp * split + k][n];
+      }
       const float inv_rms = rsqrtf(sq / static_cast<float>(in) + eps);
       v *= inv_rms;
       up *= inv_rms;
     }
     // A clamped duplicate tile (past the last row block) has rows >= out: not written.
-    const int row = (kEpi == kSwiglu ? blockIdx.x : blockIdx.x * kTiles + i) * 16 + r;
+    const int ounit = blockIdx.x * units + grp;
+    const int row = (kEpi == kSwiglu ? ounit : ounit * kTiles + i) * 16 + r;
     const bool writes = live && row < out;
     if (bias != nullptr && writes) {
       v += edge::to_float(bias[row]);
@@ -535,9 +550,9 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
       const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
-      int out, int in, int group, int num_tokens, unsigned long long* __restrict__ best) {            \
+      int out, int in, int group, int num_tokens, int split, unsigned long long* __restrict__ best) { \
     int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in, group,   \
-                                   num_tokens, best);                                                   \
+                                   num_tokens, split, best);                                            \
   }
 
 // The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
