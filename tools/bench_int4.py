@@ -34,19 +34,6 @@ if importlib.util.find_spec("edge") is None:
 import torch  # noqa: E402
 
 
-def restrict_sms(n: int) -> object:
-    """A green context of ``n`` SMs, current, with its stream torch's current one."""
-    from torch.cuda.green_contexts import GreenContext
-
-    torch.cuda.init()
-    ctx = GreenContext.create(num_sms=n)
-    if hasattr(ctx, "set_context"):
-        ctx.set_context()
-    if hasattr(ctx, "Stream"):
-        torch.cuda.set_stream(ctx.Stream())
-    return ctx
-
-
 def _weight(out: int, inp: int, g: torch.Generator):
     from edge.int4 import Int4Codes, pack_weight
 
@@ -87,6 +74,7 @@ def gemv(args: argparse.Namespace) -> dict:
     from edge.kernels.launcher import Launcher
     from edge.random_model import model_config
 
+    from orin_shape import restrict_sms
     from tools.bench_decode import copy_bandwidth
 
     green = restrict_sms(args.sms) if args.sms else None
