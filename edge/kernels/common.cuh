@@ -158,6 +158,16 @@ __device__ __forceinline__ void await_inputs() {
   allow_dependents();
 }
 
+// 16 bytes of weights, read once a step: through the read-only path, not kept in L1
+// (weights do not evict the activations every warp re-reads).
+__device__ __forceinline__ uint4 ld_weights(const void* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.int4 import BLOCK_ROWS, Int4Weight
+from edge.kernels.args import is_vector, overlap
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import Norm, fused_linear_reference
@@ -87,16 +88,6 @@ class Int4Tuning:
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
             "CFG_INT4_SKIP_MATH": int(self.skip_math),
         }
-
-
-def _is_vector(t: torch.Tensor, x: torch.Tensor, shape: int | tuple[int, ...], align: int = 1) -> bool:
-    ok_shape = t.numel() == shape if isinstance(shape, int) else tuple(t.shape) == shape
-    return ok_shape and t.dtype == x.dtype and t.device == x.device and t.is_contiguous() and t.data_ptr() % align == 0
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def weight_support(w: Int4Weight, dtype: torch.dtype) -> str | None:
@@ -172,9 +163,9 @@ class Int4CudaLinear:
             and x.data_ptr() % 16 == 0
             and (w.scale.dtype, "int4_argmax_take") in self._k
             and not (swiglu and w.out_features % 32)
-            and (norm is None or _is_vector(norm[0], x, cols, align=16))
-            and (residual is None or (_is_vector(residual, x, (*x.shape[:-1], rows)) and not _overlap(residual, x)))
-            and (bias is None or _is_vector(bias, x, w.out_features))
+            and (norm is None or is_vector(norm[0], x, cols, align=16))
+            and (residual is None or (is_vector(residual, x, (*x.shape[:-1], rows)) and not overlap(residual, x)))
+            and (bias is None or is_vector(bias, x, w.out_features))
         )
         if not ok:
             raise UnplannedArguments(f"int4 GEMV of {x.dtype} {tuple(x.shape)} by {w!r}")
@@ -336,7 +327,7 @@ class Int4CudaLinear:
         into one bounded buffer and multiplied by cuBLAS (``tuning.prefill``)."""
         if x.dtype not in _DTYPE_NAME or x.device != w.device or x.shape[-1] != w.in_features:
             raise UnplannedArguments(f"int4 prefill of {x.dtype} {tuple(x.shape)} on {x.device} by {w!r}")
-        if bias is not None and not _is_vector(bias, x, w.out_features):
+        if bias is not None and not is_vector(bias, x, w.out_features):
             raise UnplannedArguments(f"int4 prefill bias {bias.dtype} {tuple(bias.shape)} for {w!r}")
         if w.perm is not None:
             x = x.index_select(-1, w.perm)

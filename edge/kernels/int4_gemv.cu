@@ -73,14 +73,6 @@ constexpr int kUnroll = CFG_INT4_UNROLL;  // column tiles a stage, per warp and 
 constexpr int kMaxTokens = 8;              // the mma's N
 constexpr int kTileWords = 128;            // 16 x 64 codes
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
 // (a & b) | c in one instruction.
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
   unsigned int d;
@@ -183,7 +175,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
     const int kb = kb0 + u * stride;
     if (kb < kb_count) {
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) b.w[u][i] = ld_stream(base[i] + kb * kTileWords);
+      for (int i = 0; i < kTiles; ++i) b.w[u][i] = edge::ld_weights(base[i] + kb * kTileWords);
     }
   }
 #pragma unroll
@@ -479,13 +471,13 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
     for (int c = 0; c < 4; ++c) acc[j][c] = 0.f;
   gemm_load_x<T>(xs[0], x, tok0, tokens, in, 0);
   edge::cp_async_commit();
-  uint4 wa = ld_stream(a_ptr);
+  uint4 wa = edge::ld_weights(a_ptr);
   for (int kb = 0; kb < kb_count; ++kb) {
     uint4 wn = wa;
     if (kb + 1 < kb_count) {
       gemm_load_x<T>(xs[(kb + 1) & 1], x, tok0, tokens, in, kb + 1);
       edge::cp_async_commit();
-      wn = ld_stream(a_ptr + (long long)(kb + 1) * kTileWords);
+      wn = edge::ld_weights(a_ptr + (long long)(kb + 1) * kTileWords);
       edge::cp_async_wait<1>();
     } else {
       edge::cp_async_wait<0>();

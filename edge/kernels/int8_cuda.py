@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from edge.kernels.args import is_vector, overlap
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import Int8Weight, Norm, fused_linear_reference, int8_linear_reference
@@ -160,9 +161,9 @@ class Int8CudaLinear:
             and x.is_contiguous()
             and x.data_ptr() % 16 == 0
             and not (swiglu and rows % 2)
-            and (norm is None or (_is_vector(norm[0], x, cols, align=16) and _norm_smem(x, cols) <= _MAX_SMEM))
-            and (residual is None or (_is_vector(residual, x, (*x.shape[:-1], rows)) and not _overlap(residual, x)))
-            and (bias is None or _is_vector(bias, x, rows))
+            and (norm is None or (is_vector(norm[0], x, cols, align=16) and _norm_smem(x, cols) <= _MAX_SMEM))
+            and (residual is None or (is_vector(residual, x, (*x.shape[:-1], rows)) and not overlap(residual, x)))
+            and (bias is None or is_vector(bias, x, rows))
         )
         if not ok:
             raise UnplannedArguments(f"int8 GEMV of {x.dtype} {tuple(x.shape)} by {tuple(w.weight.shape)}")
@@ -294,24 +295,5 @@ def _mode(norm: Norm | None, residual: torch.Tensor | None, swiglu: bool) -> tup
 def _norm_smem(x: torch.Tensor, cols: int) -> int:
     """Dynamic shared memory of a norm-mode launch: the norm weight."""
     return cols * x.element_size()
-
-
-def _is_vector(
-    t: torch.Tensor, x: torch.Tensor, shape: int | tuple[int, ...], align: int = 1
-) -> bool:
-    """``t`` contiguous, of ``x``'s dtype and device, ``shape`` (an int: ``t.numel()``)."""
-    ok_shape = t.numel() == shape if isinstance(shape, int) else tuple(t.shape) == shape
-    return (
-        ok_shape
-        and t.dtype == x.dtype
-        and t.device == x.device
-        and t.is_contiguous()
-        and t.data_ptr() % align == 0
-    )
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 

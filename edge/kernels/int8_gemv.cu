@@ -38,14 +38,6 @@ namespace {
 constexpr int kWarps = CFG_INT8_WARPS;  // warps per CTA (int8_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
 
-__device__ __forceinline__ uint4 ld_stream(const void* p) {
-  uint4 v;
-  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
-      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-      : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint4 ld_x(const void* p) {
   return __ldg(reinterpret_cast<const uint4*>(p));
 }
@@ -201,7 +193,7 @@ __device__ __forceinline__ void int8_gemv(T* __restrict__ y, const T* __restrict
       const int c = base + 32 * u;
       if (c < nchunks) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) w[u][r] = ld_stream(qrow[r] + 16 * c);
+        for (int r = 0; r < R; ++r) w[u][r] = edge::ld_weights(qrow[r] + 16 * c);
       }
     }
 #pragma unroll
