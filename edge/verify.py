@@ -3,7 +3,7 @@
 Every mode shares one set of weights and runs on its own engine with its own backend;
 the baseline is the contiguous cache on the torch reference backend. On a GPU one mode
 is the production decode step as it ships: paged KV, CUDA graphs, the fused layer
-kernels and, with ``--quantize int8``, the int8 GEMV plan. A divergence is accepted
+kernels and, with ``--quantize int8`` / ``int4``, the int8 / int4 GEMV plan. A divergence is accepted
 only at a genuine near-tie: where the baseline's top-2 logit gap is below
 ``--tie-tolerance``. Exit code 0 only when every mode agrees.
 
@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.engine import Engine, default_device
+from edge.int4 import Int4Weight
 from edge.kv.paged import PagedKVCache
 from edge.sampling import SamplerState, SamplingParams
 
@@ -198,9 +199,9 @@ def backend_label(engine: Engine) -> str:
     parts = [b.kind, "graph" if engine.cuda_graph else "eager"]
     if engine.cuda_graph and b.overlap_launches:
         parts.append("overlapped")
-    formats = {w for w in ("q8_0",) if engine.model.int8_projections}
-    if formats:
-        parts.append("int8 " + ("GEMV" if b.kind == "cuda" else "ref"))
+    if engine.model.int8_projections:  # quantized projections: int8 or int4
+        fmt = "int4" if isinstance(engine.model.layers[0]["qkv"], Int4Weight) else "int8"
+        parts.append(f"{fmt} " + ("GEMV" if b.kind == "cuda" else "ref"))
     return " ".join(parts)
 
 
@@ -232,7 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=1024)
     p.add_argument("--tie-tolerance", type=float, help="top-2 gap under which a divergence is a tie")
-    p.add_argument("--quantize", choices=("none", "int8"), default="none", help="int8: q8_0 projections, quantized while loading")
+    p.add_argument(
+        "--quantize", choices=("none", "int8", "int4"), default="none",
+        help="int8: q8_0 projections; int4: W4A16 (RTN) projections; quantized while loading",
+    )
     p.add_argument("--min-tokens", type=int, help="tokens each case generates (default: 200 on a GPU, 24 on the CPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
