@@ -38,11 +38,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 
 from edge.config import ModelConfig
 from edge.int4 import DEFAULT_GROUP_SIZE, SYMMETRIC_ZERO, Int4Codes, Int4Weight, pack_weight, quantize_rtn
-from edge.loader import CheckpointError, checkpoint_files, expected_shapes, fused_layout
+from edge.loader import CheckpointError, checkpoint_files, expected_shapes, fused_layout, iter_tensor_rows
 from edge.quant import LM_HEAD, Int8Weight, QuantError, is_linear_weight, quantize_tensor
 from edge.quant_embedding import Int8Embedding
 
@@ -161,30 +160,28 @@ def _compressed_tensors_format(qc: dict[str, Any], where: str) -> Int4Format:
 
 
 class TensorReader:
-    """Random access to a checkpoint's tensors by name; shard handles stay open for the
-    life of the reader (memory-mapped: only the tensors read are touched)."""
+    """Tensors of a checkpoint by name, each read in row chunks through short-lived file
+    mappings (:func:`edge.loader.iter_tensor_rows`): no shard stays mapped."""
 
     def __init__(self, model_dir: str | Path) -> None:
+        self.model_dir = model_dir
         self.files = checkpoint_files(model_dir)
-        self._handles: dict[Path, Any] = {}
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
 
     def get(self, name: str) -> torch.Tensor:
-        path = self.files.get(name)
-        if path is None:
+        if name not in self.files:
             raise CheckpointError(f"checkpoint lacks tensor {name}")
-        f = self._handles.get(path)
-        if f is None:
-            try:
-                f = self._handles[path] = safe_open(str(path), framework="pt", device="cpu")
-            except Exception as exc:  # safetensors raises several private error types
-                raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
-        try:
-            return f.get_tensor(name)
-        except Exception as exc:
-            raise CheckpointError(f"cannot read tensor {name} from {path.name}: {exc}") from exc
+        out: torch.Tensor | None = None
+        for chunk in iter_tensor_rows(self.model_dir, [name]):
+            if out is None:
+                if chunk.data.shape == chunk.shape:
+                    return chunk.data
+                out = torch.empty(chunk.shape, dtype=chunk.data.dtype)
+            out[chunk.row : chunk.row + chunk.data.shape[0]].copy_(chunk.data)
+        assert out is not None
+        return out
 
 
 def _nibbles(words: torch.Tensor, dim: int) -> torch.Tensor:

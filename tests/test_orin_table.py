@@ -36,7 +36,7 @@ def test_byte_counts_are_the_engines(tool, tmp_path: Path, tied: bool, monkeypat
     bench = load_tool("bench_decode")
     path = make_model(tmp_path / "m", preset="tiny", num_hidden_layers=2, tie_word_embeddings=tied)
     cfg = ModelConfig.from_pretrained(path)
-    for fmt, quantize in (("bf16", None), ("int8", "int8")):
+    for fmt, quantize in (("bf16", None), ("int8", "int8"), ("int4", "int4")):
         e = Engine.from_pretrained(path, device="cpu", dtype="bfloat16", max_seq_len=256, quantize=quantize,
                                    kv_blocks=16)
         assert tool.weight_bytes(cfg, fmt) == e.model.weight_bytes(), fmt
@@ -64,7 +64,8 @@ def test_board_budgets_follow_the_policy(tool) -> None:  # noqa: ANN001
 def test_tables_and_projection(tool, capsys: pytest.CaptureFixture) -> None:  # noqa: ANN001
     assert tool.main(["--fraction", "AGX Orin 64 GB=0.5"]) == 0
     out = capsys.readouterr().out
-    assert out.count("| int4 | pending #24 |") == 3 * 4
+    assert "pending #24" not in out
+    assert out.count("| qwen3-8b | int4 | 4.6 |") == 3  # every board: 4.92 GB of int4 weights
     agx = [line for line in out.splitlines() if line.startswith("| AGX Orin 64 GB | 16 | 204.8 | qwen3-8b | int8 |")]
     cells = [c.strip() for c in agx[0].strip("|").split("|")]
     assert float(cells[-1]) == pytest.approx(0.5 * float(cells[6]), abs=0.51)

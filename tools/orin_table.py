@@ -14,6 +14,7 @@ board's SM count (``--fraction``), else the column says so.
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,13 +35,14 @@ from edge.budget import (  # noqa: E402
 )
 from edge.config import ModelConfig  # noqa: E402
 from edge.loader import expected_shapes  # noqa: E402
-from edge.quant import DEFAULT_GROUP_SIZE, quantized_names  # noqa: E402
+from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, quantized_names  # noqa: E402
 from edge.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
+EMBED = "model.embed_tokens.weight"
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
-FORMATS = ("bf16", "int8")
+FORMATS = ("bf16", "int8", "int4")
 # The presets with the shapes of published checkpoints (edge/random_model.py).
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b")
 
@@ -70,17 +72,29 @@ def preset_config(preset: str) -> ModelConfig:
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """What the loaded model holds (``Model.weight_bytes``): bf16 tensors, and for int8 the
-    projections (and an untied lm_head) as int8 with one float32 scale per group."""
+    """What the loaded model holds (``Model.weight_bytes``): bf16 tensors; for int8 the
+    projections (and an untied lm_head) as int8 with one float32 scale per group; for int4
+    (edge/int4.py, as loaded by default) the projections as 4-bit codes with a float16
+    scale and a uint8 zero point per group, the lm_head and the embedding as int8 rows."""
     shapes = expected_shapes(cfg)
-    int8 = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt == "int8" else set()
+    quantized = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt != "bf16" else set()
     total = 0
     for name, shape in shapes.items():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n + 4 * (n // group_size) if name in int8 else 2 * n
+        n = math.prod(shape)
+        groups = n // group_size
+        if fmt == "int4" and (name == LM_HEAD or name == EMBED):
+            total += n + 4 * groups
+        elif fmt == "int4" and name in quantized:
+            total += n // 2 + 3 * groups
+        else:
+            total += n + 4 * groups if name in quantized else 2 * n
     return total
+
+
+def embedding_row_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
+    """Bytes of one embedding row as loaded (int4 models hold int8 rows)."""
+    h = cfg.hidden_size
+    return h + 4 * (h // group_size) if fmt == "int4" else 2 * h
 
 
 def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int) -> int:
@@ -89,7 +103,7 @@ def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int) -> int:
     K/V of ``context`` tokens."""
     total = weight_bytes(cfg, fmt)
     if not cfg.tie_word_embeddings:
-        total -= 2 * (cfg.vocab_size - 1) * cfg.hidden_size
+        total -= (cfg.vocab_size - 1) * embedding_row_bytes(cfg, fmt)
     return total + 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
 
 
@@ -139,7 +153,6 @@ def budget_table(max_seq_len: int) -> str:
                       "reserve" if b.available - b.reserve < b.available * b.utilization else "utilization")
                 rows.append(head + f"{gib(b.available)} | {gib(b.activations + b.graphs)} | {gib(b.kv_bytes)} "
                             f"| {b.full_sequences:.1f} | {by} |")
-            rows.append(f"| {board.name} | {preset} | int4 | pending #24 | | | | | |")
     return "\n".join(rows)
 
 
