@@ -123,35 +123,45 @@ __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::
 
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
-// 4 consecutive values of a row at column k (through perm when given): 8 bytes.
-template <typename T>
-__device__ __forceinline__ uint2 load4(const T* __restrict__ row, const int* __restrict__ perm, int k) {
-  if (perm == nullptr) return __ldg(reinterpret_cast<const uint2*>(row + k));
-  const int4 idx = __ldg(reinterpret_cast<const int4*>(perm + k));
-  alignas(8) T v[4] = {row[idx.x], row[idx.y], row[idx.z], row[idx.w]};
-  return *reinterpret_cast<const uint2*>(v);
-}
-
-// The B fragment (two T pairs) of 4 activations; kNorm multiplies by the norm weight in
-// float32 and adds the squares of x to ss.
+// Token n's 4 activations at column k (through perm when given) as two T pairs; kNorm
+// multiplies by the norm weight in float32 and adds the squares of x to ss.
 template <typename T, bool kNorm>
-__device__ __forceinline__ void make_b(uint2 xv, uint2 nv, unsigned int& b0, unsigned int& b1, float& ss) {
-  if (!kNorm) {
-    b0 = xv.x;
-    b1 = xv.y;
-    return;
+__device__ __forceinline__ void load_b(const T* __restrict__ xr, const int* __restrict__ perm,
+                                       const T* __restrict__ norm_w, int k, unsigned int& b0, unsigned int& b1,
+                                       float& ss) {
+  alignas(8) T v[4];
+  alignas(8) T nw[4];
+  if (perm == nullptr) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(xr + k));
+    *reinterpret_cast<uint2*>(v) = u;
+    if (kNorm) *reinterpret_cast<uint2*>(nw) = __ldg(reinterpret_cast<const uint2*>(norm_w + k));
+  } else {
+    const int4 idx = __ldg(reinterpret_cast<const int4*>(perm + k));
+    v[0] = xr[idx.x];
+    v[1] = xr[idx.y];
+    v[2] = xr[idx.z];
+    v[3] = xr[idx.w];
+    if (kNorm) {
+      nw[0] = norm_w[idx.x];
+      nw[1] = norm_w[idx.y];
+      nw[2] = norm_w[idx.z];
+      nw[3] = norm_w[idx.w];
+    }
   }
-  const T* v = reinterpret_cast<const T*>(&xv);
-  const T* nw = reinterpret_cast<const T*>(&nv);
-  float f[4];
+  if (kNorm) {
+    float f[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float xf = edge::to_float(v[i]);
-    ss = fmaf(xf, xf, ss);
-    f[i] = xf * edge::to_float(nw[i]);
+    for (int i = 0; i < 4; ++i) {
+      const float xf = edge::to_float(v[i]);
+      ss = fmaf(xf, xf, ss);
+      f[i] = xf * edge::to_float(nw[i]);
+    }
+    b0 = edge::pack2<T>(f[0], f[1]);
+    b1 = edge::pack2<T>(f[2], f[3]);
+  } else {
+    b0 = reinterpret_cast<const unsigned int*>(v)[0];
+    b1 = reinterpret_cast<const unsigned int*>(v)[1];
   }
-  b0 = edge::pack2<T>(f[0], f[1]);
-  b1 = edge::pack2<T>(f[2], f[3]);
 }
 
 // One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
@@ -201,19 +211,6 @@ template <typename T, int kTiles, bool kNorm>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xr,
                                           const int* __restrict__ perm, const T* __restrict__ norm_w, bool has_tok,
                                           int kb0, int stride, int kb_count, int t, float& ss) {
-  // Every activation of the batch first, with no branch between the loads (a lane
-  // without a token reads token 0's row and multiplies zeros), so their latencies
-  // overlap instead of each k16 step waiting for its own.
-  uint2 xv[kUnroll][4], nv[kUnroll][4];
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int kb = min(kb0 + u * stride, kb_count - 1);
-#pragma unroll
-    for (int s = 0; s < 4; ++s) {
-      xv[u][s] = load4<T>(xr, perm, kb * 64 + 16 * s + 4 * t);
-      if (kNorm) nv[u][s] = load4<T>(norm_w, perm, kb * 64 + 16 * s + 4 * t);
-    }
-  }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = kb0 + u * stride;
@@ -225,9 +222,8 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
         for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        unsigned int b0, b1;
-        make_b<T, kNorm>(xv[u][s], kNorm ? nv[u][s] : xv[u][s], b0, b1, ss);
-        if (!has_tok) b0 = b1 = 0u;
+        unsigned int b0 = 0u, b1 = 0u;
+        if (has_tok) load_b<T, kNorm>(xr, perm, norm_w, kb * 64 + 16 * s + 4 * t, b0, b1, ss);
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
           const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
