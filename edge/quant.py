@@ -505,7 +505,6 @@ def quantize_checkpoint(
     generation config, ...) is copied. Returns a summary (tensors, bytes in and out).
     """
     import json
-    import shutil
 
     from safetensors import safe_open
     from safetensors.torch import save_file
