@@ -361,6 +361,10 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         raise SystemExit("bench kernels: no CUDA GPU visible to torch")
+    if args.sms:
+        from orin_shape import restrict_sms
+
+        args.green_context = restrict_sms(args.sms)  # first, before any stream; kept alive
     dtype = getattr(torch, _DTYPES[args.dtype])
     kv_lens = [int(x) for x in args.kv_lens.split(",") if x]
     props = torch.cuda.get_device_properties(0)
@@ -543,6 +547,9 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON list of tunings to sweep instead of SWEEP, e.g. \'[{"impl": "tc", "max_splits": 32}]\'',
     )
     k.add_argument("--prefill", action="store_true", help="also time prefill attention")
+    k.add_argument("--sms", type=int, default=None,
+                   help="restrict the process to N SMs (green context): the read floors are then the "
+                   "bandwidth ceiling an Orin-shaped projection needs")
     k.add_argument(
         "--floor",
         action="store_true",
