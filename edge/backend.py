@@ -246,7 +246,7 @@ def _cuda_backend(
     if int8 and int8_why:
         notes.append(f"int8 linear: {int8_why}")
     int4 = [w for w in weights if isinstance(w, Int4Weight)]
-    int4_why = next((r for r in (int4_cuda.weight_support(w, dtype) for w in int4) if r), None)
+    int4_why = next((r for r in (int4_cuda.weight_support(w, dtype, int4_tuning) for w in int4) if r), None)
     if int4 and int4_why:
         notes.append(f"int4 linear: {int4_why}")
 

@@ -191,6 +191,40 @@ def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order) -> Non
     close(r1, _fused_ref(a, down, residual=r0.clone()), "residual")
 
 
+@pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])
+def test_tokens_beyond_the_staged_rows_run_in_launch_rows(act_order) -> None:
+    """More tokens than a CTA's shared memory stages: each launch row takes its own
+    tokens (every mode, the argmax included), with the small and the default stage."""
+    from edge.kernels.int4_cuda import Int4Tuning, staged_row_bytes
+
+    g = _gen()
+    hidden, inter, tokens = 2048, 1536, 7
+    small = make_linear(Int4Tuning(stage_bytes=16 << 10))
+    assert (16 << 10) // staged_row_bytes(hidden, torch.bfloat16) < tokens, "the case must need several rows"
+    x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(torch.bfloat16)
+    norm = ((torch.rand(hidden, generator=g, device="cuda") + 0.5).to(torch.bfloat16), 1e-6)
+    qkv = random_weight(3072, hidden, 128, g, act_order=act_order)
+    gate_up = random_weight(2 * inter, hidden, 128, g, act_order=act_order)
+    down = random_weight(hidden, inter, 128, g, act_order=act_order)
+    a = torch.randn(tokens, inter, generator=g, device="cuda").to(torch.bfloat16)
+    r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    for lin in (small, make_linear()):
+        check(run(lin, x, qkv), x, qkv, None, "plain")
+
+        def close(y, ref, label):
+            assert torch.isfinite(y).all(), label
+            rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+            assert rel < TOL_REF[torch.bfloat16], f"{label}: {rel:.3g}"
+
+        close(run(lin, x, qkv, norm=norm), _fused_ref(x, qkv, norm=norm), "norm")
+        close(run(lin, x, gate_up, norm=norm, swiglu=True), _fused_ref(x, gate_up, norm=norm, swiglu=True), "norm+swiglu")
+        r1 = r0.clone()
+        run(lin, a, down, residual=r1)
+        close(r1, _fused_ref(a, down, residual=r0.clone()), "residual")
+        ids = lin.argmax(x, qkv, None, None, norm=norm)
+        assert torch.equal(ids, torch.argmax(lin.linear(x, qkv, norm=norm), dim=-1))
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
 @pytest.mark.parametrize("tokens", [1, 3])
 def test_argmax_is_argmax_of_the_logits(lin, norm, tokens) -> None:

@@ -72,6 +72,39 @@ def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
+def read_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
+    """Device read bandwidth in bytes/s: a kernel that only reads ``nbytes`` contiguously
+    (tools/kernels/read_floor.cu, 8 CTAs an SM of the current context). The ceiling of a
+    weight-streaming decode where a copy's writes are not (few SMs: the copy is
+    issue-bound before the memory is)."""
+    import numpy as np
+
+    from edge.kernels.launcher import Launcher
+
+    launcher = Launcher(torch.cuda.current_device())
+    kernel = launcher.kernel(str(Path(__file__).resolve().parent / "kernels" / "read_floor.cu"), "linear_read")
+    buf = torch.empty(nbytes, dtype=torch.uint8, device="cuda").random_()
+    sink = torch.zeros(1, dtype=torch.int32, device="cuda")
+    half = nbytes // 32  # 16-byte chunks in each half
+
+    def read() -> None:
+        launcher.launch(kernel, 8 * launcher.sm_count(), 256,
+                        (buf.data_ptr(), buf.data_ptr() + 16 * half, np.int64(half), sink.data_ptr()))
+
+    for _ in range(3):
+        read()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        read()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    del buf
+    return 32 * half / statistics.median(times)
+
+
 def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine, dict]:
     dtype = parse_dtype(args.dtype)
     device = torch.device(getattr(args, "device", None) or "cuda")
@@ -329,6 +362,7 @@ def run(args: argparse.Namespace) -> dict:
     green = restrict_sms(args.sms) if args.sms else None  # first: before any stream exists
     torch.cuda.reset_peak_memory_stats()
     bw = copy_bandwidth()
+    read_bw = read_bandwidth()
     streams = stream_factory(green) if green is not None else None
     engine, raw = build_engine(args, streams)
     serial = Engine(
@@ -346,6 +380,7 @@ def run(args: argparse.Namespace) -> dict:
         "sms": engine.backend.sms,
         "green_context": green is not None,
         "copy_bandwidth_GBps": bw / 1e9,
+        "read_bandwidth_GBps": read_bw / 1e9,
         "weight_bytes": engine.model.weight_bytes(),
     }
     per_token = weight_bytes_per_token(engine) + kv_bytes(engine, args.context + n // 2)
@@ -358,6 +393,7 @@ def run(args: argparse.Namespace) -> dict:
         tok_s = n / statistics.median(times)
         result[f"decode_tok_s_{mode}"] = tok_s
         result[f"roofline_fraction_{mode}"] = tok_s / roofline
+        result[f"read_roofline_fraction_{mode}"] = tok_s / (read_bw / per_token)
     result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
     result["overlapped_launches"] = engine.backend.overlap_launches
     del serial

@@ -75,10 +75,11 @@ def gemv(args: argparse.Namespace) -> dict:
     from edge.random_model import model_config
 
     from orin_shape import restrict_sms
-    from tools.bench_decode import copy_bandwidth
+    from tools.bench_decode import copy_bandwidth, read_bandwidth
 
     green = restrict_sms(args.sms) if args.sms else None
     bw = copy_bandwidth()
+    read_bw = read_bandwidth()
     cfg = ModelConfig.from_dict(model_config(preset=args.preset))
     h, inter = cfg.hidden_size, cfg.intermediate_size
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -96,7 +97,7 @@ def gemv(args: argparse.Namespace) -> dict:
     ln = (torch.rand(h, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
     result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
                     "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                    "green_context": green is not None, "copy_GBps": bw / 1e9}
+                    "green_context": green is not None, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9}
     tunings = {"default": Int4Tuning()}
     if args.sweep:
         tunings |= {
@@ -104,8 +105,11 @@ def gemv(args: argparse.Namespace) -> dict:
             "warps_per_sm64": Int4Tuning(warps_per_sm=64),
             "split1": Int4Tuning(split=1),
             "split8": Int4Tuning(split=8),
+            "unroll1": Int4Tuning(unroll=1),
+            "unroll4_mb1": Int4Tuning(unroll=4, min_blocks=1),
+            "warps4": Int4Tuning(warps=4),
+            "tiles1": Int4Tuning(tiles=1),
             "skip_math": Int4Tuning(skip_math=True),
-            "u4mb1": Int4Tuning(unroll=4, min_blocks=1),
         }
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
@@ -129,7 +133,8 @@ def gemv(args: argparse.Namespace) -> dict:
 
         total = sum(w.nbytes() for lw in layers for w in lw.values())
         t = _time_graph(run())
-        row = {"step_us": t * 1e6, "bytes": total, "GBps": total / t / 1e9, "fraction_of_copy": total / t / bw}
+        row = {"step_us": t * 1e6, "bytes": total, "GBps": total / t / 1e9, "fraction_of_copy": total / t / bw,
+               "fraction_of_read": total / t / read_bw}
         for kind in ("qkv", "o", "gate_up"):
             nb = sum(lw[kind].nbytes() for lw in layers)
             tk = _time_graph(run((kind,)))

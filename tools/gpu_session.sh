@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
-# One GPU call: the steps named on the command line, logs and JSON under $OUT, a
-# status table last.  STACK=cu12 first installs the CUDA 12 Python stack carried in
+# One GPU call: the steps named on the command line, logs and JSON packed into
+# $OUT/session.tgz (the device tool returns at most 8 files), a summary table last.  STACK=cu12 first installs the CUDA 12 Python stack carried in
 # .whl/cu12 (cuda-bindings 12.x, cuda-core, NVRTC 12.6) over the machine's CUDA 13 one.
 #   bash tools/gpu_session.sh tests verify verify-int8 bench-8b ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export EDGE_CACHE_DIR=${EDGE_CACHE_DIR:-/tmp/edge-cache}
-OUT=${OUT:-gpu-out}; mkdir -p "$OUT"
+RESULTS=${OUT:-gpu-out}
+OUT=$(mktemp -d); trap 'tar czf "$RESULTS/session.tgz" -C "$OUT" .' EXIT
 if [ "${STACK:-cu13}" = cu12 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl || exit 1
     export PYTHONPATH=/tmp/cu12:.
@@ -40,9 +41,14 @@ for s in "$@"; do
         sched16) step sched-16sms sh -c "$B scheduler --preset qwen3-8b --sms 16 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-16sms.json" ;;
         floor16) step floor-16sms sh -c "$B kernels --floor --sms 16 --kv-lens 2048,8192 > $OUT/kernels-16sms.json" ;;
         floor8) step floor-8sms sh -c "$B kernels --floor --sms 8 --kv-lens 2048,8192 > $OUT/kernels-8sms.json" ;;
+        int4-tests) step int4-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_int4_cuda.py ;;
+        int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
+        bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
+        bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;
         sched8) step sched-8sms sh -c "$B scheduler --preset qwen3-8b --sms 8 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-8sms.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done
 echo
 printf '%s\n' "${status[@]}" | tee "$OUT/status.txt"
+python3 tools/gpu_summary.py "$OUT"

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from edge.int4 import BLOCK_ROWS, Int4Weight
+from edge.kernels import nvrtc
 from edge.kernels.args import is_vector, overlap
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
@@ -54,6 +55,7 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, bool]] = {
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 PREFILL = ("dequant", "gemm")
 _GEMM_ROWS, _GEMM_TOKENS = 64, 64  # the prefill GEMM's CTA tile (int4_gemv.cu)
+X_PAD = 16  # int4_gemv.cu's kPad: elements between two staged token rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +70,7 @@ class Int4Tuning:
     warps_per_sm: int = 32  # the split is the smallest that gives every SM this many warps
     prefill: str = "dequant"  # prefill chunks: "dequant" (+ cuBLAS) or "gemm" (int4 tiles on mma.sync)
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
+    stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
@@ -77,6 +80,8 @@ class Int4Tuning:
             raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
         if self.split is not None and (self.split < 1 or self.warps % self.split):
             raise ValueError(f"split must divide warps ({self.warps}), got {self.split}")
+        if self.stage_bytes < 16 << 10:
+            raise ValueError(f"stage_bytes must be at least 16 KiB, got {self.stage_bytes}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
 
@@ -90,10 +95,17 @@ class Int4Tuning:
         }
 
 
-def weight_support(w: Int4Weight, dtype: torch.dtype) -> str | None:
+def staged_row_bytes(in_features: int, dtype: torch.dtype) -> int:
+    """Shared memory one token's staged activations take in a GEMV CTA (int4_gemv.cu)."""
+    return (in_features + X_PAD) * torch.empty((), dtype=dtype).element_size()
+
+
+def weight_support(w: Int4Weight, dtype: torch.dtype, tuning: Int4Tuning | None = None) -> str | None:
     """None when the kernels take this weight for activations of ``dtype``, else why not."""
     if dtype not in _DTYPE_NAME:
         return f"no int4 GEMV for {dtype} activations"
+    if staged_row_bytes(w.in_features, dtype) > (tuning or Int4Tuning()).stage_bytes:
+        return f"{w.in_features} input features do not fit the GEMV's staged activations"
     if w.group_size % 64:
         return f"group size {w.group_size} (the GEMV needs a multiple of 64)"
     if w.scale.dtype not in SCALE_CODES:
@@ -134,9 +146,11 @@ class Int4CudaLinear:
                     if not two:
                         names.append(f"int4_gemv_{infix}{dt}_t1")
             for name in names:
-                self._k[(sd, name)] = launcher.kernel(SOURCE, name, defines)
+                self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
+                if name.startswith("int4_gemv_"):
+                    nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes)
 
-    def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int4CudaLinear":
+    def with_launcher(self, launcher: Launcher, layer_ops: Any) -> Int4CudaLinear:
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int4CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
@@ -278,9 +292,11 @@ class Int4CudaLinear:
     ) -> None:
         tokens = x.numel() // w.in_features
         tiles, split, ctas = self.plan(outputs, two_tiles, infix.endswith("swiglu_"))
+        row = staged_row_bytes(w.in_features, x.dtype)
+        chunk = min(tokens, MAX_GEMV_TOKENS, self.tuning.stage_bytes // row)  # tokens a CTA stages
         self.launcher.launch(
             self._k[(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
-            ctas,
+            (ctas, -(-tokens // chunk)),
             32 * self.tuning.warps,
             (
                 y_ptr,
@@ -297,8 +313,10 @@ class Int4CudaLinear:
                 np.int32(w.group_size),
                 np.int32(tokens),
                 np.int32(split),
+                np.int32(chunk),
                 best_ptr,
             ),
+            shmem=chunk * row,
         )
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:

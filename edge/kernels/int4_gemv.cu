@@ -10,8 +10,10 @@
 // codes: OR-ing a nibble pair into the mantissas of 1024.0 (float16) or 128.0
 // (bfloat16) and subtracting 1024 + zero (128 + zero) gives q - zero exactly. The B
 // operand is the tokens (lane 4n + t holds token n's 4 consecutive activations), so 8
-// tokens cost what one does. The scale multiplies each group's float32 partial sums
-// (a group is a run of 64-column tiles: G a multiple of 64).
+// tokens cost what one does. A CTA first stages its tokens' activations in shared
+// memory (gathered through perm; times the norm weight with kNorm), so no k16 step waits
+// on a global load. The scale multiplies each group's float32 partial sums (a group is
+// a run of 64-column tiles: G a multiple of 64).
 //
 // A unit is kTiles tiles of 16 rows (kSwiglu: the gate tile and its up tile). The CTA's
 // kWarps warps form groups of `split` warps, a unit each; a group's warps share the
@@ -23,8 +25,7 @@
 //
 //   kNorm       the input is the residual stream x and the linear reads rms_norm(x):
 //               the mma runs on T(x * norm_w) and the sums are scaled by 1 / rms(x) at
-//               the end (every warp sees its columns of x; their sums of squares meet
-//               in shared memory). float16 inputs whose x * norm_w exceeds 65504
+//               the end (the sum of squares is taken while staging). float16 inputs whose x * norm_w exceeds 65504
 //               would overflow here; the bf16 models this targets cannot.
 //   kResidual   y[row] = T(y[row] + T(dot + bias)), in place (y must not alias x).
 //   kSwiglu     the weight is [gate; up]; y[j] = T(silu(T(g)) * T(u)).
@@ -123,58 +124,71 @@ __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::
 
 enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
-// Token n's 4 activations at column k (through perm when given) as two T pairs; kNorm
-// multiplies by the norm weight in float32 and adds the squares of x to ss.
+// Activations are staged once per CTA in shared memory (a token a row, `in + kPad`
+// elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
+// there: the k16 steps then read their B fragments from shared memory instead of each
+// waiting for a global load (the weights of the next stage are in flight meanwhile).
+constexpr int kPad = 16;  // a token's row starts 32 bytes (8 banks) after the previous one
+
+// Tokens [0, ntok) of x (rows of `in`) into xs; kNorm: T(x * norm_w), and each warp's share
+// of every token's sum of squares of x into red_ss[warp][token].
 template <typename T, bool kNorm>
-__device__ __forceinline__ void load_b(const T* __restrict__ xr, const int* __restrict__ perm,
-                                       const T* __restrict__ norm_w, int k, unsigned int& b0, unsigned int& b1,
-                                       float& ss) {
-  alignas(8) T v[4];
-  alignas(8) T nw[4];
-  if (perm == nullptr) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(xr + k));
-    *reinterpret_cast<uint2*>(v) = u;
-    if (kNorm) *reinterpret_cast<uint2*>(nw) = __ldg(reinterpret_cast<const uint2*>(norm_w + k));
-  } else {
-    const int4 idx = __ldg(reinterpret_cast<const int4*>(perm + k));
-    v[0] = xr[idx.x];
-    v[1] = xr[idx.y];
-    v[2] = xr[idx.z];
-    v[3] = xr[idx.w];
-    if (kNorm) {
-      nw[0] = norm_w[idx.x];
-      nw[1] = norm_w[idx.y];
-      nw[2] = norm_w[idx.z];
-      nw[3] = norm_w[idx.w];
-    }
-  }
-  if (kNorm) {
-    float f[4];
+__device__ __forceinline__ void stage_x(T* __restrict__ xs, float (*red_ss)[kMaxTokens], const T* __restrict__ x,
+                                        const int* __restrict__ perm, const T* __restrict__ norm_w, int in,
+                                        int ntok) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = in + kPad;
+  const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
+  for (int n = 0; n < ntok; ++n) {
+    const T* xr = x + (long long)n * in;
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      alignas(16) T val[8];
+      alignas(16) T nw[8];
+      if (perm == nullptr) {
+        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
+        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+      } else {
+        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
+        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
+        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float xf = edge::to_float(v[i]);
-      ss = fmaf(xf, xf, ss);
-      f[i] = xf * edge::to_float(nw[i]);
+        for (int i = 0; i < 8; ++i) {
+          val[i] = xr[idx[i]];
+          if (kNorm) nw[i] = norm_w[idx[i]];
+        }
+      }
+      if (kNorm) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          const float a = edge::to_float(val[i]), b = edge::to_float(val[i + 1]);
+          ss = fmaf(a, a, fmaf(b, b, ss));
+          *reinterpret_cast<unsigned int*>(val + i) =
+              edge::pack2<T>(a * edge::to_float(nw[i]), b * edge::to_float(nw[i + 1]));
+        }
+      }
+      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
     }
-    b0 = edge::pack2<T>(f[0], f[1]);
-    b1 = edge::pack2<T>(f[2], f[3]);
-  } else {
-    b0 = reinterpret_cast<const unsigned int*>(v)[0];
-    b1 = reinterpret_cast<const unsigned int*>(v)[1];
+    if (kNorm) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) red_ss[warp][n] = ss;
+    }
   }
 }
 
 // One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
-// group scales (rows g, g + 8) and zero-point pairs they need.
+// group scales (rows g, g + 8) and zero points they need, kept as loaded: converting
+// them here would make the warp wait for those loads before the batch is used.
 template <int kTiles>
 struct Batch {
   uint4 w[kUnroll][kTiles];
-  float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
-  unsigned int z0[kUnroll][kTiles], z1[kUnroll][kTiles];
+  edge_scale_t s0[kUnroll][kTiles], s1[kUnroll][kTiles];
+  unsigned char z0[kUnroll][kTiles], z1[kUnroll][kTiles];
 };
 
 // Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride).
-template <typename T, int kTiles>
+template <int kTiles>
 __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int* const (&base)[kTiles],
                                            const edge_scale_t* __restrict__ scale,
                                            const unsigned char* __restrict__ zero, const int (&rb)[kTiles],
@@ -196,21 +210,22 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const int at = (rb[i] * groups + gi) * 16 + g;
-        b.s0[u][i] = scale_at(scale + at);
-        b.s1[u][i] = scale_at(scale + at + 8);
-        b.z0[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at));
-        b.z1[u][i] = zero_pair<T>(zero == nullptr ? 8u : __ldg(zero + at + 8));
+        b.s0[u][i] = scale[at];
+        b.s1[u][i] = scale[at + 8];
+        b.z0[u][i] = zero == nullptr ? 8 : __ldg(zero + at);
+        b.z1[u][i] = zero == nullptr ? 8 : __ldg(zero + at + 8);
       }
     }
   }
 }
 
 // acc += the batch's products: per column tile 4 k16 steps of mma on the dequantized
-// codes, the tile's group scale applied to the float32 partial sums.
-template <typename T, int kTiles, bool kNorm>
-__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xr,
-                                          const int* __restrict__ perm, const T* __restrict__ norm_w, bool has_tok,
-                                          int kb0, int stride, int kb_count, int t, float& ss) {
+// codes (B fragments from the staged activations: lane 4n + t holds token n's 4
+// consecutive values, zeros past the CTA's tokens), the tile's group scale applied to
+// the float32 partial sums.
+template <typename T, int kTiles>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
+                                          bool has_tok, int kb0, int stride, int kb_count, int t) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = kb0 + u * stride;
@@ -222,8 +237,8 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
         for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
 #pragma unroll
       for (int s = 0; s < 4; ++s) {
-        unsigned int b0 = 0u, b1 = 0u;
-        if (has_tok) load_b<T, kNorm>(xr, perm, norm_w, kb * 64 + 16 * s + 4 * t, b0, b1, ss);
+        const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
+        const unsigned int b0 = has_tok ? xv.x : 0u, b1 = has_tok ? xv.y : 0u;
 #pragma unroll
         for (int i = 0; i < kTiles; ++i) {
           const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
@@ -231,37 +246,45 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
           part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, b0 & 1u));
 #else
           unsigned int a[4];
-          dequant_word<T>(word, b.z0[u][i], b.z1[u][i], a);
+          dequant_word<T>(word, zero_pair<T>(b.z0[u][i]), zero_pair<T>(b.z1[u][i]), a);
           edge::mma16816<T>(part[i], a, b0, b1);
 #endif
         }
       }
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        acc[i][0] = fmaf(b.s0[u][i], part[i][0], acc[i][0]);
-        acc[i][1] = fmaf(b.s0[u][i], part[i][1], acc[i][1]);
-        acc[i][2] = fmaf(b.s1[u][i], part[i][2], acc[i][2]);
-        acc[i][3] = fmaf(b.s1[u][i], part[i][3], acc[i][3]);
+        const float s0 = edge::to_float(b.s0[u][i]), s1 = edge::to_float(b.s1[u][i]);
+        acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+        acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+        acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+        acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
       }
     }
   }
 }
 
+// A CTA takes units blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at
+// most kMaxTokens; the host sizes tok_chunk so their staged rows fit its dynamic shared
+// memory).
 template <typename T, int kTiles, bool kNorm, int kEpi>
 __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const unsigned int* __restrict__ packed,
                                           const edge_scale_t* __restrict__ scale,
                                           const unsigned char* __restrict__ zero, const int* __restrict__ perm,
                                           const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
-                                          int out, int in, int group, int num_tokens, int split,
+                                          int out, int in, int group, int num_tokens, int split, int tok_chunk,
                                           unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
   __shared__ float red[kWarps][kTiles][16][kMaxTokens];
   __shared__ float red_ss[kWarps][kMaxTokens];
+  extern __shared__ __align__(16) unsigned char smem_x[];
+  T* xs = reinterpret_cast<T*>(smem_x);
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.y * tok_chunk;
+  const int ntok = min(tok_chunk, num_tokens - n0);
   // The CTA's warps form kWarps / split groups; each group owns one unit (kTiles row
   // tiles, or a gate tile and its up tile) and its split warps share the unit's columns.
   const int units = kWarps / split;
@@ -281,36 +304,32 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   const unsigned int* base[kTiles];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
-  // Constants of the step (weights): before the wait, so they stream in under the
-  // previous kernel's tail.
-  if (kw < kb_count) {
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) edge::prefetch_l2(base[i] + (long long)kw * kTileWords);
-  }
+  // Two register stages: the next batch's weights, scales and zero points are in flight
+  // while the current batch is multiplied, so each warp keeps loads outstanding. The
+  // first batch is a constant of the step: loaded before the wait, under the previous
+  // kernel's tail.
+  const int step = split * kUnroll;
+  Batch<kTiles> st0, st1;
+  int kb0 = kw;
+  load_batch<kTiles>(st0, base, scale, zero, rb, kb0, split, kb_count, groups, tiles_per_group, g);
   edge::await_inputs();
+  stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
+  __syncthreads();
 
-  const int tok = g;
-  const bool has_tok = tok < num_tokens;
-  const T* xr = x + (long long)(has_tok ? tok : 0) * in;
+  const bool has_tok = g < ntok;
+  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
-  float ss = 0.f;
 
-  // Two register stages: the next batch's weights, scales and zero points are in flight
-  // while the current batch is multiplied, so each warp keeps loads outstanding.
-  const int step = split * kUnroll;
-  Batch<kTiles> st0, st1;
-  int kb0 = kw;
-  load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0, split, kb_count, groups, tiles_per_group, g);
   for (; kb0 < kb_count; kb0 += 2 * step) {
-    load_batch<T, kTiles>(st1, base, scale, zero, rb, kb0 + step, split, kb_count, groups, tiles_per_group, g);
-    mma_batch<T, kTiles, kNorm>(st0, acc, xr, perm, norm_w, has_tok, kb0, split, kb_count, t, ss);
+    load_batch<kTiles>(st1, base, scale, zero, rb, kb0 + step, split, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
     if (kb0 + step >= kb_count) break;
-    load_batch<T, kTiles>(st0, base, scale, zero, rb, kb0 + 2 * step, split, kb_count, groups, tiles_per_group, g);
-    mma_batch<T, kTiles, kNorm>(st1, acc, xr, perm, norm_w, has_tok, kb0 + step, split, kb_count, t, ss);
+    load_batch<kTiles>(st0, base, scale, zero, rb, kb0 + 2 * step, split, kb_count, groups, tiles_per_group, g);
+    mma_batch<T, kTiles>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
   }
   // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
 #pragma unroll
@@ -320,17 +339,12 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     red[warp][i][g + 8][2 * t] = acc[i][2];
     red[warp][i][g + 8][2 * t + 1] = acc[i][3];
   }
-  if (kNorm) {
-    ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-    ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-    if (t == 0) red_ss[warp][g] = ss;
-  }
   __syncthreads();
 
   constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
   // Outputs token-major, then unit, tile, row: a warp's 32 (argmax: one token's unit).
   const int per_token = units * kOutTiles * 16;
-  const int total = per_token * num_tokens;
+  const int total = per_token * ntok;
   for (int o = threadIdx.x; o < ((total + 31) & ~31); o += kThreads) {
     const bool live = o < total;
     const int oo = live ? o : 0;
@@ -349,9 +363,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     if (kNorm) {
       float sq = 0.f;
 #pragma unroll
-      for (int k = 0; k < kWarps; ++k) {
-        if (k < split) sq += red_ss[grp * split + k][n];
-      }
+      for (int k = 0; k < kWarps; ++k) sq += red_ss[k][n];  // every warp staged a share of the columns
       const float inv_rms = rsqrtf(sq / static_cast<float>(in) + eps);
       v *= inv_rms;
       up *= inv_rms;
@@ -371,11 +383,11 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
         const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
         key = other > key ? other : key;
       }
-      if (lane == 0 && key != 0ull) atomicMax(best + n, key);
+      if (lane == 0 && key != 0ull) atomicMax(best + n0 + n, key);
       continue;
     }
     if (!writes) continue;
-    T* yo = y + (long long)n * out + row;
+    T* yo = y + (long long)(n0 + n) * out + row;
     if (kEpi == kSwiglu) {
       const float gg = edge::round_to<T>(v);
       v = gg / (1.f + __expf(-gg)) * edge::round_to<T>(up);
@@ -542,9 +554,10 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
       const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
-      int out, int in, int group, int num_tokens, int split, unsigned long long* __restrict__ best) { \
+      int out, int in, int group, int num_tokens, int split, int tok_chunk,                          \
+      unsigned long long* __restrict__ best) {                                                         \
     int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in, group,   \
-                                   num_tokens, split, best);                                            \
+                                   num_tokens, split, tok_chunk, best);                                 \
   }
 
 // The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
