@@ -243,7 +243,7 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
         for (int i = 0; i < kTiles; ++i) {
           const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
 #if CFG_INT4_SKIP_MATH
-          part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, b0 & 1u));
+          part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, (b0 ^ b1) & 1u));
 #else
           unsigned int a[4];
           dequant_word<T>(word, zero_pair<T>(b.z0[u][i]), zero_pair<T>(b.z1[u][i]), a);
