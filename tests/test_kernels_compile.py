@@ -48,6 +48,7 @@ VARIANTS = [
         {"CFG_INT4_SCALE": 2, "CFG_INT4_WARPS": 4, "CFG_INT4_UNROLL": 2, "CFG_INT4_MIN_BLOCKS": 0},
     ),
     ("int4_gemv.cu", {"CFG_INT4_SKIP_MATH": 1}),  # tools/bench_int4.py gemv --sweep
+    ("int4_gemv.cu", {"CFG_INT4_PREFETCH": 4}),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [

@@ -33,7 +33,11 @@ def main(argv: list[str]) -> int:
     root = Path(argv[1] if len(argv) > 1 else ".")
     for path in sorted(root.glob("*.json")):
         try:
-            data = json.loads(path.read_text().strip().splitlines()[-1])
+            text = path.read_text().strip()
+            try:
+                data = json.loads(text)
+            except ValueError:  # a JSON line after other output
+                data = json.loads(text.splitlines()[-1])
         except (ValueError, IndexError) as exc:
             print(f"{path.name}: unreadable ({exc})")
             continue

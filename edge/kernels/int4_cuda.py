@@ -71,6 +71,7 @@ class Int4Tuning:
     prefill: str = "dequant"  # prefill chunks: "dequant" (+ cuBLAS) or "gemm" (int4 tiles on mma.sync)
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
+    prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
@@ -80,6 +81,8 @@ class Int4Tuning:
             raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
         if self.split is not None and (self.split < 1 or self.warps % self.split):
             raise ValueError(f"split must divide warps ({self.warps}), got {self.split}")
+        if not 0 <= self.prefetch <= 64:
+            raise ValueError(f"prefetch must be 0..64 tiles, got {self.prefetch}")
         if self.stage_bytes < 16 << 10:
             raise ValueError(f"stage_bytes must be at least 16 KiB, got {self.stage_bytes}")
         if self.prefill not in PREFILL:
@@ -91,6 +94,7 @@ class Int4Tuning:
             "CFG_INT4_WARPS": self.warps,
             "CFG_INT4_UNROLL": self.unroll,
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
+            "CFG_INT4_PREFETCH": self.prefetch,
             "CFG_INT4_SKIP_MATH": int(self.skip_math),
         }
 

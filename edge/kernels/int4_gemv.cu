@@ -65,6 +65,9 @@ namespace {
 #ifndef CFG_INT4_MIN_BLOCKS
 #define CFG_INT4_MIN_BLOCKS 2
 #endif
+#ifndef CFG_INT4_PREFETCH  // tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
+#define CFG_INT4_PREFETCH 0
+#endif
 #ifndef CFG_INT4_SKIP_MATH  // benchmark only: stream the weights without the products
 #define CFG_INT4_SKIP_MATH 0
 #endif
@@ -202,6 +205,19 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
       for (int i = 0; i < kTiles; ++i) b.w[u][i] = edge::ld_weights(base[i] + kb * kTileWords);
     }
   }
+#if CFG_INT4_PREFETCH > 0
+  // Bytes in flight without registers: a lane per 128-byte line of a later tile.
+  if ((threadIdx.x & 7) == 0) {
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int kb = kb0 + (u + CFG_INT4_PREFETCH) * stride;
+      if (kb < kb_count) {
+#pragma unroll
+        for (int i = 0; i < kTiles; ++i) edge::prefetch_l2(base[i] + kb * kTileWords);
+      }
+    }
+  }
+#endif
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = kb0 + u * stride;
