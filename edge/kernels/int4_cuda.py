@@ -104,14 +104,23 @@ def staged_row_bytes(in_features: int, dtype: torch.dtype) -> int:
     return (in_features + X_PAD) * torch.empty((), dtype=dtype).element_size()
 
 
+def group_shift(group_size: int, in_features: int) -> int | None:
+    """The GEMV finds a 64-column tile's group as ``tile >> shift``: log2 of the tiles in
+    a group (31 for one group over the whole row); None when that is no power of two."""
+    if group_size >= in_features:
+        return 31
+    tiles = group_size // 64
+    return tiles.bit_length() - 1 if tiles & (tiles - 1) == 0 else None
+
+
 def weight_support(w: Int4Weight, dtype: torch.dtype, tuning: Int4Tuning | None = None) -> str | None:
     """None when the kernels take this weight for activations of ``dtype``, else why not."""
     if dtype not in _DTYPE_NAME:
         return f"no int4 GEMV for {dtype} activations"
     if staged_row_bytes(w.in_features, dtype) > (tuning or Int4Tuning()).stage_bytes:
         return f"{w.in_features} input features do not fit the GEMV's staged activations"
-    if w.group_size % 64:
-        return f"group size {w.group_size} (the GEMV needs a multiple of 64)"
+    if w.group_size % 64 or group_shift(w.group_size, w.in_features) is None:
+        return f"group size {w.group_size} (the GEMV needs 64 x a power of two, or one group a row)"
     if w.scale.dtype not in SCALE_CODES:
         return f"{w.scale.dtype} scales"
     if w.device.type != "cuda" or any(t.data_ptr() % 16 for t in w.tensors()):
@@ -139,6 +148,8 @@ class Int4CudaLinear:
         self.ops = layer_ops
         self.tuning = tuning
         self._sms = launcher.sm_count()
+        # Symmetric weights' zero point for the GEMV (which reads zero[0] for them).
+        self._eights = torch.full((16,), 8, dtype=torch.uint8, device=f"cuda:{launcher.device_index}")
         self._k: dict[tuple[torch.dtype, str], Any] = {}
         for sd in scale_dtypes:
             defines = tuning.defines(sd)
@@ -158,6 +169,7 @@ class Int4CudaLinear:
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int4CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
+        other._eights = self._eights
         return other
 
     def _gemv(self, x: torch.Tensor, w: Int4Weight) -> bool:
@@ -307,14 +319,15 @@ class Int4CudaLinear:
                 x.data_ptr(),
                 w.packed.data_ptr(),
                 w.scale.data_ptr(),
-                0 if w.zero is None else w.zero.data_ptr(),
+                (self._eights if w.zero is None else w.zero).data_ptr(),
                 0 if w.perm is None else w.perm.data_ptr(),
                 0 if bias is None else bias.data_ptr(),
                 0 if norm is None else norm[0].data_ptr(),
                 np.float32(0.0 if norm is None else norm[1]),
                 np.int32(outputs),
                 np.int32(w.in_features),
-                np.int32(w.group_size),
+                np.int32(group_shift(w.group_size, w.in_features)),
+                np.int32(0 if w.zero is None else -1),
                 np.int32(tokens),
                 np.int32(split),
                 np.int32(chunk),

@@ -190,20 +190,20 @@ struct Batch {
   unsigned char z0[kUnroll][kTiles], z1[kUnroll][kTiles];
 };
 
-// Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride).
+// Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride):
+// branch-free, a tile past the row's end re-reads the last one (never multiplied).
+// rowbase[i] indexes row g of tile i's first group in the scale / zero arrays; a tile's
+// group is kb >> group_shift; zmask 0 reads zero[0] for every tile (symmetric weights).
 template <int kTiles>
 __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int* const (&base)[kTiles],
                                            const edge_scale_t* __restrict__ scale,
-                                           const unsigned char* __restrict__ zero, const int (&rb)[kTiles],
-                                           int kb0, int stride, int kb_count, int groups, int tiles_per_group,
-                                           int g) {
+                                           const unsigned char* __restrict__ zero, const int (&rowbase)[kTiles],
+                                           int kb0, int stride, int kb_count, int group_shift, int zmask) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * stride;
-    if (kb < kb_count) {
+    const int kb = min(kb0 + u * stride, kb_count - 1);
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) b.w[u][i] = edge::ld_weights(base[i] + kb * kTileWords);
-    }
+    for (int i = 0; i < kTiles; ++i) b.w[u][i] = edge::ld_weights(base[i] + kb * kTileWords);
   }
 #if CFG_INT4_PREFETCH > 0
   // Bytes in flight without registers: a lane per 128-byte line of a later tile.
@@ -220,17 +220,14 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
 #endif
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * stride;
-    if (kb < kb_count) {
-      const int gi = kb / tiles_per_group;
+    const int gi16 = (min(kb0 + u * stride, kb_count - 1) >> group_shift) * 16;
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        const int at = (rb[i] * groups + gi) * 16 + g;
-        b.s0[u][i] = scale[at];
-        b.s1[u][i] = scale[at + 8];
-        b.z0[u][i] = zero == nullptr ? 8 : __ldg(zero + at);
-        b.z1[u][i] = zero == nullptr ? 8 : __ldg(zero + at + 8);
-      }
+    for (int i = 0; i < kTiles; ++i) {
+      const int at = rowbase[i] + gi16;
+      b.s0[u][i] = scale[at];
+      b.s1[u][i] = scale[at + 8];
+      b.z0[u][i] = __ldg(zero + (at & zmask));
+      b.z1[u][i] = __ldg(zero + ((at + 8) & zmask));
     }
   }
 }
@@ -238,43 +235,43 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
 // acc += the batch's products: per column tile 4 k16 steps of mma on the dequantized
 // codes (B fragments from the staged activations: lane 4n + t holds token n's 4
 // consecutive values, zeros past the CTA's tokens), the tile's group scale applied to
-// the float32 partial sums.
+// the float32 partial sums. Branch-free (a tile past the row's end is scaled by 0), so
+// the mma chains of the batch's tiles interleave.
 template <typename T, int kTiles>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
                                           bool has_tok, int kb0, int stride, int kb_count, int t) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * stride;
-    if (kb < kb_count) {
-      float part[kTiles][4];
+    const int kb = min(kb0 + u * stride, kb_count - 1);
+    const float live = kb0 + u * stride < kb_count ? 1.f : 0.f;
+    float part[kTiles][4];
 #pragma unroll
-      for (int i = 0; i < kTiles; ++i)
+    for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-        for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
+      for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
 #pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
-        const unsigned int b0 = has_tok ? xv.x : 0u, b1 = has_tok ? xv.y : 0u;
-#pragma unroll
-        for (int i = 0; i < kTiles; ++i) {
-          const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
-#if CFG_INT4_SKIP_MATH
-          part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, (b0 ^ b1) & 1u));
-#else
-          unsigned int a[4];
-          dequant_word<T>(word, zero_pair<T>(b.z0[u][i]), zero_pair<T>(b.z1[u][i]), a);
-          edge::mma16816<T>(part[i], a, b0, b1);
-#endif
-        }
-      }
+    for (int s = 0; s < 4; ++s) {
+      const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
+      const unsigned int b0 = has_tok ? xv.x : 0u, b1 = has_tok ? xv.y : 0u;
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
-        const float s0 = edge::to_float(b.s0[u][i]), s1 = edge::to_float(b.s1[u][i]);
-        acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
-        acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
-        acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
-        acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
+        const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
+#if CFG_INT4_SKIP_MATH
+        part[i][0] += __uint_as_float(and_or(word ^ b.z0[u][i], 0x3F800000u, (b0 ^ b1) & 1u));
+#else
+        unsigned int a[4];
+        dequant_word<T>(word, zero_pair<T>(b.z0[u][i]), zero_pair<T>(b.z1[u][i]), a);
+        edge::mma16816<T>(part[i], a, b0, b1);
+#endif
       }
+    }
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const float s0 = live * edge::to_float(b.s0[u][i]), s1 = live * edge::to_float(b.s1[u][i]);
+      acc[i][0] = fmaf(s0, part[i][0], acc[i][0]);
+      acc[i][1] = fmaf(s0, part[i][1], acc[i][1]);
+      acc[i][2] = fmaf(s1, part[i][2], acc[i][2]);
+      acc[i][3] = fmaf(s1, part[i][3], acc[i][3]);
     }
   }
 }
@@ -288,8 +285,8 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
                                           const edge_scale_t* __restrict__ scale,
                                           const unsigned char* __restrict__ zero, const int* __restrict__ perm,
                                           const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,
-                                          int out, int in, int group, int num_tokens, int split, int tok_chunk,
-                                          unsigned long long* __restrict__ best) {
+                                          int out, int in, int group_shift, int zmask, int num_tokens, int split,
+                                          int tok_chunk, unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
   __shared__ float red[kWarps][kTiles][16][kMaxTokens];
@@ -306,8 +303,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   const int units = kWarps / split;
   const int kw = warp % split, unit = blockIdx.x * units + warp / split;
   const int kb_count = in >> 6;
-  const int groups = in / group;
-  const int tiles_per_group = group >> 6;
+  const int groups = ((kb_count - 1) >> group_shift) + 1;
   // Rows of the weight: kSwiglu's [gate; up] has 2 * out.
   const int rows = kEpi == kSwiglu ? 2 * out : out;
   const int row_blocks = (rows + 15) >> 4;
@@ -318,8 +314,12 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     rb[i] = min(b, row_blocks - 1);  // a short last CTA re-reads a valid block
   }
   const unsigned int* base[kTiles];
+  int rowbase[kTiles];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i) base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
+  for (int i = 0; i < kTiles; ++i) {
+    base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
+    rowbase[i] = rb[i] * groups * 16 + g;
+  }
   // Two register stages: the next batch's weights, scales and zero points are in flight
   // while the current batch is multiplied, so each warp keeps loads outstanding. The
   // first batch is a constant of the step: loaded before the wait, under the previous
@@ -327,7 +327,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   const int step = split * kUnroll;
   Batch<kTiles> st0, st1;
   int kb0 = kw;
-  load_batch<kTiles>(st0, base, scale, zero, rb, kb0, split, kb_count, groups, tiles_per_group, g);
+  load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
   edge::await_inputs();
   stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
@@ -341,10 +341,10 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
   for (; kb0 < kb_count; kb0 += 2 * step) {
-    load_batch<kTiles>(st1, base, scale, zero, rb, kb0 + step, split, kb_count, groups, tiles_per_group, g);
+    load_batch<kTiles>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
     if (kb0 + step >= kb_count) break;
-    load_batch<kTiles>(st0, base, scale, zero, rb, kb0 + 2 * step, split, kb_count, groups, tiles_per_group, g);
+    load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
   }
   // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
@@ -570,10 +570,10 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
       const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
-      int out, int in, int group, int num_tokens, int split, int tok_chunk,                          \
+      int out, int in, int group_shift, int zmask, int num_tokens, int split, int tok_chunk,         \
       unsigned long long* __restrict__ best) {                                                         \
-    int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in, group,   \
-                                   num_tokens, split, tok_chunk, best);                                 \
+    int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in,          \
+                                   group_shift, zmask, num_tokens, split, tok_chunk, best);             \
   }
 
 // The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
