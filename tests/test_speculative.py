@@ -355,3 +355,29 @@ def test_service_default_setting_parses_and_refuses_bad_values() -> None:
     for bad in ("eagle:4", "ngram:0", "ngram:x"):
         with pytest.raises(ValueError, match="EDGE_SPECULATIVE"):
             resolve({}, environ={"EDGE_SPECULATIVE": bad})
+
+
+# -- tools/bench.py speculative -----------------------------------------------------------------
+
+
+def test_bench_speculative_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench
+
+    args = bench.build_parser().parse_args(
+        ["speculative", "--device", "cpu", "--preset", "tiny", "--context", "16", "--max-k", "2", "--reps", "1",
+         "--tokens", "8", "--max-seq-len", "128"]
+    )
+    out = json.loads(json.dumps(args.func(args)))  # what the command prints
+    assert out["mode"] == "speculative" and out["backend"] == "reference"
+    assert out["decode"]["step_ms"] > 0 and out["plain"]["tok_s"] > 0
+    assert [r["k"] for r in out["verify"]] == [1, 2]
+    assert all(r["step_ms"] > 0 and r["vs_decode"] > 0 and r["path"] == "eager" for r in out["verify"])
+    for run in [*out["perfect_proposer"], out["prompt_lookup"]]:
+        assert run["identical"] and run["tok_s"] > 0 and run["speedup"] > 0
+    assert all(r["acceptance_rate"] == 1.0 for r in out["perfect_proposer"])
+    assert out["projections"]["projection"] is True
+    assert [r["tokens_per_step"] for r in out["projections"]["rows"]] == [2.0, 3.0]
+    assert all(r["tok_s"] > 0 for r in out["projections"]["rows"])
