@@ -166,7 +166,8 @@ class VerifyDecoder:
             best = self.model.greedy_token(hidden, out=self.best[:t], norm=norm, kernels=kern)
             # Proposals standing before the first that differs from the target's argmax:
             # the kept tokens are the input and those, so the next step starts after them.
-            kept = (best[: t - 1] == ids[1:]).to(torch.int32).cumprod(0).sum(dtype=torch.int32)
+            missed = torch.cumsum(best[: t - 1] != ids[1:], 0)
+            kept = (missed == 0).sum(dtype=torch.int32)
             self.pos.add_(kept + 1)
         else:
             self.logits[:t].copy_(self.model.logits(hidden, norm, kern))
