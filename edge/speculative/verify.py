@@ -139,11 +139,8 @@ def verify_step(
     ids from the step itself; the others its logits, decided here."""
     argmax = greedy and not state.use_penalty
     out = decoder.run(seq, [last, *proposed], argmax)
-    if argmax:
-        verdict = accept_greedy(out, proposed, state)
-        seq.rollback(len(proposed) - verdict.accepted)
-        return verdict
-    verdict = accept(out, proposed, state, greedy, draft_probs)
+    verdict = accept_greedy(out, proposed, state) if argmax else accept(out, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
-    decoder.settle(seq)
+    if not argmax:
+        decoder.settle(seq)  # the argmax graph moved the device position itself
     return verdict
