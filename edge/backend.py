@@ -72,6 +72,8 @@ class AttentionOps:
     # (dtype, head_dim, q_heads, kv_heads, page) -> decode kwargs that make eager launches
     # identical to the graph's; None for the reference.
     graph_decode_options: Callable[..., dict[str, int]] | None = None
+    # The speculative verify step: T query tokens at a device-resident position.
+    verify_attention: Callable[..., torch.Tensor] = reference.verify_attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,6 +267,7 @@ def _cuda_backend(
             attention = AttentionOps(
                 att.name, att.write_kv, att.decode_attention, att.decode_attention_rope, att.prefill_attention,
                 device_position=True, graph_decode_options=att.graph_decode_options,
+                verify_attention=att.verify_attention,
             )
         impls: dict[str, Any] = {"float": FloatLinear(layer)}
         if i8 is not None:

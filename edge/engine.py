@@ -35,6 +35,7 @@ from edge.loader import expected_shapes, fused_layout
 from edge.model import Model
 from edge.quant import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
+from edge.speculative.graph import DEFAULT_GRAPH_PROPOSALS, VerifyDecoder
 from edge.tokenizer import Tokenizer
 from edge.validate import check_finite_weights, model_directory
 
@@ -170,6 +171,9 @@ class Engine:
         self._sampler = SamplerState(self.cfg.vocab_size, self.device)
         self._contiguous: ContiguousKV | None = None
         self._decoders: dict[int, SlotDecoder] = {}
+        self._verifiers: dict[int | None, VerifyDecoder] = {}
+        # Widest verify step (proposals) of the verify decoders made from now on.
+        self.verify_proposals = DEFAULT_GRAPH_PROPOSALS
         self._graph_pool = torch.cuda.graph_pool_handle() if self.cuda_graph else None
         self.blocking_waits = blocking_waits
         self._stream_factory = stream_factory
@@ -341,15 +345,28 @@ class Engine:
             self._decoders[slot] = SlotDecoder(self, self._graph_pool)
         return self._decoders[slot]
 
+    def verify_decoder(self, seq: SequenceKV) -> VerifyDecoder | None:
+        """The speculative verify decoder of the sequence's slot (edge/speculative/graph.py),
+        or None on a contiguous cache (verify steps then run through :meth:`forward`)."""
+        if self.kv is None:
+            return None
+        slot = getattr(seq, "slot", None)
+        decoder = self._verifiers.get(slot)
+        if decoder is None:
+            decoder = self._verifiers[slot] = VerifyDecoder(self, self.verify_proposals, self._graph_pool)
+        return decoder
+
     def new_stream(self, priority: int = 0) -> torch.cuda.Stream:
         """A CUDA stream for this engine's work (graph capture, scheduler slots)."""
         if self._stream_factory is not None:
             return self._stream_factory(priority)
         return torch.cuda.Stream(self.device, priority=priority)
 
-    def capture_graphs(self, slots: tuple[int, ...] = (0, 1)) -> int:
+    def capture_graphs(self, slots: tuple[int, ...] = (0, 1), speculative_tokens: int | None = None) -> int:
         """Capture every decode graph of ``slots`` now (serving start-up), so that no
-        request pauses the engine for a capture. Returns how many were captured."""
+        request pauses the engine for a capture; with ``speculative_tokens`` (speculation
+        is configured) also the verify graphs of 1 .. max(that, DEFAULT_GRAPH_PROPOSALS)
+        proposals (edge/speculative/graph.py). Returns how many were captured."""
         if not self.cuda_graph:
             return 0
         made = 0
@@ -357,6 +374,14 @@ class Engine:
             if slot not in self._decoders:
                 self._decoders[slot] = SlotDecoder(self, self._graph_pool)
             made += self._decoders[slot].capture_all()
+        if speculative_tokens is not None and self.kv is not None:
+            width = max(speculative_tokens, DEFAULT_GRAPH_PROPOSALS)
+            for slot in slots:
+                decoder = self._verifiers.get(slot)
+                if decoder is None or decoder.max_proposals < width:
+                    decoder = self._verifiers[slot] = VerifyDecoder(self, width, self._graph_pool)
+                made += decoder.capture_all()
+            self.verify_proposals = width
         return made
 
     def check_prompt(self, prompt_ids: list[int], max_tokens: int = 1) -> None:

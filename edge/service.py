@@ -87,7 +87,7 @@ class Service:
         try:
             self._set_state("loading")
             log.info("loading model %s", s.model or "(embedded default)")
-            from edge.engine import Engine
+            from edge.engine import DEFAULT_MAX_SEQ_LEN, Engine
             from edge.scheduler import Scheduler
 
             options: dict[str, Any] = {}
@@ -97,6 +97,19 @@ class Service:
                 options["kv_memory"] = s.kv_memory
             if s.memory_reserve is not None:
                 options["memory_reserve"] = s.memory_reserve
+            draft = None
+            if s.draft_model is not None:
+                # Loaded first, so that the model's KV pool is sized from the memory left
+                # beside the draft's weights and its own small paged pool (proposals for
+                # two slots never need much).
+                seq_len = s.max_seq_len or DEFAULT_MAX_SEQ_LEN
+                draft = Engine.from_pretrained(
+                    s.draft_model, device=s.device, dtype=s.dtype, kernels=s.kernels, kv_cache="paged",
+                    page_size=s.page_size, max_seq_len=seq_len, kv_blocks=2 * -(-seq_len // s.page_size) + 2,
+                    cuda_graph=s.cuda_graph,
+                )
+                # The draft decodes its proposals through its own graphs, one per slot.
+                log.info("captured %d draft decode graphs", draft.capture_graphs())
             engine = Engine.from_pretrained(
                 s.model,
                 device=s.device,
@@ -114,18 +127,12 @@ class Service:
 
             self.platform = probe_platform().as_dict()  # versions and SMs, probed once
             self._set_state("warming")
-            # Every decode graph both slots can need, before serving: no request pays a capture.
-            log.info("captured %d decode graphs", engine.capture_graphs())
+            # Every decode graph both slots can need (and the verify graphs when speculation
+            # is configured), before serving: no request pays a capture.
+            spec_k = s.speculative.num_tokens if s.speculative is not None else None
+            log.info("captured %d decode graphs", engine.capture_graphs(speculative_tokens=spec_k))
             mon = self.monitor
             governor = _WarmupExempt(mon.governor) if mon else None
-            draft = None
-            if s.draft_model is not None:
-                # Its own small paged pool: proposals for two slots never need much.
-                draft = Engine.from_pretrained(
-                    s.draft_model, device=s.device, dtype=s.dtype, kv_cache="paged", page_size=s.page_size,
-                    max_seq_len=engine.max_seq_len, kv_blocks=2 * -(-engine.max_seq_len // s.page_size) + 2,
-                    cuda_graph=False,
-                )
             sched = Scheduler(
                 engine,
                 queue_size=s.queue_size,

@@ -100,6 +100,44 @@ def test_rejected_tokens_roll_back_and_their_pages_go_back_to_the_pool(engine: E
     assert pool.num_free == start_free
 
 
+@pytest.mark.parametrize("argmax", [False, True])
+def test_verify_step_scores_every_token_as_a_prefill_does(engine: Engine, argmax: bool) -> None:
+    """The verify decoder's step (the body its CUDA graphs capture, run eagerly here)
+    against ``Engine.score`` of the whole context: logits of every fed token, and the
+    device position left after the kept tokens."""
+    ids = prompt(61, 13)
+    seq = engine.new_sequence(slot=0)
+    decoder = engine.verify_decoder(seq)
+    assert decoder.path == "eager" and decoder.max_proposals == 8
+    state = SamplerState(engine.cfg.vocab_size, engine.device)
+    state.load(SamplingParams(), ids)
+    context = list(ids)
+    engine.prefill(seq, ids)
+    try:
+        for t in (1, 4, 9, 2):
+            fed = prompt(70 + t, t)
+            want = engine.score([*context, *fed])[-t:]
+            out = decoder.run(seq, fed, argmax)
+            assert seq.length == len(context) + t
+            if argmax:
+                assert out == want.argmax(dim=-1).tolist()
+                kept = next((i for i in range(t - 1) if out[i] != fed[i + 1]), t - 1)
+                assert int(decoder.pos) == len(context) + kept + 1
+                seq.rollback(t - 1 - kept)
+                context += fed[: kept + 1]
+            else:
+                torch.testing.assert_close(out, want, atol=1e-4, rtol=1e-4)
+                seq.rollback(t - 1)
+                decoder.settle(seq)
+                context += fed[:1]
+            assert int(decoder.pos) == seq.length
+    finally:
+        decoder.unbind()
+        seq.release()
+    with pytest.raises(ValueError, match="1..9 tokens"):
+        decoder.run(seq, list(range(10)), argmax)
+
+
 # -- greedy identity --------------------------------------------------------------------------
 
 CASES = [(11, 5, 0, 17), (12, 23, 6, 30), (13, 40, 9, 9), (14, 3, 0, 25)]  # seed, prompt len, period, tokens
@@ -127,6 +165,9 @@ def test_greedy_output_is_identical_to_plain_decoding(engine, twin, stranger, me
         assert stats["steps"] < kw["max_tokens"], "speculation never produced more than one token per step"
         if method == "twin":
             assert stats["acceptance_rate"] == 1.0
+        # No CUDA graphs on the reference backend: the same verify step ran eagerly, and says so.
+        assert stats["verify"] == "eager"
+        assert stats.get("draft") == (None if draft is None else "eager")
     assert twin.kv.pool.num_free == twin.kv.pool.num_blocks
     assert stranger.kv.pool.num_free == stranger.kv.pool.num_blocks
 
@@ -314,3 +355,29 @@ def test_service_default_setting_parses_and_refuses_bad_values() -> None:
     for bad in ("eagle:4", "ngram:0", "ngram:x"):
         with pytest.raises(ValueError, match="EDGE_SPECULATIVE"):
             resolve({}, environ={"EDGE_SPECULATIVE": bad})
+
+
+# -- tools/bench.py speculative -----------------------------------------------------------------
+
+
+def test_bench_speculative_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench
+
+    args = bench.build_parser().parse_args(
+        ["speculative", "--device", "cpu", "--preset", "tiny", "--context", "16", "--max-k", "2", "--reps", "1",
+         "--tokens", "8", "--max-seq-len", "128"]
+    )
+    out = json.loads(json.dumps(args.func(args)))  # what the command prints
+    assert out["mode"] == "speculative" and out["backend"] == "reference"
+    assert out["decode"]["step_ms"] > 0 and out["plain"]["tok_s"] > 0
+    assert [r["k"] for r in out["verify"]] == [1, 2]
+    assert all(r["step_ms"] > 0 and r["vs_decode"] > 0 and r["path"] == "eager" for r in out["verify"])
+    for run in [*out["perfect_proposer"], out["prompt_lookup"]]:
+        assert run["identical"] and run["tok_s"] > 0 and run["speedup"] > 0
+    assert all(r["acceptance_rate"] == 1.0 for r in out["perfect_proposer"])
+    assert out["projections"]["projection"] is True
+    assert [r["tokens_per_step"] for r in out["projections"]["rows"]] == [2.0, 3.0]
+    assert all(r["tok_s"] > 0 for r in out["projections"]["rows"])

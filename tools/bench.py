@@ -12,6 +12,11 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
              and 1280x720 images, decode tok/s after an image and after text of the
              same length (tools/bench_vision.py)
 
+  speculative  speculative decoding: the verify step's cost for k = 1..8 proposals
+             against one graph decode step, the speed-up with a perfect proposer (the
+             model's own greedy continuation) and with prompt lookup, and tok/s projected
+             for published acceptance figures (tools/bench_speculative.py)
+
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
             achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
@@ -560,6 +565,7 @@ def build_parser() -> argparse.ArgumentParser:
     # End-to-end modes live in their own modules beside this file.
     import bench_decode
     import bench_scheduler
+    import bench_speculative
     import bench_vision
 
     d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
@@ -571,6 +577,9 @@ def build_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("vision", help="vision-language: tower time, TTFT with an image, decode (tools/bench_vision.py)")
     bench_vision.add_arguments(v)
     v.set_defaults(func=bench_vision.run)
+    sp = sub.add_parser("speculative", help="speculative decoding: verify cost per k, speed-ups (tools/bench_speculative.py)")
+    bench_speculative.add_arguments(sp)
+    sp.set_defaults(func=bench_speculative.run)
     return ap
 
 

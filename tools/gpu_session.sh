@@ -46,6 +46,9 @@ for s in "$@"; do
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
         bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;
         sched8) step sched-8sms sh -c "$B scheduler --preset qwen3-8b --sms 8 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-8sms.json" ;;
+        spec) step spec python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_speculative_cuda.py ;;
+        bench-spec) for q in none int8; do step bench-spec-$q sh -c "$B speculative --preset qwen3-8b --quantize $q > $OUT/speculative-8b-$q.json"; done ;;
+        bench-spec16) step bench-spec-16sms sh -c "$B speculative --preset qwen3-8b --sms 16 > $OUT/speculative-8b-16sms.json" ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done

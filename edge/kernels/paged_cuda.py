@@ -705,6 +705,45 @@ class PagedAttentionCuda:
             float(scale), int(min_split_rows), rope_args,
         )
 
+    # -- speculative verify -------------------------------------------------------------
+
+    def verify_attention(
+        self,
+        q: torch.Tensor,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        pos: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`edge.kernels.reference.verify_attention` on CUDA: the T tokens of a
+        verify step ``q [T, q_heads, D]`` at positions [*pos, *pos + T), token i against
+        keys [0, *pos + i] (K/V already written) -> ``[T, q_heads, D]``. One launch of the
+        CUDA-core decode kernel with a token per grid row z (kv_len = *pos + 1 + z), the
+        split count of a graph launch: the configuration depends on T only, the lengths
+        are read on the device, so a CUDA graph per T replays at any position."""
+        _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+        if q.dim() != 3:
+            raise ValueError(f"q must be [T, q_heads, D], got {tuple(q.shape)}")
+        _check_q(q, k_pool, kvh, d, "verify")
+        t = q.shape[0]
+        if not 1 <= t <= 65535:
+            raise ValueError(f"a verify step takes 1..65535 tokens, got {t}")
+        if pos is None:
+            raise ValueError("verify_attention reads its position on the device: pass pos")
+        pos_ptr = _check_pos(pos, k_pool.device)
+        if out is None:
+            out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        else:
+            _check_out(out, tuple(q.shape), q.dtype, q.device)
+        plan = self._plan(k_pool.dtype, d, q.shape[1], kvh, page, multi=True)
+        self._launch_decode(
+            plan, out, _dense(q), k_pool, v_pool, block_table, pos_ptr, 0, t, plan.splits(None), float(scale),
+            plan.graph_min_rows,
+        )
+        return out
+
     # -- prefill ------------------------------------------------------------------------
 
     def prefill_attention(

@@ -132,6 +132,23 @@ def decode_attention(
     return causal_attention(q.unsqueeze(0), k, v, kv_len - 1, scale).squeeze(0)
 
 
+def verify_attention(
+    q: torch.Tensor,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The speculative verify step's attention: ``q [T, q_heads, D]`` of the tokens at
+    positions [pos, pos + T) (``pos``: int32 ``[1]``), token i against keys
+    [0, pos + i] (their K/V already written) -> ``[T, q_heads, D]``. The CUDA kernel
+    reads ``pos`` on the device; here it is read on the host (a prefill chunk)."""
+    res = prefill_attention(q, k_pool, v_pool, block_table, int(pos.reshape(-1)[0]), scale)
+    return res if out is None else out.copy_(res)
+
+
 # ---------------------------------------------------------------------------------------
 # Fused decoder-layer ops (edge/kernels/fused.cu): float32 math, one rounding to the
 # input dtype per output (float32 tensors are never converted: the CPU path computes

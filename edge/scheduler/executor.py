@@ -157,7 +157,7 @@ class ActionRunner:
                 gen = self.engine.new_generation(req.prompt_ids, req.params, run.sampler)
                 spec = req.params.speculative
                 if spec is not None:
-                    proposer = make_proposer(spec, self.draft)
+                    proposer = make_proposer(spec, self.draft, action.slot)
                     run.spec = SpeculativeDecoder(
                         self.engine, run.seq, spec, run.sampler, req.params.greedy, proposer
                     )
@@ -295,7 +295,8 @@ class ActionRunner:
         return gen.feed(value)
 
     def _speculative_step(self, run: _SlotRun) -> Chunk:
-        """One verify step (eager; k varies per step): its tokens in one chunk."""
+        """One verify step (the slot's verify graph for this step's token count): its
+        tokens in one chunk."""
         req, gen, seq, spec = run.request, run.gen, run.seq, run.spec
         assert req is not None and gen is not None and seq is not None and spec is not None
         with self.streams.on(run.lane, high=True, carry=run.next_input):
@@ -327,7 +328,7 @@ class ActionRunner:
         req, gen = run.request, run.gen
         assert req is not None and gen is not None
         if run.spec is not None:
-            gen.usage.speculative = run.spec.stats.as_dict() | {"method": run.spec.params.method}
+            gen.usage.speculative = run.spec.stats.as_dict() | run.spec.describe()
             self.speculative.add(run.spec.stats)
         try:
             final = gen.finish(reason, message)

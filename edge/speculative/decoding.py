@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from edge.kv import KVOutOfMemory, SequenceKV
+from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState
 from edge.speculative.params import SpeculativeParams
 from edge.speculative.proposers import DraftModel, PromptLookup, Proposer
-from edge.speculative.verify import verify
+from edge.speculative.verify import Verdict, verify, verify_step
 
 if TYPE_CHECKING:
     from edge.engine import Engine
@@ -45,22 +46,26 @@ class SpeculativeStats:
         }
 
 
-def make_proposer(params: SpeculativeParams, draft: Engine | None) -> Proposer:
+def make_proposer(params: SpeculativeParams, draft: Engine | None, slot: int | None = None) -> Proposer:
+    """``slot``: the scheduler slot of the request; a draft model decodes in its own
+    engine's slot of that index (its captured decode graphs)."""
     if params.method == "ngram":
         return PromptLookup()
     if params.method == "draft":
         if draft is None:
             raise ValueError("speculative method 'draft' needs a draft model")
-        return DraftModel(draft)
+        return DraftModel(draft, slot)
     raise ValueError(f"unknown speculative method {params.method!r}")
 
 
 class SpeculativeDecoder:
     """Decode steps of one request on ``seq`` that each emit one or more tokens.
 
-    k starts at ``params.num_tokens`` and follows the smoothed acceptance rate:
-    ``1 + rate * num_tokens``, capped at ``num_tokens``, so a proposer that keeps
-    missing costs little more than plain decoding."""
+    k starts at ``params.num_tokens`` (at most the verify graphs' width, ``max_k``) and
+    follows the smoothed acceptance rate: ``1 + rate * max_k``, capped at ``max_k``, so
+    a proposer that keeps missing costs little more than plain decoding. On a paged
+    cache the verify step runs through the slot's :class:`VerifyDecoder` (``path``:
+    "graph" or "eager"); on a contiguous cache through ``Engine.forward`` ("eager")."""
 
     def __init__(
         self,
@@ -77,7 +82,13 @@ class SpeculativeDecoder:
         self.sampler = sampler
         self.greedy = greedy
         self.proposer = proposer
-        self.k = params.num_tokens
+        self.verifier = engine.verify_decoder(seq)
+        self.path = self.verifier.path if self.verifier is not None else "eager"
+        width = self.verifier.max_proposals if self.verifier is not None else params.num_tokens
+        self.max_k = min(params.num_tokens, width)
+        if self.max_k < params.num_tokens:
+            log.info("speculative num_tokens %d capped at %d (the verify graphs' width)", params.num_tokens, width)
+        self.k = self.max_k
         self._rate = 1.0
         self.stats = SpeculativeStats()
         self._base = 0  # seq.length before the last step
@@ -91,13 +102,13 @@ class SpeculativeDecoder:
         proposed = self.proposer.propose(context, k)[:k] if k > 0 else []
         self._base = self.seq.length
         try:
-            verdict = verify(self.engine, self.seq, int(context[-1]), proposed, self.sampler, self.greedy)
+            verdict = self._verify(int(context[-1]), proposed)
         except KVOutOfMemory:
             if not proposed:
                 raise
             log.debug("no KV room for %d proposals: a plain step", len(proposed))
             proposed = []
-            verdict = verify(self.engine, self.seq, int(context[-1]), proposed, self.sampler, self.greedy)
+            verdict = self._verify(int(context[-1]), proposed)
         self._accepted = verdict.accepted
         self.stats.steps += 1
         self.stats.proposed += len(proposed)
@@ -106,8 +117,22 @@ class SpeculativeDecoder:
         if proposed:
             rate = verdict.accepted / len(proposed)
             self._rate = (1 - ACCEPTANCE_SMOOTHING) * self._rate + ACCEPTANCE_SMOOTHING * rate
-            self.k = max(1, min(self.params.num_tokens, 1 + int(self._rate * self.params.num_tokens)))
+            self.k = max(1, min(self.max_k, 1 + int(self._rate * self.max_k)))
         return verdict.tokens
+
+    def _verify(self, last: int, proposed: list[int]) -> Verdict:
+        if self.verifier is None:
+            return verify(self.engine, self.seq, last, proposed, self.sampler, self.greedy)
+        assert isinstance(self.seq, PagedSequence)
+        return verify_step(self.verifier, self.seq, last, proposed, self.sampler, self.greedy)
+
+    def describe(self) -> dict:
+        """What the request's usage reports beside the counts."""
+        out = {"method": self.params.method, "num_tokens": self.max_k, "verify": self.path}
+        draft_path = getattr(self.proposer, "path", None)  # a draft model's decode: "graph" or "eager"
+        if draft_path is not None:
+            out["draft"] = draft_path
+        return out
 
     def keep(self, n: int) -> None:
         """The request ended after the first ``n`` tokens of the last step: hold only the
@@ -117,4 +142,6 @@ class SpeculativeDecoder:
             self.seq.rollback(extra)
 
     def close(self) -> None:
+        if self.verifier is not None and self.verifier.bound is self.seq:
+            self.verifier.unbind()
         self.proposer.close()

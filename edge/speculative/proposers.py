@@ -26,8 +26,10 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import torch
 
 from edge.kv import KVOutOfMemory
+from edge.sampling import SamplerState
 
 if TYPE_CHECKING:
     from edge.engine import Engine
@@ -77,13 +79,19 @@ class PromptLookup:
 
 class DraftModel:
     """Greedy proposals from ``engine`` (a small model with the target's tokenizer). Its
-    KV holds the context it has seen; each call rolls back what the target rejected and
-    feeds what is new, so a step costs k draft decode steps plus one short prefill."""
+    KV holds the context it has seen; each call rolls back what the target rejected,
+    feeds what is new in one forward (its last row gives the first proposal), then
+    decodes the other k - 1 through the engine's captured decode graph of ``slot``
+    (``path`` "graph"; "eager" where the engine has no graphs: the reference backend).
+    Its KV blocks come from the draft engine's own pool."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, slot: int | None = None) -> None:
         self.engine = engine
-        self.seq = engine.new_sequence()
+        self.seq = engine.new_sequence(slot=slot)
         self.fed: list[int] = []  # the tokens whose K/V the draft sequence holds
+        self.sampler = SamplerState(engine.cfg.vocab_size, engine.device)  # greedy: no noise read
+        self.decoder = engine.slot_decoder(self.seq)
+        self.path = "graph" if self.decoder is not None else "eager"
         self._warned = False
 
     def propose(self, context: Sequence[int], k: int) -> list[int]:
@@ -100,7 +108,10 @@ class DraftModel:
         try:
             logits = self.engine.prefill(self.seq, new)
             self.fed += new
-            out.append(int(logits.argmax()))
+            token = logits.argmax().view(1)
+            out.append(int(token))
+            if self.decoder is not None:
+                self._decode_graph(token, k, out)
             while len(out) < k:
                 logits = self.engine.forward(self.seq, [out[-1]])
                 self.fed.append(out[-1])
@@ -110,9 +121,24 @@ class DraftModel:
                 log.warning("draft model KV full (%s): proposing %d of %d tokens", exc, len(out), k)
                 self._warned = True
             # The prefill may have stopped between chunks: start over next time.
+            self.engine.settle(self.seq)
             self.seq.release()
             self.fed.clear()
         return out
+
+    def _decode_graph(self, token: torch.Tensor, k: int, out: list[int]) -> None:
+        """The proposals after the first through the slot's decode graph, one replay and
+        one read each (no step launched ahead: a proposal past k would be wasted)."""
+        decoder = self.decoder
+        assert decoder is not None
+        decoder.bind(self.seq, self.sampler, token)  # pos = the fed length, on the device
+        try:
+            while len(out) < k:
+                ring = decoder.launch(self.seq, greedy=True)  # KVOutOfMemory: nothing launched
+                self.fed.append(out[-1])
+                out.append(decoder.read(ring))
+        finally:
+            self.engine.settle(self.seq)
 
     def close(self) -> None:
         self.engine.end_sequence(self.seq)

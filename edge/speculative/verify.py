@@ -22,10 +22,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.kv import SequenceKV
+from edge.kv.paged import PagedSequence
 from edge.sampling import SamplerState, sample, target_probs, uniform_noise
 
 if TYPE_CHECKING:
     from edge.engine import Engine
+    from edge.speculative.graph import VerifyDecoder
 
 
 @dataclass
@@ -53,10 +55,7 @@ def accept(
         raise ValueError(f"{k} proposals need {k + 1} rows of logits, got {logits.shape[0]}")
     if greedy and not state.use_penalty:
         # One argmax for all rows: a single device-to-host copy per verify step.
-        best = logits.argmax(dim=-1).tolist()
-        n = next((i for i, (b, d) in enumerate(zip(best, proposed)) if b != d), k)
-        state.step.add_(n + 1)
-        return Verdict(proposed[:n] + [best[n]], n)
+        return accept_greedy(logits.argmax(dim=-1).tolist(), proposed, state)
     tokens: list[int] = []
     for i, d in enumerate(proposed):
         if greedy:
@@ -68,6 +67,17 @@ def accept(
             return Verdict(tokens, i)
     tokens.append(int(sample(logits[k], state, greedy)))
     return Verdict(tokens, k)
+
+
+def accept_greedy(best: list[int], proposed: list[int], state: SamplerState) -> Verdict:
+    """Greedy decision from the target's argmax of each row (``best``, k + 1 ids): keep
+    the proposals up to the first that differs, then the target's own token there."""
+    k = len(proposed)
+    if len(best) != k + 1:
+        raise ValueError(f"{k} proposals need {k + 1} argmax ids, got {len(best)}")
+    n = next((i for i, (b, d) in enumerate(zip(best, proposed)) if b != d), k)
+    state.step.add_(n + 1)
+    return Verdict(proposed[:n] + [best[n]], n)
 
 
 def _accept_or_resample(logits: torch.Tensor, proposal: int, state: SamplerState, q: torch.Tensor | None) -> int:
@@ -111,4 +121,26 @@ def verify(
     logits = engine.forward(seq, [last, *proposed], all_logits=True)
     verdict = accept(logits, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
+    return verdict
+
+
+def verify_step(
+    decoder: VerifyDecoder,
+    seq: PagedSequence,
+    last: int,
+    proposed: list[int],
+    state: SamplerState,
+    greedy: bool,
+    draft_probs: torch.Tensor | None = None,
+) -> Verdict:
+    """:func:`verify` through the slot's verify decoder (edge/speculative/graph.py: a
+    CUDA graph per token count with the position on the device, or the same step run
+    eagerly on the reference backend). Greedy requests without penalties get the argmax
+    ids from the step itself; the others its logits, decided here."""
+    argmax = greedy and not state.use_penalty
+    out = decoder.run(seq, [last, *proposed], argmax)
+    verdict = accept_greedy(out, proposed, state) if argmax else accept(out, proposed, state, greedy, draft_probs)
+    seq.rollback(len(proposed) - verdict.accepted)
+    if not argmax:
+        decoder.settle(seq)  # the argmax graph moved the device position itself
     return verdict
