@@ -133,8 +133,8 @@ def test_quantized_decoder_matches_cpu_and_graph(tmp_path_factory: pytest.TempPa
     path = make_vl_model(tmp_path_factory.mktemp(f"vl-{quantize}"), "qwen3-vl-tiny", std=0.1)
     kw = {"quantize": quantize, "quant_group_size": 64}
     cpu = Engine.from_pretrained(path, device="cpu", dtype="float32", **kw)
-    gpu = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", kv_blocks=128, **kw)
-    eager = Engine(gpu.model, gpu.tokenizer, path, num_blocks=128, cuda_graph=False, vision=gpu.vision)
+    gpu = Engine.from_pretrained(path, device="cuda", dtype="bfloat16", kv_blocks=256, **kw)
+    eager = Engine(gpu.model, gpu.tokenizer, path, num_blocks=256, cuda_graph=False, vision=gpu.vision)
     assert gpu.cuda_graph and gpu.model.int8_projections
     conversation = conversations()["300x200"]
     tokens, ref = teacher_forced(cpu, conversation, None, 16)
