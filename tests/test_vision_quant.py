@@ -1,7 +1,7 @@
 """Int4 decoders of Qwen3-VL / Qwen2.5-VL against transformers (CPU, float32).
 
 Published int4 VL checkpoints (compressed-tensors under transformers' current names,
-AutoAWQ under Qwen2.5-VL's first-published ``model.*`` / ``visual.*`` names): the
+AutoAWQ and GPTQ under the first-published ``model.*`` / ``visual.*`` names): the
 decoder's linears get int4 codes drawn here, written by the independent packers of
 tests/test_int4_checkpoints.py, the tower stays float; transformers holds the
 dequantized weights and the HF processor prepares the same image conversation.
@@ -31,7 +31,15 @@ from edge.quant_embedding import Int8Embedding
 from edge.sampling import SamplingParams
 from edge.validate import CheckpointError
 from edge.vision.random_model import make_vl_model
-from tests.test_int4_checkpoints import LINEARS, Codes, ct_config, draw_codes, write_awq, write_compressed
+from tests.test_int4_checkpoints import (
+    LINEARS,
+    Codes,
+    ct_config,
+    draw_codes,
+    write_awq,
+    write_compressed,
+    write_gptq,
+)
 from tests.test_vision import image_only_processor, random_image, user
 
 NEW_TOKENS = 32
@@ -59,7 +67,7 @@ def copy_extras(src: Path, dst: Path) -> None:
 
 
 def write_published(src: Path, dst: Path, fmt: str, legacy_names: bool, seed: int = 0):
-    """An int4 copy of the VL checkpoint ``src`` in ``fmt`` ("awq" or "ct"); returns the
+    """An int4 copy of the VL checkpoint ``src`` in ``fmt`` ("awq", "gptq" or "ct"); returns the
     transformers model (loaded from ``src``) holding the dequantized weights."""
     hf = hf_model(src)
     rng = np.random.default_rng(seed)
@@ -74,7 +82,12 @@ def write_published(src: Path, dst: Path, fmt: str, legacy_names: bool, seed: in
             c: Codes = draw_codes(rng, out, inp, GROUP, symmetric=False, g_idx=None)
             with torch.no_grad():
                 hf.get_submodule(base).weight.copy_(c.dequantize())
-            tensors |= write_awq(c, base) if fmt == "awq" else write_compressed(c, base, "packed", g_idx=False)
+            if fmt == "awq":
+                tensors |= write_awq(c, base)
+            elif fmt == "gptq":
+                tensors |= write_gptq(c, base, v2=False)
+            else:
+                tensors |= write_compressed(c, base, "packed", g_idx=False)
     tensors |= state
     if legacy_names:  # Qwen2.5-VL as first published: model.layers.*, visual.*
         tensors = {
@@ -89,6 +102,9 @@ def write_published(src: Path, dst: Path, fmt: str, legacy_names: bool, seed: in
             "quant_method": "awq", "bits": 4, "group_size": GROUP, "zero_point": True, "version": "gemm",
             "modules_to_not_convert": ["visual"],
         }
+    elif fmt == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": GROUP, "desc_act": False,
+                                         "sym": False}
     else:
         config["quantization_config"] = {**ct_config(GROUP, symmetric=False, actorder=False),
                                           "ignore": ["lm_head", "re:.*visual.*"]}
@@ -154,7 +170,7 @@ def assert_int4_decoder(engine: Engine) -> None:
     assert all(t.is_floating_point() for t in engine.vision.tower.w.values())
 
 
-PUBLISHED = [("qwen3-vl-tiny", "ct", False), ("qwen2.5-vl-tiny", "awq", True)]
+PUBLISHED = [("qwen3-vl-tiny", "ct", False), ("qwen2.5-vl-tiny", "awq", True), ("qwen3-vl-tiny", "gptq", True)]
 
 
 @pytest.mark.parametrize(("preset", "fmt", "legacy"), PUBLISHED, ids=[f"{p}-{f}" for p, f, _ in PUBLISHED])
