@@ -234,7 +234,9 @@ class Engine:
         if vl:
             from edge.vision.loader import checked_tensors, load_vision_language
 
-            model, vision = load_vision_language(path, dev, dt, seq_len, quantize, quant_group_size)
+            model, vision = load_vision_language(
+                path, dev, dt, seq_len, quantize, quant_group_size, lm_head=quant_lm_head, embedding=quant_embedding
+            )
             if check_weights:
                 check_finite_weights(*checked_tensors(path, model, vision))
         else:

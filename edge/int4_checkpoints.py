@@ -163,14 +163,16 @@ class TensorReader:
     """Tensors of a checkpoint by name, each read in row chunks through short-lived file
     mappings (:func:`edge.loader.iter_tensor_rows`): no shard stays mapped."""
 
-    def __init__(self, model_dir: str | Path) -> None:
+    def __init__(self, model_dir: str | Path, checkpoint_name: Callable[[str], str] | None = None) -> None:
         self.model_dir = model_dir
         self.files = checkpoint_files(model_dir)
+        self.checkpoint_name = checkpoint_name or (lambda name: name)
 
     def __contains__(self, name: str) -> bool:
-        return name in self.files
+        return self.checkpoint_name(name) in self.files
 
     def get(self, name: str) -> torch.Tensor:
+        name = self.checkpoint_name(name)
         if name not in self.files:
             raise CheckpointError(f"checkpoint lacks tensor {name}")
         out: torch.Tensor | None = None
@@ -319,14 +321,17 @@ def load_int4_weights(
     fmt: Int4Format,
     lm_head: str = "int8",
     embedding: str = "int8",
+    checkpoint_name: Callable[[str], str] | None = None,
 ) -> dict[str, Any]:
     """Fused device weights of an int4 checkpoint (``fmt`` from :func:`detect_format`),
     or of a float checkpoint quantized while loading (``fmt.method == "rtn"``: RTN
     int4 codes computed on ``device``, scales float16). Float tensors are cast to
-    ``dtype``; ``lm_head`` / ``embedding`` as described in the module docstring."""
+    ``dtype``; ``lm_head`` / ``embedding`` as described in the module docstring.
+    ``checkpoint_name``: edge's tensor name -> the checkpoint's (a vision-language
+    model's decoder)."""
     lm_head = parse_choice(lm_head, HEAD_CHOICES, "lm_head")
     embedding = parse_choice(embedding, EMBED_CHOICES, "embedding")
-    reader = TensorReader(model_dir)
+    reader = TensorReader(model_dir, checkpoint_name)
     shapes = expected_shapes(cfg)
     layout = fused_layout(shapes)
     parts: dict[str, list[str]] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,9 +182,17 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype,
     chunk_bytes: int = READ_CHUNK_BYTES,
+    checkpoint_name: Callable[[str], str] | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``."""
-    return place_rows(iter_tensor_rows(model_dir, list(expected_shapes(cfg)), chunk_bytes), cfg, device, dtype)
+    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``.
+    ``checkpoint_name``: edge's tensor name -> the checkpoint's, where they differ (the
+    decoder of a vision-language model)."""
+    names = list(expected_shapes(cfg))
+    if checkpoint_name is None:
+        return place_rows(iter_tensor_rows(model_dir, names, chunk_bytes), cfg, device, dtype)
+    back = {checkpoint_name(n): n for n in names}
+    pieces = (TensorRows(back[p.name], p.shape, p.row, p.data) for p in iter_tensor_rows(model_dir, list(back), chunk_bytes))
+    return place_rows(pieces, cfg, device, dtype)
 
 
 def fuse_weights(

@@ -19,6 +19,7 @@ own launches.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,7 @@ from edge.kernels.reference import Rope
 from edge.kv import SequenceKV
 from edge.int4 import DEFAULT_GROUP_SIZE as DEFAULT_INT4_GROUP_SIZE
 from edge.int4 import Int4Weight
-from edge.loader import load_weights
+from edge.loader import expected_shapes, load_weights
 from edge.quant import (
     Int8Weight,
     QuantError,
@@ -107,12 +108,14 @@ class Model:
         backend: Backend | None = None,
         lm_head: str = "int8",
         embedding: str = "int8",
+        checkpoint_name: Callable[[str], str] | None = None,
     ) -> "Model":
         """Load a checkpoint; int8 projections when its metadata says q8_0 (route A) or
         ``quantize="int8"`` asks to quantize a float one while loading (route B); int4
         projections for an AWQ / GPTQ / compressed-tensors checkpoint or with
         ``quantize="int4"`` (edge.int4_checkpoints; ``lm_head`` / ``embedding`` say how
-        an int4 model holds those: int8 by default)."""
+        an int4 model holds those: int8 by default). ``checkpoint_name``: edge's tensor
+        name -> the checkpoint's (a vision-language model's decoder, edge/vision)."""
         from edge.int4_checkpoints import Int4Format, describe_weights, detect_format, load_int4_weights, parse_int4
 
         fmt = detect_format(model_dir)
@@ -125,14 +128,19 @@ class Model:
         elif fmt is not None and quantize is not None and parse_quantize(quantize) is not None:
             raise QuantError(f"{model_dir} is an int4 checkpoint ({fmt.describe()}); it cannot be quantized to {quantize}")
         if fmt is not None:
-            weights = load_int4_weights(model_dir, cfg, device, dtype, fmt, lm_head=lm_head, embedding=embedding)
+            weights = load_int4_weights(
+                model_dir, cfg, device, dtype, fmt, lm_head=lm_head, embedding=embedding, checkpoint_name=checkpoint_name
+            )
             model = cls(cfg, weights, max_seq_len, backend)
             model.weight_formats = describe_weights(weights, fmt)
             return model
         if parse_quantize(quantize) is not None or checkpoint_quantization(model_dir) is not None:
-            weights = load_quantized_weights(model_dir, cfg, device, dtype, quantize, quant_group_size)
+            names = None if checkpoint_name is None else {n: checkpoint_name(n) for n in expected_shapes(cfg)}
+            weights = load_quantized_weights(
+                model_dir, cfg, device, dtype, quantize, quant_group_size, tensor_names=names
+            )
             return cls(cfg, weights, max_seq_len, backend)
-        return cls(cfg, load_weights(model_dir, cfg, device, dtype), max_seq_len, backend)
+        return cls(cfg, load_weights(model_dir, cfg, device, dtype, checkpoint_name=checkpoint_name), max_seq_len, backend)
 
     def _layer_weights(self, i: int) -> dict[str, torch.Tensor | None]:
         p = f"model.layers.{i}."

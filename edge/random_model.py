@@ -629,16 +629,17 @@ def cache_dir() -> Path:
 
 def default_model_path() -> Path:
     """The embedded default model (qwen3 tiny, float32, seed 0), created once and reused."""
-    return _cached_model(DEFAULT_MODEL_NAME, arch="qwen3", preset="tiny", seed=0, dtype="float32")
+    return cached_model(DEFAULT_MODEL_NAME, arch="qwen3", preset="tiny", seed=0, dtype="float32")
 
 
 def preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
     """A random-weight ``preset`` model in the cache (seed 0), created once and reused."""
-    return _cached_model(f"{preset}-{dtype}-v1", preset=preset, seed=0, dtype=dtype)
+    return cached_model(f"{preset}-{dtype}-v1", preset=preset, seed=0, dtype=dtype)
 
 
-def _cached_model(name: str, **make: Any) -> Path:
-    """Built in a temporary directory and renamed into place (atomic: readers see no
+def cached_model(name: str, build: Callable[..., Path] = make_model, **make: Any) -> Path:
+    """``build(directory, **make)`` (default :func:`make_model`) once, into the cache.
+    Built in a temporary directory and renamed into place (atomic: readers see no
     directory or a complete one), under a lock on the models directory, so that
     concurrent first uses build it once and a build killed half-way leaves a temporary
     directory that the next build removes."""
@@ -654,7 +655,7 @@ def _cached_model(name: str, **make: Any) -> Path:
             shutil.rmtree(stale, ignore_errors=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
-            make_model(tmp, **make)
+            build(tmp, **make)
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,10 @@ only at a genuine near-tie: where the baseline's top-2 logit gap is below
 
 On a GPU the default model is the ``qwen3-peaked`` preset (built once into the cache):
 its logits are peaked, so bfloat16 runs compare hundreds of tokens per case instead of
-stopping at the first near-tie of flat random logits.
+stopping at the first near-tie of flat random logits. Without ``--model`` a
+vision-language model runs the suite too, with cases whose prompt holds an image: the
+``qwen3-vl-peaked`` preset on a GPU (qwen3-peaked's decoder behind Qwen3-VL-8B's tower),
+``qwen3-vl-tiny`` on the CPU.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import argparse
 import json
 import sys
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +34,8 @@ from edge.sampling import SamplerState, SamplingParams
 if TYPE_CHECKING:
     from edge.vision.runtime import MultimodalPrompt
 
+# The cases the vision-language model runs beside the text model (a text-only prompt included).
+VISION_CASES = ("shorter-than-page", "image", "image-multi-turn")
 DEFAULT_TIE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 
 
@@ -48,6 +54,7 @@ class Trace:
 
 @dataclass
 class Row:
+    model: str
     mode: str
     backend: str
     case: str
@@ -154,8 +161,8 @@ def _graph_tokens(engine: Engine, seq, logits: torch.Tensor, n: int, trace: Trac
     return out
 
 
-def compare(mode: str, backend: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
-    row = Row(mode, backend, case.name, compared=0)
+def compare(model: str, mode: str, backend: str, case: Case, base: Trace, other: Trace, tie_tol: float) -> Row:
+    row = Row(model, mode, backend, case.name, compared=0)
     for i, (a, b) in enumerate(zip(base.tokens, other.tokens)):
         row.compared += 1
         if other.logits:  # graph decode reports tokens only
@@ -207,7 +214,7 @@ def backend_label(engine: Engine) -> str:
 
 def print_table(rows: list[Row], tie_tol: float) -> None:
     head = (
-        f"{'mode':<22} {'backend':<28} {'case':<18} {'tokens':>6} {'first mismatch':<28} {'max|dlogit|':>11} "
+        f"{'model':<24} {'mode':<22} {'backend':<28} {'case':<18} {'tokens':>6} {'first mismatch':<28} {'max|dlogit|':>11} "
         f"{'table B':>8} {'alloc/freed':>11}  ok"
     )
     print(head)
@@ -219,7 +226,7 @@ def print_table(rows: list[Row], tie_tol: float) -> None:
             tie = " (near-tie)" if r.accepted_tie else ""
             mm = f"@{r.mismatch_at} {r.tokens[0]}!={r.tokens[1]} gap {r.baseline_gap:.2g}{tie}"
         print(
-            f"{r.mode:<22} {r.backend:<28} {r.case:<18} {r.compared:>6} {mm:<28} {r.max_abs_dlogit:>11.3g} "
+            f"{r.model:<24} {r.mode:<22} {r.backend:<28} {r.case:<18} {r.compared:>6} {mm:<28} {r.max_abs_dlogit:>11.3g} "
             f"{r.table_bytes:>8} {r.blocks_allocated:>5}/{r.blocks_freed:<5}  {'yes' if r.ok else 'NO'}"
         )
     print(f"divergences accepted only where the baseline top-2 logit gap < {tie_tol:g}")
@@ -227,7 +234,12 @@ def print_table(rows: list[Row], tie_tol: float) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="verify_paged", description=__doc__)
-    p.add_argument("--model", help="model directory (default: the embedded model)")
+    p.add_argument("--model", help="model directory (default: the embedded model, and the vision-language one)")
+    p.add_argument(
+        "--vision-model",
+        help="vision-language model directory or preset for the image cases when --model is not given "
+        "(default: qwen3-vl-peaked on a GPU, qwen3-vl-tiny on the CPU; none: skip them)",
+    )
     p.add_argument("--device", help="cpu or cuda")
     p.add_argument("--dtype", help="float32, bfloat16, float16")
     p.add_argument("--page-size", type=int, default=16)
@@ -242,52 +254,98 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     device = torch.device(args.device) if args.device else default_device()
-    model = args.model
-    if model is None and device.type == "cuda":
-        from edge.random_model import preset_model_path
-
-        model = preset_model_path("qwen3-peaked", dtype=args.dtype or "bfloat16")
-    base = Engine.from_pretrained(
-        model,
-        device=device,
-        dtype=args.dtype,
-        kv_cache="contiguous",
-        page_size=args.page_size,
-        max_seq_len=args.max_seq_len,
-        cuda_graph=False,
-        kernels="reference",
-        quantize=None if args.quantize == "none" else args.quantize,
-    )
-    tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
+    models = [args.model] if args.model is not None else [default_model(device, args.dtype)]
+    if args.model is None and (args.vision_model or "").lower() != "none":
+        models.append(vision_model(args.vision_model, device, args.dtype))
     min_tokens = args.min_tokens if args.min_tokens is not None else (200 if device.type == "cuda" else 24)
-    cases = prompt_suite(base, args.page_size, min_tokens)
+    rows: list[Row] = []
+    backends: dict[str, dict] = {}
+    headers: list[str] = []
+    tie_tol, dtype = 0.0, ""
+    for i, model in enumerate(models):
+        base = Engine.from_pretrained(
+            model,
+            device=device,
+            dtype=args.dtype,
+            kv_cache="contiguous",
+            page_size=args.page_size,
+            max_seq_len=args.max_seq_len,
+            cuda_graph=False,
+            kernels="reference",
+            quantize=None if args.quantize == "none" else args.quantize,
+        )
+        tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
+        label, dtype = base.model_dir.name, str(base.dtype)
+        headers.append(
+            f"model {base.model_dir} ({base.cfg.architecture}{', images' if base.vision else ''}), {device}, "
+            f"{str(base.dtype).removeprefix('torch.')}, page {args.page_size}, quantize {args.quantize}; "
+            "baseline: contiguous KV, reference backend"
+        )
+        engines = modes(base, device)
+        only = VISION_CASES if i > 0 else None  # the text model already ran the text cases
+        rows += verify_engines(label, base, engines, args.page_size, min_tokens, tie_tol, only)
+        backends[label] = {name: e.backend.describe() for name, e in engines.items()}
+        del base, engines
+    ok = all(r.ok for r in rows)
+    if args.json:
+        print(json.dumps({"ok": ok, "tie_tolerance": tie_tol, "dtype": dtype, "backends": backends,
+                          "rows": [asdict(r) for r in rows]}))
+    else:
+        for header in headers:
+            print(header)
+        print_table(rows, tie_tol)
+        print("ALL MODES AGREE" if ok else "MISMATCH")
+    return 0 if ok else 1
+
+
+def default_model(device: torch.device, dtype: str | None) -> str | Path | None:
+    """The text model without ``--model``: the embedded one (None) on the CPU,
+    qwen3-peaked on a GPU."""
+    if device.type != "cuda":
+        return None
+    from edge.random_model import preset_model_path
+
+    return preset_model_path("qwen3-peaked", dtype=dtype or "bfloat16")
+
+
+def vision_model(choice: str | None, device: torch.device, dtype: str | None) -> str | Path:
+    """``--vision-model``: a directory, a VL preset (built once into the cache), or the
+    default preset for the device."""
+    from edge.vision.random_model import VL_PRESETS, vl_preset_model_path
+
+    if choice is not None and choice not in VL_PRESETS:
+        return choice
+    if device.type == "cuda":
+        return vl_preset_model_path(choice or "qwen3-vl-peaked", dtype=dtype or "bfloat16")
+    return vl_preset_model_path(choice or "qwen3-vl-tiny", dtype=dtype or "float32")
+
+
+def verify_engines(
+    model: str,
+    base: Engine,
+    engines: dict[str, Engine],
+    page: int,
+    min_tokens: int,
+    tie_tol: float,
+    only: tuple[str, ...] | None = None,
+) -> list[Row]:
+    """Every case (or those named in ``only``) on the baseline, then on each mode's
+    engine, diffed."""
+    cases = [c for c in prompt_suite(base, page, min_tokens) if only is None or c.name in only]
     baseline = {c.name: run_case(base, c) for c in cases}
     rows: list[Row] = []
-    engines = modes(base, device)
     for name, engine in engines.items():
         kv: PagedKVCache = engine.kv
         label = backend_label(engine)
         for c in cases:
             before = (kv.pool.allocations, kv.pool.frees, _table_bytes(engine))
             trace = run_case(engine, c)
-            row = compare(name, label, c, baseline[c.name], trace, tie_tol)
+            row = compare(model, name, label, c, baseline[c.name], trace, tie_tol)
             row.blocks_allocated = kv.pool.allocations - before[0]
             row.blocks_freed = kv.pool.frees - before[1]
             row.table_bytes = _table_bytes(engine) - before[2]
             rows.append(row)
-    ok = all(r.ok for r in rows)
-    if args.json:
-        backends = {name: e.backend.describe() for name, e in engines.items()}
-        print(json.dumps({"ok": ok, "tie_tolerance": tie_tol, "dtype": str(base.dtype), "backends": backends,
-                          "rows": [asdict(r) for r in rows]}))
-    else:
-        print(
-            f"model {base.model_dir} ({base.cfg.architecture}), {device}, {str(base.dtype).removeprefix('torch.')}, "
-            f"page {args.page_size}, quantize {args.quantize}; baseline: contiguous KV, reference backend"
-        )
-        print_table(rows, tie_tol)
-        print("ALL MODES AGREE" if ok else "MISMATCH")
-    return 0 if ok else 1
+    return rows
 
 
 def _table_bytes(engine: Engine) -> int:

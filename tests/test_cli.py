@@ -47,6 +47,10 @@ def test_verify_paged_script_exits_zero() -> None:
     assert report["ok"]
     cases = {row["case"] for row in report["rows"]}
     assert {"shorter-than-page", "exactly-one-page", "several-pages", "long-decode", "multi-turn"} <= cases
+    # The vision-language model's prompts hold an image (qwen3-vl-tiny on the CPU).
+    image_rows = [row for row in report["rows"] if row["case"].startswith("image")]
+    assert {row["case"] for row in image_rows} == {"image", "image-multi-turn"}
+    assert all(row["model"].startswith("qwen3-vl-tiny") and row["compared"] >= 24 for row in image_rows)
     assert all(row["mismatch_at"] is None for row in report["rows"])
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from edge.config import parse_dtype
 from edge.engine import Engine
@@ -83,8 +84,7 @@ def build_engine(args: argparse.Namespace) -> Engine:
     )
 
 
-def picture(width: int, height: int) -> Image.Image:  # noqa: F821
-    from PIL import Image
+def picture(width: int, height: int) -> Image.Image:
 
     rng = np.random.default_rng(width * height)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))

@@ -31,6 +31,9 @@ for s in "$@"; do
         tests8) step tests-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
         quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
         verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
+        vision) step vision python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_vision_cuda.py ;;
+        verify-int4) step verify-int4 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int4 ;;
+        bench-vision) step bench-vision sh -c "$B vision > $OUT/vision-8b.json" ;;
         verify-int8) step verify-int8 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int8 ;;
         bench-8b) step bench-8b sh -c "$B decode --preset qwen3-8b --compare-hf --decode-tokens 128 --repeats 2 > $OUT/decode-8b.json" ;;
         bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 > $OUT/decode-8b-int8.json" ;;

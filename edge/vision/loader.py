@@ -8,19 +8,14 @@ or ``model.*`` (Qwen2.5-VL as first published), and the tower ``model.visual.*``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from edge.config import ModelConfig
-from edge.loader import (
-    TensorRows,
-    checkpoint_files,
-    expected_shapes,
-    iter_tensor_rows,
-    place_rows,
-)
+from edge.loader import checkpoint_files, expected_shapes, iter_tensor_rows
 from edge.validate import CheckpointError, check_tensor
 from edge.vision.config import VisionConfig
 from edge.vision.tower import VisionTower, vision_shapes
@@ -30,28 +25,25 @@ if TYPE_CHECKING:
     from edge.vision.runtime import VisionLanguage
 
 
+# The tensors that replace ``.weight`` in int4 checkpoints (AWQ / GPTQ, compressed-tensors).
+QUANTIZED_MARKERS = (".qweight", ".weight_packed")
+
+
 def _prefix(names: dict[str, Path], *candidates: str) -> str:
     return next((c for c in candidates if any(n.startswith(c) for n in names)), candidates[-1])
 
 
+def text_name_mapper(model_dir: str | Path) -> Callable[[str], str]:
+    """edge's (text-model) name of a decoder tensor -> the checkpoint's; also for the
+    tensors a quantized checkpoint derives from it (``...q_proj.qweight``)."""
+    prefix = _prefix(checkpoint_files(model_dir), "model.language_model.", "model.")
+    return lambda name: prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
 def text_tensor_names(model_dir: str | Path, cfg: ModelConfig) -> dict[str, str]:
     """The checkpoint's name of every decoder tensor -> edge's (text-model) name."""
-    files = checkpoint_files(model_dir)
-    prefix = _prefix(files, "model.language_model.", "model.")
-    names = {}
-    for name in expected_shapes(cfg):
-        names[prefix + name.removeprefix("model.") if name.startswith("model.") else name] = name
-    return names
-
-
-def load_text_weights(
-    model_dir: str | Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """The decoder's fused device tensors, as :func:`edge.loader.load_weights` makes them
-    (read in row chunks, renamed on the way)."""
-    names = text_tensor_names(model_dir, cfg)
-    pieces = (TensorRows(names[p.name], p.shape, p.row, p.data) for p in iter_tensor_rows(model_dir, list(names)))
-    return place_rows(pieces, cfg, device, dtype)
+    stored = text_name_mapper(model_dir)
+    return {stored(name): name for name in expected_shapes(cfg)}
 
 
 def tower_prefix(model_dir: str | Path) -> str:
@@ -64,6 +56,12 @@ def load_tower(model_dir: str | Path, cfg: VisionConfig, device: torch.device, d
     row chunks copied into place."""
     prefix = tower_prefix(model_dir)
     shapes = vision_shapes(cfg)
+    files = checkpoint_files(model_dir)
+    for local in shapes:
+        base = prefix + local.removesuffix(".weight")
+        if any(base + marker in files for marker in QUANTIZED_MARKERS):
+            raise CheckpointError(f"{model_dir}: vision tower weights must be float, but {base} is quantized "
+                                  "(only the language model's linears may be int4)")
     weights = {local: torch.empty(shape, device=device, dtype=dtype) for local, shape in shapes.items()}
     for piece in iter_tensor_rows(model_dir, [prefix + n for n in shapes]):
         local = piece.name.removeprefix(prefix)
@@ -96,16 +94,15 @@ def load_vision_language(
     max_seq_len: int,
     quantize: str | None = None,
     quant_group_size: int | None = None,
+    lm_head: str = "int8",
+    embedding: str = "int8",
 ) -> tuple[Model, VisionLanguage]:
     """The text decoder and its :class:`VisionLanguage` (tower, processor, RoPE layout).
-    ``quantize="int8"``: the decoder's projections quantized while loading (the tower
-    stays in ``dtype``)."""
+    The decoder loads as :meth:`Model.load` loads a text model: ``quantize="int8"`` /
+    ``"int4"`` quantize its projections while loading, and an int4 checkpoint (AWQ,
+    GPTQ, compressed-tensors) loads as published; the tower stays in ``dtype``."""
     from edge.model import Model
-    from edge.quant import (
-        checkpoint_quantization,
-        load_quantized_weights,
-        parse_quantize,
-    )
+    from edge.quant import checkpoint_quantization
     from edge.vision.config import VLConfig
     from edge.vision.preprocess import ProcessorConfig
     from edge.vision.runtime import VisionLanguage
@@ -113,15 +110,11 @@ def load_vision_language(
     cfg = VLConfig.from_pretrained(model_dir)
     processor = ProcessorConfig.from_pretrained(model_dir)
     if checkpoint_quantization(model_dir) is not None:
-        raise CheckpointError(f"{model_dir}: pre-quantized vision-language checkpoints are not supported; "
+        raise CheckpointError(f"{model_dir}: q8_0 vision-language checkpoints are not supported; "
                               "load the float checkpoint with quantize='int8'")
-    if parse_quantize(quantize) is not None:
-        names = {edge: stored for stored, edge in text_tensor_names(model_dir, cfg.text).items()}
-        weights = load_quantized_weights(
-            model_dir, cfg.text, device, dtype, quantize, quant_group_size, tensor_names=names
-        )
-    else:
-        weights = load_text_weights(model_dir, cfg.text, device, dtype)
-    model = Model(cfg.text, weights, max_seq_len)
+    model = Model.load(
+        model_dir, cfg.text, device, dtype, max_seq_len, quantize=quantize, quant_group_size=quant_group_size,
+        lm_head=lm_head, embedding=embedding, checkpoint_name=text_name_mapper(model_dir),
+    )
     tower = load_tower(model_dir, cfg.vision, device, dtype)
     return model, VisionLanguage(cfg, tower, processor, model.w["model.embed_tokens.weight"], max_seq_len)

@@ -16,6 +16,9 @@ from typing import Any
 
 from edge.random_model import (
     INIT_STD,
+    PRESETS,
+    cached_model,
+    config_tensor,
     covering_tokenizer_json,
     parse_dtype,
     random_tensor,
@@ -117,7 +120,20 @@ _TINY_TEXT = {
     "vocab_size": None,  # the local tokenizer's
 }
 
-# text: the decoder; vision: the tower; pixels: the image processor's (min, max) area.
+# The tower of Qwen3-VL-8B-Instruct.
+_QWEN3_VL_8B_TOWER = {
+    "depth": 27,
+    "hidden_size": 1152,
+    "intermediate_size": 4304,
+    "num_heads": 16,
+    "patch_size": 16,
+    "num_position_embeddings": 2304,
+    "deepstack_visual_indexes": [8, 16, 24],
+    "hidden_act": "gelu_pytorch_tanh",
+}
+
+# text: the decoder; vision: the tower; pixels: the image processor's (min, max) area;
+# init_profile (optional): the decoder's random_model profile.
 VL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-vl-tiny": {
         **_QWEN3_VL,
@@ -166,18 +182,26 @@ VL_PRESETS: dict[str, dict[str, Any]] = {
             "max_position_embeddings": 262144,
             "vocab_size": 151936,
         },
-        "vision": {
-            "depth": 27,
-            "hidden_size": 1152,
-            "intermediate_size": 4304,
-            "num_heads": 16,
-            "patch_size": 16,
-            "num_position_embeddings": 2304,
-            "deepstack_visual_indexes": [8, 16, 24],
-            "hidden_act": "gelu_pytorch_tanh",
-        },
+        "vision": _QWEN3_VL_8B_TOWER,
         "pixels": (65536, 16777216),
         "tie_word_embeddings": False,
+    },
+    # The verification model for bfloat16 on a GPU (tools/verify_paged.py): qwen3-peaked's
+    # decoder (peaked logits, so bf16 greedy runs compare hundreds of tokens) behind
+    # Qwen3-VL-8B's tower.
+    "qwen3-vl-peaked": {
+        **_QWEN3_VL,
+        "text": {
+            **{k: PRESETS["qwen3-peaked"][k] for k in (
+                "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "rope_theta", "vocab_size")},
+            "mrope_section": [24, 20, 20],
+            "max_position_embeddings": 40960,
+        },
+        "vision": _QWEN3_VL_8B_TOWER,
+        "pixels": (65536, 16777216),
+        "tie_word_embeddings": False,
+        "init_profile": "peaked",
     },
 }
 
@@ -296,5 +320,19 @@ def make_vl_model(
     )
     write("preprocessor_config.json", preprocessor_config(preset))
     shapes = vl_state_dict_shapes(config)
-    write_weights(out, shapes, lambda n, s: random_tensor(n, s, seed, torch_dtype, std=std), torch_dtype, max_shard_bytes)
+    profile = VL_PRESETS[preset].get("init_profile")
+
+    def tensor(name: str, shape: tuple[int, ...]) -> Any:
+        if profile is None or name.startswith("model.visual."):
+            return random_tensor(name, shape, seed, torch_dtype, std=std)
+        # The decoder's tensors under their text-model names, so the profile finds them.
+        text_name = name.replace("model.language_model.", "model.", 1)
+        return config_tensor({"init_profile": profile}, text_name, shape, seed, torch_dtype)
+
+    write_weights(out, shapes, tensor, torch_dtype, max_shard_bytes)
     return out
+
+
+def vl_preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
+    """A random-weight VL ``preset`` model in the cache (seed 0), created once and reused."""
+    return cached_model(f"{preset}-{dtype}-v1", build=make_vl_model, preset=preset, seed=0, dtype=dtype)

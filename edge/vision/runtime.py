@@ -23,6 +23,8 @@ from typing import Any
 import torch
 
 from edge.config import rope_inv_freq
+from edge.kernels.reference import embedding
+from edge.quant_embedding import Int8Embedding
 from edge.vision.config import VLConfig
 from edge.vision.mrope import frequency_axes, mrope_tables, rope_positions
 from edge.vision.preprocess import (
@@ -70,7 +72,7 @@ class VisionLanguage:
         cfg: VLConfig,
         tower: VisionTower,
         processor: ProcessorConfig,
-        embed_tokens: torch.Tensor,
+        embed_tokens: torch.Tensor | Int8Embedding,
         max_seq_len: int,
     ) -> None:
         if cfg.vision.out_hidden_size != cfg.text.hidden_size:
@@ -158,7 +160,7 @@ class VisionLanguage:
     def chunk_inputs(self, prompt: MultimodalPrompt, start: int, end: int) -> dict[str, Any]:
         """``Model.hidden``'s keyword arguments for the prompt tokens [start, end)."""
         ids = torch.tensor(prompt.ids[start:end], device=self.device)
-        embeds = torch.nn.functional.embedding(ids, self.embed_tokens)
+        embeds = embedding(ids, self.embed_tokens)  # a table, or int8 rows (int4 models)
         rows: list[torch.Tensor] = []
         deepstack: list[list[torch.Tensor]] = []
         for i, (s, e) in enumerate(prompt.spans):
