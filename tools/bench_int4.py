@@ -101,18 +101,13 @@ def gemv(args: argparse.Namespace) -> dict:
     tunings = {"default": Int4Tuning()}
     if args.sweep:
         tunings |= {
-            "warps_per_sm64": Int4Tuning(warps_per_sm=64),
             "split8": Int4Tuning(split=8),
             "unroll1": Int4Tuning(unroll=1),
             "warps4": Int4Tuning(warps=4),
             "tiles1": Int4Tuning(tiles=1),
-            "prefetch2": Int4Tuning(prefetch=2),
             "prefetch4": Int4Tuning(prefetch=4),
-            "prefetch8": Int4Tuning(prefetch=8),
-            "prefetch4_unroll1": Int4Tuning(prefetch=4, unroll=1),
-            "prefetch8_tiles1": Int4Tuning(prefetch=8, tiles=1),
             "tiles1_unroll1": Int4Tuning(tiles=1, unroll=1),
-            "prefetch4_tiles1_unroll1": Int4Tuning(prefetch=4, tiles=1, unroll=1),
+            "tiles1_unroll4": Int4Tuning(tiles=1, unroll=4),
             "skip_math": Int4Tuning(skip_math=True),
         }
     for label, tuning in tunings.items():

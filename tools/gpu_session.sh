@@ -37,10 +37,10 @@ for s in "$@"; do
         verify-int8) step verify-int8 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int8 ;;
         bench-8b) step bench-8b sh -c "$B decode --preset qwen3-8b --compare-hf --decode-tokens 128 --repeats 2 > $OUT/decode-8b.json" ;;
         bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 > $OUT/decode-8b-int8.json" ;;
-        bench-8b-int8-8k) step bench-8b-int8-8k sh -c "$B decode --preset qwen3-8b --quantize int8 --context 8192 --max-seq-len 8704 --decode-tokens 128 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k.json" ;;
+        bench-8b-int8-8k) step bench-8b-int8-8k sh -c "$B decode --preset qwen3-8b --quantize int8 --context 8192 --max-seq-len 9216 --decode-tokens 128 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k.json" ;;
         bench-16) for q in none int8; do step bench-8b-$q-16sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-$q-16sms.json"; done ;;
         bench-8) for q in none int8; do step bench-8b-$q-8sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 8 --decode-tokens 64 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-$q-8sms.json"; done ;;
-        bench-16-8k) step bench-8b-int8-8k-16sms sh -c "$B decode --preset qwen3-8b --quantize int8 --sms 16 --context 8192 --max-seq-len 8704 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k-16sms.json" ;;
+        bench-16-8k) step bench-8b-int8-8k-16sms sh -c "$B decode --preset qwen3-8b --quantize int8 --sms 16 --context 8192 --max-seq-len 9216 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k-16sms.json" ;;
         sched16) step sched-16sms sh -c "$B scheduler --preset qwen3-8b --sms 16 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-16sms.json" ;;
         floor16) step floor-16sms sh -c "$B kernels --floor --sms 16 --kv-lens 2048,8192 > $OUT/kernels-16sms.json" ;;
         floor8) step floor-8sms sh -c "$B kernels --floor --sms 8 --kv-lens 2048,8192 > $OUT/kernels-8sms.json" ;;
