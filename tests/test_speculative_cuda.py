@@ -204,16 +204,18 @@ def test_sampled_speculation_through_graphs_repeats_with_a_seed() -> None:
         sched = Scheduler(target, speculative=spec, draft=draft)
         sched.start()
         try:
+            # The peaked model's logits are tens apart: a high temperature gives the
+            # seeds something to choose between.
             runs = [
-                sched.submit(ids, SamplingParams(max_tokens=40, temperature=0.8, seed=s, ignore_eos=True)).result(
+                sched.submit(ids, SamplingParams(max_tokens=40, temperature=20.0, seed=s, ignore_eos=True)).result(
                     timeout=120
                 )
-                for s in (3, 3, 4)
+                for s in (3, 3, 4, 5)
             ]
         finally:
             sched.stop()
         assert runs[0].token_ids == runs[1].token_ids
-        assert runs[0].token_ids != runs[2].token_ids
+        assert any(r.token_ids != runs[0].token_ids for r in runs[2:]), "other seeds must give other draws"
         assert runs[0].usage.speculative["verify"] == "graph"
     assert target.kv.pool.num_free == target.kv.pool.num_blocks
 
