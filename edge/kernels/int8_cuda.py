@@ -60,8 +60,8 @@ _MIN_CTAS_PER_SM = 2
 
 @dataclasses.dataclass(frozen=True)
 class Int8Tuning:
-    """Compile-time knobs of int8_gemv.cu (its CFG_INT8_* defines) and an optional forced
-    rows-per-warp variant (None: chosen per shape)."""
+    """Compile-time knobs of int8_gemv.cu (its CFG_INT8_* defines), an optional forced
+    rows-per-warp variant (None: chosen per shape) and the prefill expansion's bound."""
 
     warps: int = 4
     unroll_r1: int = 4
@@ -69,8 +69,11 @@ class Int8Tuning:
     unroll_r4: int = 2
     min_blocks: int = 4
     rows_per_warp: int | None = None
+    dequant_chunk: int = DEQUANT_CHUNK_ELEMENTS  # weight elements expanded at once for prefill
 
     def __post_init__(self) -> None:
+        if self.dequant_chunk < 1:
+            raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
 
@@ -222,13 +225,13 @@ class Int8CudaLinear:
 
     def _prefill(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk: each row chunk of the weight expanded into one bounded buffer
-        (the reference's :data:`edge.quant.DEQUANT_CHUNK_ELEMENTS`), cuBLAS multiplies."""
+        (``tuning.dequant_chunk`` elements), cuBLAS multiplies."""
         if x.dtype not in _DTYPE_NAME or x.device != w.device or x.shape[-1] != w.in_features:
             raise UnplannedArguments(f"int8 prefill of {x.dtype} {tuple(x.shape)} on {x.device} by {w!r}")
         if bias is not None and not is_vector(bias, x, w.out_features):
             raise UnplannedArguments(f"int8 prefill bias {bias.dtype} {tuple(bias.shape)} for {w!r}")
         rows = w.out_features
-        step = min(rows, max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features))
+        step = min(rows, max(1, self.tuning.dequant_chunk // w.in_features))
         return expanded_linear(x, rows, rows, step, lambda r0, r1, buf: self._dq.int8(w, r0, r1, buf), bias)
 
     def _launch(
