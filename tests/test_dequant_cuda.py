@@ -13,9 +13,9 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"),
 ]
 
-from edge.int4 import Int4Codes, pack_weight  # noqa: E402
 from edge.kernels import reference  # noqa: E402
 from edge.quant import Int8Weight, int8_linear_reference, quantize_tensor  # noqa: E402
+from tests.test_int4_cuda import random_weight  # noqa: E402
 
 DTYPES16 = (torch.float16, torch.bfloat16)
 TOL_REF = {torch.float16: 7.5e-4, torch.bfloat16: 3.75e-3}  # cuBLAS kernels may differ per output width
@@ -33,25 +33,13 @@ def dq():
         pytest.fail(f"GPU present but the dequant kernels are unavailable: {exc}")
 
 
-def _int4(out: int, inp: int, group: int, g: torch.Generator, zero: bool, act_order: bool, scale_dtype):
-    q = torch.randint(0, 16, (out, inp), generator=g, device="cuda", dtype=torch.uint8)
-    scale = ((torch.rand(out, inp // group, generator=g, device="cuda") + 0.5) * 2e-2).to(scale_dtype)
-    z = torch.randint(0, 17, (out, inp // group), generator=g, device="cuda", dtype=torch.uint8) if zero else None
-    g_idx = None
-    if act_order:
-        perm = torch.randperm(inp, generator=g, device="cuda")
-        g_idx = torch.empty(inp, dtype=torch.int64, device="cuda")
-        g_idx[perm] = torch.arange(inp, device="cuda") // group
-    return pack_weight([Int4Codes(q, scale, z, group, g_idx)], "cuda")
-
-
 @pytest.mark.parametrize("scale_dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("zero", [True, False], ids=["zero", "symmetric"])
 def test_int4_expansion_is_the_reference_bit_for_bit(dq, scale_dtype, zero) -> None:
     g = torch.Generator(device="cuda").manual_seed(11)
     for out, inp, group, act_order in ((1000, 1024, 128, True), (4096, 4096, 128, False), (40, 64, 64, False),
                                        (300, 768, 256, False)):
-        w = _int4(out, inp, group, g, zero, act_order, scale_dtype)
+        w = random_weight(out, inp, group, g, zero=zero, act_order=act_order, scale_dtype=scale_dtype)
         blocks = w.packed.shape[0]
         for rb0, rb1 in ((0, blocks), (1, min(blocks, 7)), (blocks - 1, blocks)):
             rows = 16 * (rb1 - rb0)
