@@ -33,6 +33,13 @@ after the weights are loaded and the activations of the worst step measured:
   scheduler slots plus as much again for cached prefixes — so a 64 GB AGX Orin does not
   pin 45 GB for a one-conversation service. Discrete GPUs are not capped.
 
+The prefill chunk itself (:func:`default_prefill_chunk`) is 512 tokens, or, where
+quantized linears expand every weight once per forward (the CUDA int8 / int4 prefill),
+``EXPANDED_PREFILL_CHUNK`` tokens so that a prompt up to that length pays the expansion
+once, shortened while its activations exceed ``PREFILL_MEMORY_SHARE`` of the memory
+available. The expansion buffer is a temporary of each linear call (bounded per weight,
+stream-ordered by torch's caching allocator), so the warm-up measures it with the rest.
+
 Explicit sizes: ``kv_blocks=N`` or ``kv_memory=BYTES`` (``--kv-memory 2GiB``) replace
 the computation (a request above what is available is logged as a warning, not
 refused: the probes cannot see everything, the operator can). Every budget — computed
@@ -319,6 +326,12 @@ def probe_memory(
 
 # -- shapes --------------------------------------------------------------------------
 
+FLOAT_PREFILL_CHUNK = 512
+# Quantized linears expand every weight once per forward: a prompt up to this long pays it once.
+EXPANDED_PREFILL_CHUNK = 2048
+# The most of the available memory a longer chunk's activations may take from the KV cache.
+PREFILL_MEMORY_SHARE = 1 / 16
+
 
 def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype") -> int:
     """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
@@ -361,6 +374,40 @@ def estimate_activation_bytes(
     dequant = dequant_elements * (4 + b)
     logits = 2 * cfg.vocab_size * 4
     return int((residual + max(attention, mlp) + dequant + logits) * ACTIVATION_MARGIN) + ACTIVATION_FLOOR
+
+
+def chunk_activation_bytes(cfg: "ModelConfig", tokens: int, dtype: "torch.dtype") -> int:
+    """Activations of a ``tokens``-token prefill chunk with the CUDA attention (no score
+    matrix): the residual stream and the normed input, and the larger of the
+    attention's (qkv, its roped copy, the output and its projection) and the MLP's
+    (gate_up, the SwiGLU product, the down projection)."""
+    import torch
+
+    b = torch.empty((), dtype=dtype).element_size()
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    attention = 2 * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size + h
+    mlp = 3 * inter + h
+    return tokens * (2 * h + max(attention, mlp)) * b
+
+
+def default_prefill_chunk(
+    cfg: "ModelConfig", dtype: "torch.dtype", max_seq_len: int, expands: bool, memory: MemoryInfo | None = None
+) -> int:
+    """Tokens a prefill forward takes at most: ``FLOAT_PREFILL_CHUNK``, or where the
+    linears expand their weights once per forward (``expands``) up to
+    ``EXPANDED_PREFILL_CHUNK`` (no more than ``max_seq_len``), halved (not below the float
+    chunk) while :func:`chunk_activation_bytes` exceeds ``PREFILL_MEMORY_SHARE`` of
+    ``memory.available``."""
+    if not expands:
+        return FLOAT_PREFILL_CHUNK
+    chunk = max(FLOAT_PREFILL_CHUNK, min(EXPANDED_PREFILL_CHUNK, max_seq_len))
+    while (
+        chunk > FLOAT_PREFILL_CHUNK
+        and memory is not None
+        and chunk_activation_bytes(cfg, chunk, dtype) > memory.available * PREFILL_MEMORY_SHARE
+    ):
+        chunk = max(FLOAT_PREFILL_CHUNK, chunk // 2)
+    return chunk
 
 
 # -- the budget ----------------------------------------------------------------------
@@ -640,6 +687,8 @@ def plan_kv_budget(
 ) -> MemoryBudget:
     """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
     (unless ``memory`` is given), compute the block count. See the module docstring."""
+    from edge.int4 import BLOCK_ROWS, Int4Weight
+    from edge.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
     from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight
 
     cfg, dev = model.cfg, model.device
@@ -652,9 +701,12 @@ def plan_kv_budget(
         if cuda_graph:
             graphs = GRAPH_SLOTS * decode_peak + GRAPH_OVERHEAD
     else:
+        # The float temporaries of the reference linears' largest expansion (int8 or int4).
         deq = max(
-            (min(w.weight.numel(), max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features) * w.in_features)
-             for w in model.w.values() if isinstance(w, Int8Weight)),
+            [min(w.weight.numel(), max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features) * w.in_features)
+             for w in model.w.values() if isinstance(w, Int8Weight)]
+            + [min(w.packed.shape[0], max(1, INT4_CHUNK_ELEMENTS // (BLOCK_ROWS * w.in_features)))
+               * BLOCK_ROWS * w.in_features for w in model.w.values() if isinstance(w, Int4Weight)],
             default=0,
         )
         activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)

@@ -20,7 +20,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.backend import Backend, select_backend
-from edge.budget import DEFAULT_UTILIZATION, MemoryBudget, MemoryInfo, plan_kv_budget
+from edge.budget import (
+    DEFAULT_UTILIZATION,
+    BudgetError,
+    MemoryBudget,
+    MemoryInfo,
+    default_prefill_chunk,
+    plan_kv_budget,
+    probe_memory,
+)
 from edge.config import ModelConfig, parse_dtype
 from edge.errors import PromptTooLong
 from edge.generation import Chunk, Generation, GenerationResult
@@ -62,7 +70,7 @@ class Engine:
         page_size: int = 16,
         max_seq_len: int | None = None,
         num_blocks: int | None = None,
-        prefill_chunk: int = 512,
+        prefill_chunk: int | None = None,
         poison_kv: bool = False,
         kernels: str = "auto",
         cuda_graph: bool | None = None,
@@ -96,12 +104,15 @@ class Engine:
         engine runs ``model.with_backend(...)``. ``backend`` gives a planned backend
         instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
         is done (False: spins a CPU core, which Orin's few cores cannot spare).
+        ``prefill_chunk``: the most tokens one prefill forward takes (default:
+        :func:`edge.budget.default_prefill_chunk`, longer where quantized linears expand
+        their weights once per forward).
         ``stream_factory(priority)`` makes the CUDA streams the engine's users create
         (default ``torch.cuda.Stream``; an SM-restricted green context passes its own).
         ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision)."""
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
-        if prefill_chunk < 1:
+        if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be positive, got {prefill_chunk}")
         self.backend: Backend = backend or select_backend(
             model.cfg,
@@ -126,6 +137,8 @@ class Engine:
         self.dtype = model.dtype
         self.kv_kind = kv_cache
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        if prefill_chunk is None:
+            prefill_chunk = self._default_prefill_chunk(memory_info)
         self.prefill_chunk = prefill_chunk
         self.page_size = page_size
         self.kv: PagedKVCache | None = None
@@ -260,6 +273,21 @@ class Engine:
             vision=vision,
             **options,
         )
+
+    def _default_prefill_chunk(self, memory: MemoryInfo | None) -> int:
+        """:func:`edge.budget.default_prefill_chunk` for this model and backend; the
+        memory is probed only where the chunk may grow."""
+        layers = [w for name, w in self.model.w.items() if name.startswith("model.layers.")
+                  and not isinstance(w, torch.Tensor)]
+        expands = self.backend.eager.linears.expands(layers)
+        if expands and memory is None:
+            try:
+                memory = probe_memory(self.device)
+            except (OSError, BudgetError) as exc:
+                log.warning("cannot probe memory (%s): the prefill chunk is not capped by it", exc)
+        chunk = default_prefill_chunk(self.cfg, self.dtype, self.max_seq_len, expands, memory)
+        log.info("prefill chunk: %d tokens%s", chunk, " (the linears expand their weights once a chunk)" if expands else "")
+        return chunk
 
     # -- primitives -------------------------------------------------------------------
 
@@ -494,6 +522,7 @@ class Engine:
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache": self.kv_kind,
             "max_seq_len": self.max_seq_len,
+            "prefill_chunk": self.prefill_chunk,
             "cuda_graph": self.cuda_graph,
             "overlapped_launches": self.cuda_graph and self.backend.overlap_launches,
             "backend": self.backend.describe(),

@@ -22,6 +22,9 @@ class LinearImpl(Protocol):
     """What the backend asks of the linear of one weight format."""
 
     name: str
+    # Whether a prefill chunk expands each weight it multiplies (a cost paid once per
+    # forward, whatever the chunk's length: the engine's prefill chunk follows it).
+    expands_weights: bool
 
     def linear(
         self,
@@ -55,6 +58,7 @@ class ComposedLinear:
     around it: no kernel of its own takes them."""
 
     name = "composed"
+    expands_weights = False
 
     def __init__(self, layer_ops: Any) -> None:
         self.ops = layer_ops
@@ -132,6 +136,10 @@ class Linears:
 
     def fuses(self, x: torch.Tensor, w: Any) -> bool:
         return self.impl(w).fuses(x, w)
+
+    def expands(self, weights: Any) -> bool:
+        """Whether a prefill chunk expands any of ``weights`` (see :class:`LinearImpl`)."""
+        return any(self.impl(w).expands_weights for w in weights)
 
     def greedy_token(
         self, x: torch.Tensor, w: Any, out: torch.Tensor | None = None, *, norm: Norm | None = None

@@ -264,7 +264,7 @@ def test_unplanned_arguments_are_reported_not_replaced(ic) -> None:
     """What the GEMV does not take is never silently given to the reference: weights
     are reported by weight_support (the backend asks once per weight when it plans),
     decode inputs it cannot read raise, and a prefill chunk runs the planned GEMM
-    (dequantize + matmul: int8_linear_reference itself)."""
+    (the expansion kernel, then the reference's matmul: int8_linear_reference's result)."""
     g = _gen()
     w48 = random_weight(64, 480, 48, g)  # group not a power of two
     assert "group size 48" in (weight_support(w48, torch.bfloat16) or "")
@@ -293,7 +293,7 @@ def test_unplanned_arguments_are_reported_not_replaced(ic) -> None:
 
     x5 = torch.randn(5, 512, generator=g, device="cuda").to(torch.float16)
     y, names = launched(ic, ic.linear, x5, w)
-    assert not names, f"a prefill chunk is the GEMM, no GEMV launch: {names}"
+    assert names == {"int8_dequant_f16": 1}, f"a prefill chunk expands, then the GEMM; no GEMV launch: {names}"
     assert torch.equal(y, int8_linear_reference(x5, w))
     assert ic.argmax(x5, w) is None, "prefill: the caller computes the logits"
 
@@ -528,10 +528,11 @@ def test_unplanned_fusions_compose_or_raise(ic) -> None:
     ln = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(dt)
     x1 = torch.randn(1, 512, generator=g, device="cuda").to(dt)
     x5 = torch.randn(5, 512, generator=g, device="cuda").to(dt)
-    composed = [  # (x, fusions, launches: the plain GEMV for decode, none for prefill)
-        (x5, {"norm": (ln, EPS)}, {}, "5 tokens, norm"),
-        (x5, {"norm": (ln, EPS), "swiglu": True}, {}, "5 tokens, norm + swiglu"),
-        (x5, {"residual": torch.ones(5, 512, device="cuda", dtype=dt)}, {}, "5 tokens, residual"),
+    expand = {"int8_dequant_bf16": 1}
+    composed = [  # (x, fusions, launches: the plain GEMV for decode, the expansion for prefill)
+        (x5, {"norm": (ln, EPS)}, expand, "5 tokens, norm"),
+        (x5, {"norm": (ln, EPS), "swiglu": True}, expand, "5 tokens, norm + swiglu"),
+        (x5, {"residual": torch.ones(5, 512, device="cuda", dtype=dt)}, expand, "5 tokens, residual"),
         (x1, {"swiglu": True}, {"int8_gemv_": 1}, "swiglu without norm"),
         (
             x1,

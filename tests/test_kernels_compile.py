@@ -43,6 +43,7 @@ VARIANTS = [
         {"CFG_INT8_WARPS": 8, "CFG_INT8_UNROLL_R1": 8, "CFG_INT8_MIN_BLOCKS": 2},
     ),
     ("int4_gemv.cu", {}),  # float16 scales, the default tuning
+    ("dequant.cu", {}),  # every int4 / int8 prefill expansion
     (
         "int4_gemv.cu",
         {"CFG_INT4_SCALE": 2, "CFG_INT4_WARPS": 4, "CFG_INT4_UNROLL": 2, "CFG_INT4_MIN_BLOCKS": 0},

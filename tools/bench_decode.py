@@ -42,6 +42,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=128, help="prompt length before the timed decode")
     p.add_argument("--ttft-lengths", default="128,512,2048")
+    p.add_argument("--prefill-chunk", type=int, default=None, dest="engine_prefill_chunk", metavar="TOKENS",
+                   help="tokens a prefill forward takes at most (default: the engine's, longer for quantized weights)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--max-seq-len", type=int, default=4096)
     p.add_argument("--compare-hf", action="store_true", help="also time transformers with a static cache")
@@ -111,7 +113,7 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     if args.model:
         engine = Engine.from_pretrained(
             args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args),
-            stream_factory=streams,
+            stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None),
         )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
@@ -126,7 +128,7 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     # Size the pool for the benchmark's longest sequence twice over, not the whole GPU.
     blocks = 2 * (-(-args.max_seq_len // args.page_size)) + 8
     engine = Engine(model, tokenizer, Path(f"preset:{args.preset}"), page_size=args.page_size, max_seq_len=args.max_seq_len,
-                    num_blocks=blocks, stream_factory=streams)
+                    num_blocks=blocks, stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None))
     return engine, raw
 
 
@@ -407,6 +409,7 @@ def run(args: argparse.Namespace) -> dict:
     result["cpu_per_token_spinning_waits"] = cpu_per_token(spinning, prompt, n)
     del spinning
     result["h2d_per_step"] = h2d_bytes_per_step(engine, prompt, 64)
+    result["prefill_chunk"] = engine.prefill_chunk
     result["ttft_ms"] = {
         str(length): time_ttft(engine, length, args.repeats)
         for length in (int(x) for x in args.ttft_lengths.split(","))

@@ -5,7 +5,7 @@ path, against the device's copy bandwidth measured in the same process (GPU).
     python tools/bench_int4.py gemv [--sms N] [--preset qwen3-8b]
     python tools/bench_int4.py prefill [--tokens 2048]
     python tools/bench_int4.py load [--preset qwen3-1.7b]
-    python tools/bench_int4.py ttft [--preset qwen3-8b]
+    python tools/bench_int4.py ttft [--preset qwen3-8b] [--prefill-chunk 512]
 
 ``gemv`` builds every layer's int4 projections of the preset (random codes, group 128,
 float16 scales and zero points), captures one CUDA graph of the decode step's linears
@@ -13,7 +13,10 @@ float16 scales and zero points), captures one CUDA graph of the decode step's li
 norm + SwiGLU) and times its replays: bytes read over time, as a fraction of the copy
 bandwidth. ``--sms N`` first makes a CUDA green context of N SMs current (16: an AGX
 Orin's SM count), so copy and GEMVs run on those SMs. ``prefill`` times dequantize +
-cuBLAS and the int4 GEMM against bfloat16 cuBLAS at the preset's shapes. ``load`` writes a random float
+cuBLAS and the int4 GEMM against bfloat16 cuBLAS at the preset's shapes, and the
+expansion kernel's bandwidth (bytes read + written) against the copy bandwidth. ``ttft``
+times bf16, int8 and int4 prompts at the engine's prefill chunk (longer for quantized
+weights) and int4 at ``--prefill-chunk`` tokens (the float default, 512) for comparison. ``load`` writes a random float
 checkpoint of the preset, quantizes it offline (RTN, compressed-tensors) and loads it
 on the GPU: peak device memory while loading against the final weight bytes. Prints
 one JSON line.
@@ -161,7 +164,10 @@ def prefill(args: argparse.Namespace) -> dict:
     gemm = Int4CudaLinear(launcher, reference, Int4Tuning(prefill="gemm"))
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h),
               "down": (h, inter)}
-    result: dict = {"mode": "prefill", "device": torch.cuda.get_device_name(), "tokens": args.tokens}
+    from tools.bench_decode import copy_bandwidth
+
+    result: dict = {"mode": "prefill", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
+                    "copy_bandwidth_GBps": copy_bandwidth() / 1e9}
     t4 = tb = tdq = tg = 0.0
     for name, (out, inp) in shapes.items():
         w4 = _weight(out, inp, g)
@@ -172,12 +178,15 @@ def prefill(args: argparse.Namespace) -> dict:
         b = _time_graph(lambda: F.linear(x, wb))
         d = _time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
         m = _time_graph(lambda: gemm.linear(x, w4))
+        moved = w4.nbytes() + buf.numel() * buf.element_size()
         result[name] = {"dequant_cublas_us": a * 1e6, "int4_gemm_us": m * 1e6, "bf16_us": b * 1e6,
-                        "dequant_us": d * 1e6}
+                        "dequant_us": d * 1e6, "dequant_GBps": moved / d / 1e9}
         t4, tb, tdq, tg = t4 + a, tb + b, tdq + d, tg + m
     result["layer_dequant_cublas_over_bf16"] = t4 / tb
     result["layer_int4_gemm_over_bf16"] = tg / tb
     result["layer_dequant_share"] = tdq / t4
+    result["layer_dequant_GBps"] = sum(r["dequant_GBps"] * r["dequant_us"] for r in
+                                       (result[n] for n in shapes)) / (tdq * 1e6)
     return result
 
 
@@ -202,7 +211,8 @@ def load(args: argparse.Namespace) -> dict:
 
 
 def ttft(args: argparse.Namespace) -> dict:
-    """TTFT of the preset in bf16, then int4 (RTN while building) with each prefill plan."""
+    """TTFT of the preset in bf16, int8 and int4 (RTN while building) at the engine's
+    prefill chunk, int4 also at ``--prefill-chunk`` tokens and with the int4 GEMM."""
     import gc
 
     from edge.config import ModelConfig, parse_dtype
@@ -212,7 +222,7 @@ def ttft(args: argparse.Namespace) -> dict:
     from edge.loader import fuse_weights
     from edge.model import Model
     from edge.random_model import iter_random_tensors, model_config
-    from tools.bench_decode import time_ttft
+    from tools.bench_decode import quantize_projections, time_ttft
 
     dtype = parse_dtype("bfloat16")
     raw = model_config(preset=args.preset)
@@ -220,23 +230,28 @@ def ttft(args: argparse.Namespace) -> dict:
     weights = fuse_weights(iter_random_tensors(raw, 0, dtype, "cuda"), cfg, "cuda", dtype)
     lengths = (512, 2048)
     blocks = 2 * (4096 // 16) + 8
-
-    def engine(tuning: Int4Tuning | None = None) -> Engine:
-        return Engine(Model(cfg, weights, 4096), None, Path(f"preset:{args.preset}"), max_seq_len=4096,
-                      num_blocks=blocks, int4_tuning=tuning)
-
     result: dict = {"mode": "ttft", "device": torch.cuda.get_device_name(), "preset": args.preset}
-    e = engine()
-    result["bf16_ms"] = {n: time_ttft(e, n, 3) for n in lengths}
-    del e
-    gc.collect()
-    torch.cuda.empty_cache()
-    quantize_fused_weights(weights, cfg, dtype)
-    for plan in ("dequant", "gemm"):
-        e = engine(Int4Tuning(prefill=plan))
-        result[f"int4_{plan}_ms"] = {n: time_ttft(e, n, 3) for n in lengths}
-        result[f"int4_{plan}_over_bf16_2048"] = result[f"int4_{plan}_ms"][2048] / result["bf16_ms"][2048]
+
+    def run(label: str, w: dict, tuning: Int4Tuning | None = None, chunk: int | None = None) -> None:
+        e = Engine(Model(cfg, w, 4096), None, Path(f"preset:{args.preset}"), max_seq_len=4096,
+                   num_blocks=blocks, int4_tuning=tuning, prefill_chunk=chunk)
+        result[f"{label}_ms"] = {n: time_ttft(e, n, 3) for n in lengths}
+        result[f"{label}_prefill_chunk"] = e.prefill_chunk
+        if "bf16_ms" in result:
+            result[f"{label}_over_bf16_2048"] = result[f"{label}_ms"][2048] / result["bf16_ms"][2048]
         del e
+        gc.collect()
+        torch.cuda.empty_cache()
+
+    run("bf16", weights)
+    w8 = dict(weights)
+    quantize_projections(w8, cfg)
+    run("int8", w8)
+    del w8
+    quantize_fused_weights(weights, cfg, dtype)
+    run("int4_dequant", weights, Int4Tuning(prefill="dequant"))
+    run(f"int4_dequant_chunk{args.prefill_chunk}", weights, Int4Tuning(prefill="dequant"), args.prefill_chunk)
+    run("int4_gemm", weights, Int4Tuning(prefill="gemm"))
     return result
 
 
@@ -247,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
     p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--prefill-chunk", type=int, default=512, help="ttft: the int4 comparison run's prefill chunk")
     args = p.parse_args(argv)
     out = {"gemv": gemv, "prefill": prefill, "load": load, "ttft": ttft}[args.mode](args)
     print(json.dumps(out))

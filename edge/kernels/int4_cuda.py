@@ -11,8 +11,9 @@ take is checked once per weight (:func:`weight_support`) when the backend is pla
   the input folded in), ``residual`` (in-place add), ``swiglu`` (``[gate; up]``
   epilogue, alone or after the norm) and the greedy lm_head's argmax (:meth:`argmax`).
 - Prefill chunks (``Int4Tuning.prefill``): ``"dequant"``, each row chunk of the weight
-  dequantized by a kernel into one bounded buffer (:attr:`Int4Tuning.dequant_chunk`
-  elements) and multiplied by cuBLAS; or ``"gemm"``, a GEMM that reads the packed codes
+  expanded by a kernel (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`) into one
+  bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS,
+  each chunk's product written into its columns of the result; or ``"gemm"``, a GEMM that reads the packed codes
   and dequantizes inside its tile loop (mma.sync). Either is the plan, not a fallback;
   the fusions are composed with the layer ops.
 
@@ -27,11 +28,11 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from edge.int4 import BLOCK_ROWS, Int4Weight
 from edge.kernels import nvrtc
 from edge.kernels.args import is_vector, overlap
+from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import Norm, fused_linear_reference
@@ -155,7 +156,7 @@ class Int4CudaLinear:
             defines = tuning.defines(sd)
             names = ["int4_argmax_take"]
             for dt in _DTYPE_NAME.values():
-                names += [f"int4_dequant_{dt}", f"int4_gemm_{dt}"]
+                names.append(f"int4_gemm_{dt}")
                 for infix, two in (*MODES.values(), *((a, True) for a in ARGMAX_MODES.values())):
                     names.append(f"int4_gemv_{infix}{dt}_t2")
                     if not two:
@@ -164,12 +165,19 @@ class Int4CudaLinear:
                 self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
                 if name.startswith("int4_gemv_"):
                     nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes)
+        self._dq = DequantCuda(launcher, int4=True, int8=False)
+
+    @property
+    def expands_weights(self) -> bool:
+        """Whether a prefill chunk expands every weight it multiplies (the ``"dequant"`` plan)."""
+        return self.tuning.prefill == "dequant"
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> Int4CudaLinear:
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int4CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
         other._eights = self._eights
+        other._dq = self._dq.with_launcher(launcher)
         return other
 
     def _gemv(self, x: torch.Tensor, w: Int4Weight) -> bool:
@@ -339,23 +347,7 @@ class Int4CudaLinear:
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:
         """Rows ``[16 rb0, 16 rb1)`` into ``out`` (contiguous ``[16 (rb1 - rb0), in]``,
         float16 / bfloat16): :meth:`edge.int4.Int4Weight.dequantize_blocks` by a kernel."""
-        n = (rb1 - rb0) * 2 * w.in_features  # words: one thread each
-        self.launcher.launch(
-            self._k[(w.scale.dtype, f"int4_dequant_{_DTYPE_NAME[out.dtype]}")],
-            -(-n // 256),
-            256,
-            (
-                out.data_ptr(),
-                w.packed.data_ptr(),
-                w.scale.data_ptr(),
-                0 if w.zero is None else w.zero.data_ptr(),
-                np.int32(rb0),
-                np.int32(rb1 - rb0),
-                np.int32(w.in_features),
-                np.int32(w.group_size),
-            ),
-        )
-        return out
+        return self._dq.int4(w, rb0, rb1, out)
 
     def _prefill(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         """A prefill chunk: the int4 GEMM, or each row chunk of the weight dequantized
@@ -368,16 +360,11 @@ class Int4CudaLinear:
             x = x.index_select(-1, w.perm)
         if self.tuning.prefill == "gemm":
             return self._gemm(x, w, bias)
-        blocks = w.packed.shape[0]
-        step = max(1, self.tuning.dequant_chunk // (BLOCK_ROWS * w.in_features))
-        buf = torch.empty(min(step, blocks) * BLOCK_ROWS, w.in_features, dtype=x.dtype, device=x.device)
-        outs = []
-        for rb0 in range(0, blocks, step):
-            rb1 = min(blocks, rb0 + step)
-            r0, r1 = rb0 * BLOCK_ROWS, min(w.out_features, rb1 * BLOCK_ROWS)
-            deq = self.dequantize_blocks(w, rb0, rb1, buf[: (rb1 - rb0) * BLOCK_ROWS])
-            outs.append(F.linear(x, deq[: r1 - r0], None if bias is None else bias[r0:r1]))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        step = max(1, self.tuning.dequant_chunk // (BLOCK_ROWS * w.in_features)) * BLOCK_ROWS
+        return expanded_linear(
+            x, w.out_features, w.packed.shape[0] * BLOCK_ROWS, step,
+            lambda r0, r1, buf: self._dq.int4(w, r0 // BLOCK_ROWS, r1 // BLOCK_ROWS, buf), bias,
+        )
 
     def _gemm(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None) -> torch.Tensor:
         """The int4 GEMM on ``x`` already in the layout's column order."""

@@ -34,10 +34,6 @@
 //               int4_argmax_take turns it into the token id (edge/kernels/int8_gemv.cu
 //               has the same scheme).
 //
-// int4_dequant_*: prefill. Rows of whole 16-row blocks into a T buffer in the layout's
-// column order, (q - zero) * scale in float32 rounded once (what the torch reference's
-// dequantize gives, bit for bit); cuBLAS multiplies.
-//
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87 Orin, sm_90).
 #include "common.cuh"
 
@@ -414,39 +410,6 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   }
 }
 
-template <typename T>
-__device__ __forceinline__ void int4_dequant(T* __restrict__ out, const unsigned int* __restrict__ packed,
-                                             const edge_scale_t* __restrict__ scale,
-                                             const unsigned char* __restrict__ zero, int rb0, int nrb, int in,
-                                             int group) {
-  edge::await_inputs();
-  const long long words_per_block = 2LL * in;
-  const long long w = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-  if (w >= nrb * words_per_block) return;
-  const int b = static_cast<int>(w / words_per_block);  // row block within the chunk
-  const int within = static_cast<int>(w % words_per_block);
-  const int kb = within >> 7, lane = (within >> 2) & 31, s = within & 3;
-  const int g = lane >> 2, t = lane & 3;
-  const int k0 = kb * 64 + 16 * s + 4 * t;
-  const int gi = k0 / group;
-  const int groups = in / group;
-  const unsigned int word = packed[(long long)(rb0 + b) * words_per_block + within];
-  const long long at = ((long long)(rb0 + b) * groups + gi) * 16 + g;
-#pragma unroll
-  for (int rh = 0; rh < 2; ++rh) {
-    const float sc = scale_at(scale + at + 8 * rh);
-    const float z = zero == nullptr ? 8.f : static_cast<float>(zero[at + 8 * rh]);
-    // Columns k0 .. k0 + 3 hold nibbles rh, rh + 4, rh + 2, rh + 6.
-    const float q0 = static_cast<float>((word >> (4 * rh)) & 15u);
-    const float q1 = static_cast<float>((word >> (4 * rh + 16)) & 15u);
-    const float q2 = static_cast<float>((word >> (4 * rh + 8)) & 15u);
-    const float q3 = static_cast<float>((word >> (4 * rh + 24)) & 15u);
-    float f[4] = {(q0 - z) * sc, (q1 - z) * sc, (q2 - z) * sc, (q3 - z) * sc};
-    uint2 v = make_uint2(edge::pack2<T>(f[0], f[1]), edge::pack2<T>(f[2], f[3]));
-    *reinterpret_cast<uint2*>(out + (long long)(b * 16 + g + 8 * rh) * in + k0) = v;
-  }
-}
-
 // ---- prefill GEMM: the packed codes straight into the tile loop ------------------------
 //
 // y[T, out] = x[T, in] @ dequant(w)^T (+ bias). A CTA computes 64 rows (4 row tiles, one
@@ -593,12 +556,6 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                \
       const T* __restrict__ bias, int out, int in, int group, int tokens) {                          \
     int4_gemm<T>(y, x, packed, scale, zero, bias, out, in, group, tokens);                           \
-  }                                                                                                   \
-  extern "C" __global__ void int4_dequant_##DT(T* __restrict__ out, const unsigned int* __restrict__ packed, \
-                                               const edge_scale_t* __restrict__ scale,                      \
-                                               const unsigned char* __restrict__ zero, int rb0, int nrb,   \
-                                               int in, int group) {                                         \
-    int4_dequant<T>(out, packed, scale, zero, rb0, nrb, in, group);                                         \
   }
 
 CFG_INT4_MODES(bf16, __nv_bfloat16)

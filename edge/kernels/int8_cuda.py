@@ -3,8 +3,9 @@
 :class:`Int8CudaLinear` is the backend's linear for the q8_0 format. ``linear`` has
 the semantics of :func:`edge.quant.int8_linear_reference` (``x @ dequant(w).T + bias``
 in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (at most
-:data:`MAX_GEMV_TOKENS` tokens); a prefill chunk dequantizes and multiplies (the
-reference's GEMM), which is the plan, not a fallback. Which weights the kernel takes
+:data:`MAX_GEMV_TOKENS` tokens); a prefill chunk expands the weight by a kernel
+(``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
+and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.
 
 It also takes the fusions of :func:`edge.quant.fused_linear_reference` and runs these
@@ -27,9 +28,10 @@ import numpy as np
 import torch
 
 from edge.kernels.args import is_vector, overlap
+from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
-from edge.quant import Int8Weight, Norm, fused_linear_reference, int8_linear_reference
+from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
 __all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "weight_support"]
 
@@ -58,8 +60,8 @@ _MIN_CTAS_PER_SM = 2
 
 @dataclasses.dataclass(frozen=True)
 class Int8Tuning:
-    """Compile-time knobs of int8_gemv.cu (its CFG_INT8_* defines) and an optional forced
-    rows-per-warp variant (None: chosen per shape)."""
+    """Compile-time knobs of int8_gemv.cu (its CFG_INT8_* defines), an optional forced
+    rows-per-warp variant (None: chosen per shape) and the prefill expansion's bound."""
 
     warps: int = 4
     unroll_r1: int = 4
@@ -67,8 +69,11 @@ class Int8Tuning:
     unroll_r4: int = 2
     min_blocks: int = 4
     rows_per_warp: int | None = None
+    dequant_chunk: int = DEQUANT_CHUNK_ELEMENTS  # weight elements expanded at once for prefill
 
     def __post_init__(self) -> None:
+        if self.dequant_chunk < 1:
+            raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
 
@@ -105,6 +110,7 @@ class Int8CudaLinear:
     mode does not take. Every weight it is given passed :func:`weight_support`."""
 
     name = "int8 GEMV (decode), dequantize + GEMM (prefill)"
+    expands_weights = True  # a prefill chunk expands every weight it multiplies
 
     def __init__(self, launcher: Launcher, layer_ops: Any, tuning: Int8Tuning = Int8Tuning()) -> None:
         self.launcher = launcher
@@ -119,11 +125,13 @@ class Int8CudaLinear:
                     name = f"int8_gemv_{infix}{_DTYPE_NAME[dtype]}_r{r}"
                     self._k[name] = launcher.kernel(SOURCE, name, defines)
         self._k["take"] = launcher.kernel(SOURCE, "int8_argmax_take", defines)
+        self._dq = DequantCuda(launcher, int4=False, int8=True)
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int8CudaLinear":
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int8CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
+        other._dq = self._dq.with_launcher(launcher)
         return other
 
     def plan(self, out_features: int, tokens: int, min_rows: int = 1) -> tuple[int, int]:
@@ -188,7 +196,7 @@ class Int8CudaLinear:
         mode = _mode(norm, residual, swiglu)
         if not self._gemv(x, w) or mode is None:
             if norm is None and residual is None and not swiglu:
-                y = int8_linear_reference(x, w, bias)
+                y = self._prefill(x, w, bias)
             else:  # prefill, or a combination the GEMV has no mode for: composed
                 y = fused_linear_reference(
                     x, w, bias, norm=norm, residual=residual, swiglu=swiglu, ops=self.ops, matmul=self._plain
@@ -209,6 +217,22 @@ class Int8CudaLinear:
 
     def _plain(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
         return self.linear(x, w, bias)
+
+    def dequantize(self, w: Int8Weight, r0: int, r1: int, out: torch.Tensor) -> torch.Tensor:
+        """Rows ``[r0, r1)`` of the weight into ``out`` (contiguous ``[r1 - r0, in]``,
+        float16 / bfloat16) by a kernel: the reference's dequantization, bit for bit."""
+        return self._dq.int8(w, r0, r1, out)
+
+    def _prefill(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """A prefill chunk: each row chunk of the weight expanded into one bounded buffer
+        (``tuning.dequant_chunk`` elements), cuBLAS multiplies."""
+        if x.dtype not in _DTYPE_NAME or x.device != w.device or x.shape[-1] != w.in_features:
+            raise UnplannedArguments(f"int8 prefill of {x.dtype} {tuple(x.shape)} on {x.device} by {w!r}")
+        if bias is not None and not is_vector(bias, x, w.out_features):
+            raise UnplannedArguments(f"int8 prefill bias {bias.dtype} {tuple(bias.shape)} for {w!r}")
+        rows = w.out_features
+        step = min(rows, max(1, self.tuning.dequant_chunk // w.in_features))
+        return expanded_linear(x, rows, rows, step, lambda r0, r1, buf: self._dq.int8(w, r0, r1, buf), bias)
 
     def _launch(
         self,
