@@ -228,8 +228,8 @@ def _cuda_backend(
     nvrtc.check_available(dev)
     decode_tuning = decode_tuning or DecodeTuning()
     int8_tuning = int8_tuning or Int8Tuning()
-    int4_tuning = int4_tuning or Int4Tuning()
     launcher = Launcher(dev, sms=sms)
+    int4_tuning = int4_tuning or Int4Tuning.for_sms(launcher.sm_count())
     notes: list[str] = []
     fused = fused_cuda.FusedCuda(launcher)
     why = fused_cuda.shape_support(dtype, cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)

@@ -101,9 +101,10 @@ def gemv(args: argparse.Namespace) -> dict:
     result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
                     "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
                     "green_context": green is not None, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9}
-    tunings = {"default": Int4Tuning()}
+    tunings = {"default": Int4Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())}
     if args.sweep:
         tunings |= {
+            "base": Int4Tuning(),
             "split8": Int4Tuning(split=8),
             "unroll1": Int4Tuning(unroll=1),
             "warps4": Int4Tuning(warps=4),

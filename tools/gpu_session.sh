@@ -36,7 +36,6 @@ for s in "$@"; do
         bench-vision) step bench-vision sh -c "$B vision > $OUT/vision-8b.json" ;;
         verify-int8) step verify-int8 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int8 ;;
         bench-8b) step bench-8b sh -c "$B decode --preset qwen3-8b --compare-hf --decode-tokens 128 --repeats 2 > $OUT/decode-8b.json" ;;
-        bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 > $OUT/decode-8b-int8.json" ;;
         bench-8b-int8-8k) step bench-8b-int8-8k sh -c "$B decode --preset qwen3-8b --quantize int8 --context 8192 --max-seq-len 9216 --decode-tokens 128 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int8-8k.json" ;;
         bench-16) for q in none int8; do step bench-8b-$q-16sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-$q-16sms.json"; done ;;
         bench-8) for q in none int8; do step bench-8b-$q-8sms sh -c "$B decode --preset qwen3-8b --quantize $q --sms 8 --decode-tokens 64 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-$q-8sms.json"; done ;;
@@ -45,6 +44,8 @@ for s in "$@"; do
         floor16) step floor-16sms sh -c "$B kernels --floor --sms 16 --kv-lens 2048,8192 > $OUT/kernels-16sms.json" ;;
         floor8) step floor-8sms sh -c "$B kernels --floor --sms 8 --kv-lens 2048,8192 > $OUT/kernels-8sms.json" ;;
         int4-tests) step int4-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_int4_cuda.py ;;
+        quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider tests/test_int4_cuda.py tests/test_int8_cuda.py tests/test_dequant_cuda.py ;;
+        bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int8.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
         bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;

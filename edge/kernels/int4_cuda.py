@@ -89,6 +89,12 @@ class Int4Tuning:
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
 
+    @classmethod
+    def for_sms(cls, sms: int) -> Int4Tuning:
+        """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) smaller
+        CTAs, with many one row tile and one column tile a stage (docs/benchmarks.md)."""
+        return cls(warps=4) if sms <= 32 else cls(tiles=1, unroll=1)
+
     def defines(self, scale_dtype: torch.dtype) -> dict[str, int]:
         return {
             "CFG_INT4_SCALE": SCALE_CODES[scale_dtype],
