@@ -612,6 +612,7 @@ class _NotFusing:
     def __init__(self, gemv: Int8CudaLinear, layer_ops: Any) -> None:
         self.gemv, self.ops = gemv, layer_ops
         self.name = f"{gemv.name}, not fusing"
+        self.expands_weights = gemv.expands_weights
 
     def linear(self, x, w, bias=None, *, norm=None, residual=None, swiglu=False):
         if norm is None and residual is None and not swiglu:

@@ -126,14 +126,17 @@ class Launcher:
 
 
 def context_sm_count(device_index: int) -> int:
-    """SMs of the current CUDA context: a green context's share where one is current,
-    else the device's."""
+    """SMs that torch's current stream runs on: a green context's share where the stream
+    belongs to one (else the thread's current context's), else the device's. The
+    stream's context first, because loading kernels makes the primary context current."""
     import torch
 
     total = int(torch.cuda.get_device_properties(device_index).multi_processor_count)
     try:
         driver = nvrtc._driver_module()
-        err, ctx = driver.cuCtxGetCurrent()
+        err, ctx = driver.cuStreamGetCtx(driver.CUstream(torch.cuda.current_stream(device_index).cuda_stream))
+        if int(err) != 0 or not int(ctx):
+            err, ctx = driver.cuCtxGetCurrent()
         if int(err) != 0 or not int(ctx):
             return total
         err, res = driver.cuCtxGetDevResource(ctx, driver.CUdevResourceType.CU_DEV_RESOURCE_TYPE_SM)
