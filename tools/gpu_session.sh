@@ -44,6 +44,7 @@ for s in "$@"; do
         floor16) step floor-16sms sh -c "$B kernels --floor --sms 16 --kv-lens 2048,8192 > $OUT/kernels-16sms.json" ;;
         floor8) step floor-8sms sh -c "$B kernels --floor --sms 8 --kv-lens 2048,8192 > $OUT/kernels-8sms.json" ;;
         int4-tests) step int4-tests python3 -m pytest -q -x -p no:cacheprovider tests/test_int4_cuda.py ;;
+        fixes) step fixes python3 -m pytest -q -p no:cacheprovider tests/test_green_context_cuda.py tests/test_int8_cuda.py -k "green or fused_plan or fused_kernels" ;;
         quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider tests/test_int4_cuda.py tests/test_int8_cuda.py tests/test_dequant_cuda.py ;;
         bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int8.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
