@@ -137,7 +137,8 @@ _QWEN3_VL_8B_TOWER = {
 VL_PRESETS: dict[str, dict[str, Any]] = {
     "qwen3-vl-tiny": {
         **_QWEN3_VL,
-        "text": {**_TINY_TEXT, "head_dim": 32, "mrope_section": [6, 5, 5]},
+        # head_dim 64: a size the CUDA attention takes, so GPU tests run graphs.
+        "text": {**_TINY_TEXT, "head_dim": 64, "mrope_section": [12, 10, 10]},
         "vision": {
             "depth": 3,
             "hidden_size": 64,
@@ -153,7 +154,7 @@ VL_PRESETS: dict[str, dict[str, Any]] = {
     },
     "qwen2.5-vl-tiny": {
         **_QWEN2_5_VL,
-        "text": {**_TINY_TEXT, "mrope_section": [4, 6, 6]},
+        "text": {**_TINY_TEXT, "num_attention_heads": 2, "num_key_value_heads": 1, "mrope_section": [8, 12, 12]},
         "vision": {
             "depth": 4,
             "hidden_size": 64,
@@ -335,4 +336,4 @@ def make_vl_model(
 
 def vl_preset_model_path(preset: str, dtype: str = "bfloat16") -> Path:
     """A random-weight VL ``preset`` model in the cache (seed 0), created once and reused."""
-    return cached_model(f"{preset}-{dtype}-v1", build=make_vl_model, preset=preset, seed=0, dtype=dtype)
+    return cached_model(f"{preset}-{dtype}-v2", build=make_vl_model, preset=preset, seed=0, dtype=dtype)
