@@ -171,7 +171,9 @@ class SlotDecoder:
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         before = self.engine.backend.launch_counts()
-        with torch.cuda.graph(graph, pool=self.mempool, stream=side):
+        # thread_local: another thread's CUDA calls (the other slot, a draft model, the
+        # API's workers) must not invalidate this capture.
+        with torch.cuda.graph(graph, pool=self.mempool, stream=side, capture_error_mode="thread_local"):
             self._body(greedy)
         after = self.engine.backend.launch_counts()
         self.captured_kernels[key] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
