@@ -117,6 +117,8 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
         )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
+    if getattr(args, "init_profile", None):
+        raw["init_profile"] = args.init_profile
     cfg = ModelConfig.from_dict(raw)
     weights = fuse_weights(iter_random_tensors(raw, 0, dtype, device), cfg, device, dtype)
     if _quantize(args) == "int4":

@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cuda", help="cuda or cpu (cpu: the reference backend, eager)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
+    p.add_argument("--init-profile", choices=("peaked", "random"), default="peaked",
+                   help="random presets' weights: peaked (each token's successor clear, so the greedy continuation "
+                   "does not hinge on rounding between the decode and verify paths) or plain random")
     p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) first")
     p.add_argument("--context", type=int, default=512, help="context length of the timed steps")
     p.add_argument("--max-k", type=int, default=8, help="verify steps of k = 1..max-k proposals")
@@ -199,6 +202,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model or args.preset,
         "dtype": args.dtype,
         "quantize": args.quantize,
+        "init_profile": None if args.model else args.init_profile,
         "backend": engine.backend.kind,
         "context": args.context,
         "graphs_captured": captured,
