@@ -70,5 +70,14 @@ def test_tables_and_projection(tool, capsys: pytest.CaptureFixture) -> None:  # 
     cells = [c.strip() for c in agx[0].strip("|").split("|")]
     assert float(cells[-1]) == pytest.approx(0.5 * float(cells[6]), abs=0.51)
     assert "pending (8 SMs)" in out
-    with pytest.raises(SystemExit):
-        tool.main(["--fraction", "Xavier=0.5"])
+    # Per SM count and format: both 8-SM boards take the 8-SM int8 figure, nothing else.
+    assert tool.main(["--fraction", "8:int8=0.25"]) == 0
+    out = capsys.readouterr().out
+    for board in ("Orin NX 16 GB", "Orin Nano 8 GB"):
+        row = next(line for line in out.splitlines() if line.startswith(f"| {board} | 8 |") and "| qwen3-1.7b | int8 |" in line)
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert cells[-2] == "0.25" and float(cells[-1]) == pytest.approx(0.25 * float(cells[6]), abs=0.51)
+    assert "| AGX Orin 64 GB | 16 | 204.8 | qwen3-1.7b | int8 | 2546 | 80.5 | pending (16 SMs) |" in out
+    for bad in ("Xavier=0.5", "16:fp8=0.5"):
+        with pytest.raises(SystemExit):
+            tool.main(["--fraction", bad])

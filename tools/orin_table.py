@@ -1,7 +1,7 @@
 """The tables of docs/orin.md: which presets fit each Orin board in which format, with the
 engine's default KV budget (edge/budget.py), and the decode roofline at the board's bandwidth.
 
-    python tools/orin_table.py [--max-seq-len 4096] [--fraction 'AGX Orin 64 GB=0.8' ...]
+    python tools/orin_table.py [--max-seq-len 4096] [--fraction 16:int4=0.23 ...] [--fraction 'AGX Orin 64 GB=0.8']
 
 Nothing is measured here: a board's memory after loading is MemTotal less what the OS and
 the engine's CUDA context take (the assumptions below); the activations are the engine's
@@ -156,7 +156,9 @@ def budget_table(max_seq_len: int) -> str:
     return "\n".join(rows)
 
 
-def projection_table(context: int, fractions: dict[str, float]) -> str:
+def projection_table(context: int, fractions: dict[tuple[str | int, str | None], float]) -> str:
+    """``fractions``: keyed by (SM count, format) as measured, or (board name, None) for
+    every format of one board."""
     rows = [
         f"| board | SMs | GB/s | preset | format | MB read per token at context {context} | roofline tok/s "
         "| roofline fraction at the board's SMs | projected tok/s |",
@@ -170,7 +172,7 @@ def projection_table(context: int, fractions: dict[str, float]) -> str:
                     continue
                 per_token = decode_bytes_per_token(cfg, fmt, context)
                 roof = board.bandwidth / per_token
-                f = fractions.get(board.name)
+                f = fractions.get((board.sms, fmt), fractions.get((board.name, None)))
                 proj = f"{f * roof:.0f}" if f is not None else "pending GPU run"
                 frac = f"{f:.2f}" if f is not None else f"pending ({board.sms} SMs)"
                 rows.append(f"| {board.name} | {board.sms} | {board.bandwidth / 1e9:g} | {preset} | {fmt} | "
@@ -181,15 +183,21 @@ def projection_table(context: int, fractions: dict[str, float]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--max-seq-len", type=int, default=4096)
-    p.add_argument("--fraction", action="append", default=[], metavar="BOARD=F",
-                   help="measured roofline fraction at the board's SM count, e.g. 'AGX Orin 64 GB=0.8'")
+    p.add_argument("--fraction", action="append", default=[], metavar="SMS:FORMAT=F | BOARD=F",
+                   help="measured roofline fraction at an SM count for one format (e.g. 16:int4=0.23), or "
+                   "for every format of one board (e.g. 'AGX Orin 64 GB=0.8')")
     args = p.parse_args(argv)
-    fractions = {}
+    fractions: dict[tuple[str | int, str | None], float] = {}
     for item in args.fraction:
         name, _, value = item.rpartition("=")
-        if name not in {b.name for b in BOARDS}:
-            p.error(f"--fraction: unknown board {name!r}; boards: {', '.join(b.name for b in BOARDS)}")
-        fractions[name] = float(value)
+        sms, colon, fmt = name.partition(":")
+        if colon and sms.isdigit() and fmt in FORMATS:
+            fractions[(int(sms), fmt)] = float(value)
+        elif name in {b.name for b in BOARDS}:
+            fractions[(name, None)] = float(value)
+        else:
+            p.error(f"--fraction: {name!r} is neither SMS:FORMAT (formats {', '.join(FORMATS)}) nor a board "
+                    f"({', '.join(b.name for b in BOARDS)})")
     print(budget_table(args.max_seq_len))
     print()
     print(projection_table(args.max_seq_len, fractions))
