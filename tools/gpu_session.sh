@@ -50,6 +50,8 @@ for s in "$@"; do
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
         bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;
+        load-peak-8b) step load-peak-8b sh -c "python3 tools/make_model.py /tmp/q8b --preset qwen3-8b --dtype bfloat16 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int8 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int4 --bits 4 && for a in '/tmp/q8b' '/tmp/q8b --quantize int8' '/tmp/q8b --quantize int4' '/tmp/q8b-int8' '/tmp/q8b-int4'; do python3 tools/load_peak.py \$a --device cuda; done > $OUT/load-peak-8b.jsonl" ;;
+        bench-8-int4) step bench-8b-int4-8sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 8 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-8sms.json" ;;
         sched8) step sched-8sms sh -c "$B scheduler --preset qwen3-8b --sms 8 --background-prompt 2048 --decode-tokens 128 > $OUT/scheduler-8sms.json" ;;
         spec) step spec python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_speculative_cuda.py ;;
         bench-spec) for q in none int8; do step bench-spec-$q sh -c "$B speculative --preset qwen3-8b --quantize $q > $OUT/speculative-8b-$q.json"; done ;;

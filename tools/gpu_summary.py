@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-KEYS = re.compile(r"(tok_s|fraction|GBps|_ms|_us|ratio|itl|speedup|sms$|passed|agree)", re.I)
+KEYS = re.compile(r"(tok_s|fraction|GBps|_ms|_us|ratio|itl|speedup|sms$|passed|agree|bytes|GiB)", re.I)
 
 
 def scalars(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -31,18 +31,22 @@ def fmt(v: Any) -> str:
 
 def main(argv: list[str]) -> int:
     root = Path(argv[1] if len(argv) > 1 else ".")
-    for path in sorted(root.glob("*.json")):
+    for path in sorted([*root.glob("*.json"), *root.glob("*.jsonl")]):
+        text = path.read_text().strip()
         try:
-            text = path.read_text().strip()
-            try:
-                data = json.loads(text)
-            except ValueError:  # a JSON line after other output
-                data = json.loads(text.splitlines()[-1])
+            if path.suffix == ".jsonl":
+                records = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+            else:
+                try:
+                    records = [json.loads(text)]
+                except ValueError:  # a JSON line after other output
+                    records = [json.loads(text.splitlines()[-1])]
         except (ValueError, IndexError) as exc:
             print(f"{path.name}: unreadable ({exc})")
             continue
-        cells = [f"{k}={fmt(v)}" for k, v in scalars(data) if KEYS.search(k) and isinstance(v, (int, float))]
-        print(f"{path.name}: " + " ".join(cells))
+        for data in records:
+            cells = [f"{k}={fmt(v)}" for k, v in scalars(data) if KEYS.search(k) and isinstance(v, (int, float))]
+            print(f"{path.name}: " + " ".join(cells))
     return 0
 
 

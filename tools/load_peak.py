@@ -1,7 +1,7 @@
 """Peak memory while loading a checkpoint: host VmHWM above the baseline plus the device's
 allocator peak, against the final weight bytes (issue #22: at most weights + 1.5 GiB).
 
-    python tools/load_peak.py MODEL_DIR [--device cuda] [--dtype bfloat16] [--quantize int8]
+    python tools/load_peak.py MODEL_DIR [--device cuda] [--dtype bfloat16] [--quantize int8|int4]
 
 Prints one JSON object. The baseline is taken after torch (and on a GPU its CUDA context)
 is up, and the kernel's high-water mark is reset there (``/proc/self/clear_refs``), so the
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model_dir")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--quantize", choices=("int8",))
+    p.add_argument("--quantize", choices=("int8", "int4"))
     args = p.parse_args(argv)
     out = measure(args.model_dir, args.device, args.dtype, args.quantize)
     print(json.dumps(out))
