@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-KEYS = re.compile(r"(tok_s|fraction|GBps|_ms|_us|ratio|itl|speedup|sms$|passed|agree|bytes|GiB)", re.I)
+KEYS = re.compile(r"(tok_s|fraction|GBps|_ms|_us|ratio|itl|speedup|sms$|passed|agree|bytes|GiB|peak|weights|bound|quantize)", re.I)
 
 
 def scalars(value: Any, prefix: str = "") -> list[tuple[str, Any]]:
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
             print(f"{path.name}: unreadable ({exc})")
             continue
         for data in records:
-            cells = [f"{k}={fmt(v)}" for k, v in scalars(data) if KEYS.search(k) and isinstance(v, (int, float))]
+            cells = [f"{k}={fmt(v)}" for k, v in scalars(data) if KEYS.search(k) and isinstance(v, (int, float, str))]
             print(f"{path.name}: " + " ".join(cells))
     return 0
 
