@@ -14,11 +14,21 @@ rules keep the decoding conversation's inter-token latency (ITL) near its figure
   is below the 1.25x the service promises against a conversation decoding alone. A
   floor keeps the prompt moving when the target cannot be met: a chunk may always
   start once the last one took at most ``min_share`` of the time since it started.
-- **Time budget.** A chunk is sized to take about ``budget`` seconds at the prefill
-  throughput measured on earlier background chunks, so no chunk stalls decode for long
-  whatever the device: the time a fixed token count takes depends on the device's SMs
-  and bandwidth by orders of magnitude. The budget is explicit, or by default
-  ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
+- **Time budget.** A chunk is sized to take about ``budget`` seconds, so no chunk stalls
+  decode for long whatever the device: the time a fixed token count takes depends on
+  the device's SMs and bandwidth by orders of magnitude. The budget is explicit, or by
+  default ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
+- **Fixed cost.** A chunk's time is modelled as ``fixed + per_token * tokens``: quantized
+  linears expand every weight once per chunk whatever its length. The fixed part is
+  learnt from consecutive chunks of sizes at least 2x apart (their line's intercept;
+  the median of the recent ones); when the chunk sizes settle without such a pair, one
+  chunk of twice the size is run to get one. The per-token part is the recent chunks'
+  mean time less the fixed part over their mean size, so it follows the device (clocks,
+  deeper prompt positions). When the fixed part exceeds ``fixed_share`` of the budget, a
+  chunk that fits the budget would be mostly fixed cost, so the chunk is instead sized
+  for the fixed part to be ``fixed_share`` of its time: fewer, longer chunks, each
+  followed by the decode steps that keep the ITL target on average. With no fixed cost
+  (float weights) this is the budget rule alone.
 
 Every time is passed in by the caller: nothing here reads a clock, so tests step it
 with invented timings.
@@ -36,7 +46,9 @@ class Pacing:
     ``max_chunk``: the upper bound in tokens (``--prefill-chunk``). ``budget_s``: the
     time one chunk may take; None sizes it from the clean ITL. ``granule``: chunks are
     whole multiples of it (a KV page, a GEMM-friendly M), and the first, probing chunk
-    is one granule. ``rate_weight``: weight of the newest chunk in the throughput average.
+    is one granule. ``rate_weight``: weight of the newest chunk in the averages of chunk
+    size and time. ``fixed_share``: the largest part of a chunk's time its fixed cost
+    may take once that cost no longer fits the budget.
     """
 
     def __init__(
@@ -49,6 +61,8 @@ class Pacing:
         granule: int = 16,
         rate_weight: float = 0.5,
         itl_window: int = 9,
+        fixed_share: float = 0.5,
+        fixed_window: int = 5,
     ) -> None:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be positive, got {max_chunk}")
@@ -64,6 +78,10 @@ class Pacing:
             raise ValueError(f"granule must be positive, got {granule}")
         if not 0.0 < rate_weight <= 1.0:
             raise ValueError(f"rate_weight must be in (0, 1], got {rate_weight}")
+        if not 0.0 < fixed_share < 1.0:
+            raise ValueError(f"fixed_share must be in (0, 1), got {fixed_share}")
+        if fixed_window < 1:
+            raise ValueError(f"fixed_window must be positive, got {fixed_window}")
         self.max_chunk = max_chunk
         self.explicit_budget_s = budget_s
         self.itl_target = itl_target
@@ -71,10 +89,14 @@ class Pacing:
         self.steps_per_chunk = steps_per_chunk
         self.granule = granule
         self.rate_weight = rate_weight
+        self.fixed_share = fixed_share
         self._itl: deque[float] = deque(maxlen=itl_window)  # clean intervals between tokens
         self._last_token: float | None = None
         self._chunk_since_token = False  # a chunk ran or runs since the last token
-        self.tokens_per_s: float | None = None  # background prefill throughput, averaged
+        self._mean_tokens: float | None = None  # recent chunks' size and time, averaged alike
+        self._mean_s = 0.0
+        self._fixed: deque[float] = deque(maxlen=fixed_window)  # intercepts of chunk pairs
+        self._repeats = 0  # chunks in a row of the last chunk's size
         self.in_flight = False  # a chunk was started and its time is not known yet
         self._cycle_start: float | None = None  # when the last chunk started
         self._cycle_tokens = 0  # tokens decoded since
@@ -111,12 +133,21 @@ class Pacing:
         self._last_busy_s = max(busy_s, 0.0)
         if tokens <= 0 or busy_s <= 0:
             return  # nothing ran (blocks were short): no throughput to learn
+        prev_tokens, prev_s = self.last_chunk_tokens, self.last_chunk_s
+        if prev_s is not None and max(tokens, prev_tokens) >= 2 * min(tokens, prev_tokens):
+            # Two sizes far enough apart for their line's intercept to rise above noise.
+            fixed = (prev_s * tokens - busy_s * prev_tokens) / (tokens - prev_tokens)
+            self._fixed.append(min(max(fixed, 0.0), prev_s, busy_s))
+        self._repeats = self._repeats + 1 if tokens == prev_tokens else 1
         self.last_chunk_tokens, self.last_chunk_s = tokens, busy_s
         self.chunks += 1
         self.busy_s += busy_s
-        rate = tokens / busy_s
         w = self.rate_weight
-        self.tokens_per_s = rate if self.tokens_per_s is None else w * rate + (1.0 - w) * self.tokens_per_s
+        if self._mean_tokens is None:
+            self._mean_tokens, self._mean_s = float(tokens), busy_s
+        else:
+            self._mean_tokens = w * tokens + (1.0 - w) * self._mean_tokens
+            self._mean_s = w * busy_s + (1.0 - w) * self._mean_s
 
     # -- decisions --------------------------------------------------------------------
 
@@ -133,6 +164,26 @@ class Pacing:
         itl = self.itl_s
         return None if itl is None else self.steps_per_chunk * itl
 
+    @property
+    def fixed_s(self) -> float | None:
+        """A chunk's fixed cost, or None before two chunk sizes 2x apart were timed."""
+        return statistics.median(self._fixed) if self._fixed else None
+
+    @property
+    def per_token_s(self) -> float | None:
+        """A chunk's cost per token beyond the fixed one, or None before any chunk ran."""
+        if self._mean_tokens is None:
+            return None
+        variable = self._mean_s - (self.fixed_s or 0.0)
+        # A fixed cost estimated near the whole chunk time leaves the per-token cost to
+        # timing noise; a floor keeps the next chunk bounded while more pairs are timed.
+        return max(variable, 0.1 * self._mean_s) / self._mean_tokens
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Background prefill throughput of the recent chunks, fixed cost included."""
+        return None if self._mean_tokens is None else self._mean_tokens / self._mean_s
+
     def due(self, now: float) -> bool:
         """May a background chunk start now?"""
         if self.in_flight:
@@ -146,24 +197,27 @@ class Pacing:
         return itl is not None and self._cycle_tokens > 0 and elapsed <= self.itl_target * itl * self._cycle_tokens
 
     def chunk_tokens(self) -> int:
-        """Tokens for the next chunk: the budget times the measured throughput, in
-        whole granules, at least one granule and at most ``max_chunk``. Before any
-        throughput is known, one granule (a probe).
-
-        Sizing by the previous chunks' tokens per second converges to the chunk that
-        takes the budget even when each chunk also pays a fixed cost ``a``: with
-        ``t(n) = a + b n`` the next size ``B n / t(n)`` has its fixed point at
-        ``t(n) = B``; when ``a`` alone exceeds the budget it settles on one granule.
-        """
+        """Tokens for the next chunk, in whole granules, at least one granule and at
+        most ``max_chunk``: the chunk that takes the budget, or, when the fixed cost is
+        over ``fixed_share`` of the budget, the chunk whose time it is that share of.
+        Before any chunk ran, one granule (a probe); until the fixed cost is known it
+        is taken as zero, and a size that would repeat a third time is doubled instead
+        (the second size the fixed cost is learnt from)."""
         floor = min(self.granule, self.max_chunk)
-        budget = self.budget_s
-        if self.tokens_per_s is None or budget is None:
+        budget, per_token = self.budget_s, self.per_token_s
+        if per_token is None or budget is None:
             return floor
-        tokens = int(budget * self.tokens_per_s) // self.granule * self.granule
-        return max(floor, min(self.max_chunk, tokens))
+        fixed = self.fixed_s
+        target = budget if fixed is None else max(budget, fixed / self.fixed_share)
+        tokens = int((target - (fixed or 0.0)) / per_token) // self.granule * self.granule
+        tokens = max(floor, min(self.max_chunk, tokens))
+        last = self.last_chunk_tokens
+        if fixed is None and self._repeats >= 2 and tokens <= last:
+            tokens = max(tokens, min(self.max_chunk, 2 * last))
+        return tokens
 
     def describe(self) -> dict:
-        budget, itl = self.budget_s, self.itl_s
+        budget, itl, fixed, per_token = self.budget_s, self.itl_s, self.fixed_s, self.per_token_s
         return {
             "budget_ms": None if budget is None else budget * 1e3,
             "budget_source": "explicit" if self.explicit_budget_s is not None else f"{self.steps_per_chunk:g} x clean ITL",
@@ -172,6 +226,8 @@ class Pacing:
             "max_chunk": self.max_chunk,
             "next_chunk_tokens": self.chunk_tokens(),
             "tokens_per_s": self.tokens_per_s,
+            "chunk_fixed_ms": None if fixed is None else fixed * 1e3,
+            "chunk_per_token_ms": None if per_token is None else per_token * 1e3,
             "last_chunk_tokens": self.last_chunk_tokens,
             "last_chunk_ms": None if self.last_chunk_s is None else self.last_chunk_s * 1e3,
             "chunks": self.chunks,
