@@ -138,8 +138,8 @@ def test_background_prefill_stays_paced_with_the_longer_chunk(int8_model: Model)
     """The scheduler's background chunks are time-budgeted whatever the engine's chunk:
     with an expansion paid once a chunk (the fixed cost) they settle on the largest
     chunk that fits the budget, far below the foreground chunk. (Where the expansion
-    alone takes more than half the budget, the rate-based sizing stays at one granule:
-    docs/benchmarks.md, quantized prefill.)"""
+    alone takes more than half the budget, chunks grow past it to amortise it:
+    test_scheduler_policy.py, fixed cost.)"""
     mem = MemoryInfo("cpu", 64 * GiB, 8 * GiB, "fake")
     e = Engine(int8_model, None, Path("."), max_seq_len=4096, memory_info=mem, backend=_expanding_backend())
     sched = Scheduler(e)

@@ -1,6 +1,6 @@
 """Background prefill pacing: how many tokens the next chunk takes, and when it may start.
 
-While one conversation decodes, the other slot's prompt is prefilled in chunks. Two
+While one conversation decodes, the other slot's prompt is prefilled in chunks. These
 rules keep the decoding conversation's inter-token latency (ITL) near its figure alone:
 
 - **ITL target.** A chunk starts a cycle that lasts until the next chunk starts. The
@@ -20,15 +20,16 @@ rules keep the decoding conversation's inter-token latency (ITL) near its figure
   default ``steps_per_chunk`` times the clean ITL; ``max_chunk`` tokens bound it from above.
 - **Fixed cost.** A chunk's time is modelled as ``fixed + per_token * tokens``: quantized
   linears expand every weight once per chunk whatever its length. The fixed part is
-  learnt from consecutive chunks of sizes at least 2x apart (their line's intercept;
-  the median of the recent ones); when the chunk sizes settle without such a pair, one
-  chunk of twice the size is run to get one. The per-token part is the recent chunks'
-  mean time less the fixed part over their mean size, so it follows the device (clocks,
-  deeper prompt positions). When the fixed part exceeds ``fixed_share`` of the budget, a
-  chunk that fits the budget would be mostly fixed cost, so the chunk is instead sized
-  for the fixed part to be ``fixed_share`` of its time: fewer, longer chunks, each
-  followed by the decode steps that keep the ITL target on average. With no fixed cost
-  (float weights) this is the budget rule alone.
+  the intercept of a least-squares line through the recent chunks' (tokens, time),
+  updated while their times differ enough to measure it and held otherwise; until
+  then, chunks that would stop growing double instead, so that their times come apart.
+  The per-token part is the recent chunks' mean time less the fixed part over their
+  mean size, so it follows the device (clocks, deeper prompt positions). When the
+  fixed part exceeds ``fixed_share`` of the budget, a chunk that fits the budget would
+  be mostly fixed cost, so the chunk is instead sized for the fixed part to be
+  ``fixed_share`` of its time: fewer, longer chunks, each followed by the decode steps
+  that keep the ITL target on average. With no fixed cost (float weights) this is the
+  budget rule alone.
 
 Every time is passed in by the caller: nothing here reads a clock, so tests step it
 with invented timings.
@@ -47,8 +48,9 @@ class Pacing:
     time one chunk may take; None sizes it from the clean ITL. ``granule``: chunks are
     whole multiples of it (a KV page, a GEMM-friendly M), and the first, probing chunk
     is one granule. ``rate_weight``: weight of the newest chunk in the averages of chunk
-    size and time. ``fixed_share``: the largest part of a chunk's time its fixed cost
-    may take once that cost no longer fits the budget.
+    size and time. ``fixed_share``: the part of a chunk's time its fixed cost takes once
+    that cost no longer fits the budget. ``fit_memory``: chunks after which an old
+    chunk's weight in the fixed-cost fit has fallen by a factor e.
     """
 
     def __init__(
@@ -62,7 +64,7 @@ class Pacing:
         rate_weight: float = 0.5,
         itl_window: int = 9,
         fixed_share: float = 0.5,
-        fixed_window: int = 5,
+        fit_memory: float = 32.0,
     ) -> None:
         if max_chunk < 1:
             raise ValueError(f"max_chunk must be positive, got {max_chunk}")
@@ -80,8 +82,8 @@ class Pacing:
             raise ValueError(f"rate_weight must be in (0, 1], got {rate_weight}")
         if not 0.0 < fixed_share < 1.0:
             raise ValueError(f"fixed_share must be in (0, 1), got {fixed_share}")
-        if fixed_window < 1:
-            raise ValueError(f"fixed_window must be positive, got {fixed_window}")
+        if not fit_memory >= 1.0:
+            raise ValueError(f"fit_memory must be at least 1 chunk, got {fit_memory}")
         self.max_chunk = max_chunk
         self.explicit_budget_s = budget_s
         self.itl_target = itl_target
@@ -95,8 +97,9 @@ class Pacing:
         self._chunk_since_token = False  # a chunk ran or runs since the last token
         self._mean_tokens: float | None = None  # recent chunks' size and time, averaged alike
         self._mean_s = 0.0
-        self._fixed: deque[float] = deque(maxlen=fixed_window)  # intercepts of chunk pairs
-        self._repeats = 0  # chunks in a row of the last chunk's size
+        self._fit = _LineFit(fit_memory)  # chunk time against chunk tokens
+        self._fixed_s: float | None = None  # the fit's last measurable intercept
+        self._largest = 0  # tokens of the largest chunk timed
         self.in_flight = False  # a chunk was started and its time is not known yet
         self._cycle_start: float | None = None  # when the last chunk started
         self._cycle_tokens = 0  # tokens decoded since
@@ -133,12 +136,11 @@ class Pacing:
         self._last_busy_s = max(busy_s, 0.0)
         if tokens <= 0 or busy_s <= 0:
             return  # nothing ran (blocks were short): no throughput to learn
-        prev_tokens, prev_s = self.last_chunk_tokens, self.last_chunk_s
-        if prev_s is not None and max(tokens, prev_tokens) >= 2 * min(tokens, prev_tokens):
-            # Two sizes far enough apart for their line's intercept to rise above noise.
-            fixed = (prev_s * tokens - busy_s * prev_tokens) / (tokens - prev_tokens)
-            self._fixed.append(min(max(fixed, 0.0), prev_s, busy_s))
-        self._repeats = self._repeats + 1 if tokens == prev_tokens else 1
+        self._fit.add(tokens, busy_s)
+        fixed = self._fit.intercept()
+        if fixed is not None:  # else the last measurable one holds
+            self._fixed_s = max(fixed, 0.0)
+        self._largest = max(self._largest, tokens)
         self.last_chunk_tokens, self.last_chunk_s = tokens, busy_s
         self.chunks += 1
         self.busy_s += busy_s
@@ -166,8 +168,8 @@ class Pacing:
 
     @property
     def fixed_s(self) -> float | None:
-        """A chunk's fixed cost, or None before two chunk sizes 2x apart were timed."""
-        return statistics.median(self._fixed) if self._fixed else None
+        """A chunk's fixed cost, or None before chunks of clearly different times ran."""
+        return self._fixed_s
 
     @property
     def per_token_s(self) -> float | None:
@@ -176,7 +178,7 @@ class Pacing:
             return None
         variable = self._mean_s - (self.fixed_s or 0.0)
         # A fixed cost estimated near the whole chunk time leaves the per-token cost to
-        # timing noise; a floor keeps the next chunk bounded while more pairs are timed.
+        # timing noise; a floor keeps the next chunk bounded while more chunks are timed.
         return max(variable, 0.1 * self._mean_s) / self._mean_tokens
 
     @property
@@ -200,9 +202,11 @@ class Pacing:
         """Tokens for the next chunk, in whole granules, at least one granule and at
         most ``max_chunk``: the chunk that takes the budget, or, when the fixed cost is
         over ``fixed_share`` of the budget, the chunk whose time it is that share of.
-        Before any chunk ran, one granule (a probe); until the fixed cost is known it
-        is taken as zero, and a size that would repeat a third time is doubled instead
-        (the second size the fixed cost is learnt from)."""
+        Before any chunk ran, one granule (a probe). Until the fixed cost is known it
+        is taken as zero, and from the third chunk on a size that would not exceed the
+        largest so far is twice that instead: a fixed cost shows only once chunk
+        times, not just sizes, differ, and each doubling costs little more than the
+        fixed cost itself where that cost is what keeps the times alike."""
         floor = min(self.granule, self.max_chunk)
         budget, per_token = self.budget_s, self.per_token_s
         if per_token is None or budget is None:
@@ -211,9 +215,8 @@ class Pacing:
         target = budget if fixed is None else max(budget, fixed / self.fixed_share)
         tokens = int((target - (fixed or 0.0)) / per_token) // self.granule * self.granule
         tokens = max(floor, min(self.max_chunk, tokens))
-        last = self.last_chunk_tokens
-        if fixed is None and self._repeats >= 2 and tokens <= last:
-            tokens = max(tokens, min(self.max_chunk, 2 * last))
+        if fixed is None and self.chunks >= 2 and tokens <= self._largest:
+            tokens = min(self.max_chunk, 2 * self._largest)
         return tokens
 
     def describe(self) -> dict:
@@ -233,3 +236,30 @@ class Pacing:
             "chunks": self.chunks,
             "busy_s": self.busy_s,
         }
+
+
+class _LineFit:
+    """Least squares of chunk time on chunk tokens, older chunks weighing less
+    (``memory``: chunks to forget by a factor e), so the line follows the device."""
+
+    def __init__(self, memory: float) -> None:
+        self.keep = 1.0 - 1.0 / memory
+        self.w = self.n = self.t = self.nn = self.nt = self.tt = 0.0  # weighted sums
+
+    def add(self, n: float, t: float) -> None:
+        k = self.keep
+        self.w = k * self.w + 1.0
+        self.n, self.t = k * self.n + n, k * self.t + t
+        self.nn, self.nt, self.tt = k * self.nn + n * n, k * self.nt + n * t, k * self.tt + t * t
+
+    def intercept(self, min_time_cv: float = 0.2) -> float | None:
+        """The line's time at zero tokens, or None while chunk times vary less than
+        ``min_time_cv`` of their mean: an intercept is measurable only from chunks
+        whose times, not just sizes, differ by more than their noise."""
+        if self.w == 0.0:
+            return None
+        mn, mt = self.n / self.w, self.t / self.w
+        var_n, var_t = self.nn / self.w - mn * mn, self.tt / self.w - mt * mt
+        if var_n <= 0.0 or var_t < (min_time_cv * mt) ** 2:
+            return None
+        return mt - (self.nt / self.w - mn * mt) / var_n * mn
