@@ -41,6 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--itl-target", type=float, help="ITL during background prefill over ITL alone (default: the scheduler's)")
     p.add_argument("--turn-prompt", type=int, default=1024, help="first-turn prompt length for the prefix-reuse test")
     p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
+    p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none",
+                   help="weights of the random preset (bench_decode's formats): a fixed expansion cost per prefill chunk")
 
 
 def _timed(handle) -> list[tuple[float, int]]:  # noqa: ANN001 - RequestHandle
@@ -113,7 +115,8 @@ def run(args: argparse.Namespace, engine: Engine | None = None) -> dict:
         engine, _ = build_engine(args, streams)
     greedy = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
     result: dict = {"device": str(engine.device), "model": args.model or args.preset, "kernels": engine.info().get("kernels"),
-                    "cuda_graph": engine.cuda_graph, "prefill_chunk": args.prefill_chunk}
+                    "cuda_graph": engine.cuda_graph, "prefill_chunk": args.prefill_chunk,
+                    "quantize": getattr(args, "quantize", "none")}
     if engine.device.type == "cuda":
         result["gpu"] = torch.cuda.get_device_name(engine.device)
         result["sms"] = torch.cuda.get_device_properties(engine.device).multi_processor_count
