@@ -108,7 +108,7 @@ class Int4Tuning:
 
 def staged_row_bytes(in_features: int, dtype: torch.dtype) -> int:
     """Shared memory one token's staged activations take in a GEMV CTA (int4_gemv.cu)."""
-    return (in_features + X_PAD) * torch.empty((), dtype=dtype).element_size()
+    return (in_features + X_PAD) * dtype.itemsize
 
 
 def group_shift(group_size: int, in_features: int) -> int | None:
