@@ -93,6 +93,7 @@ class VerifyDecoder:
         cuda = dev.type == "cuda"
         self.host_ids = torch.zeros(width, dtype=torch.long, pin_memory=cuda)
         self.host_best = torch.zeros(width, dtype=torch.long, pin_memory=cuda)
+        self._host_ids_np = self.host_ids.numpy()  # the step's ids written without a tensor per step
         # Blocking: the host sleeps until the step is done instead of spinning a core.
         self._staged = torch.cuda.Event(blocking=engine.blocking_waits) if cuda else None
         self._read = torch.cuda.Event(blocking=engine.blocking_waits) if cuda else None
@@ -135,7 +136,7 @@ class VerifyDecoder:
         seq.reserve(t)  # may raise KVOutOfMemory; nothing has been launched then
         if self._staged is not None:
             self._staged.synchronize()  # the last step's copy out of host_ids is done
-        self.host_ids[:t] = torch.as_tensor(tokens, dtype=torch.long)
+        self._host_ids_np[:t] = tokens
         self.ids[:t].copy_(self.host_ids[:t], non_blocking=True)
         if self._staged is not None:
             self._staged.record()
