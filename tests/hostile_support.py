@@ -252,23 +252,16 @@ def soak(server: ServerProc, n: int, concurrency: int = 8) -> dict[str, int]:
     return outcomes
 
 
-# A baseline's open files must hold this long: a client's closed keep-alive connection
-# can linger on the server for its keep-alive timeout (uvicorn: 5 s).
-STEADY_S = 6
-
-
 def settle(server: ServerProc, idle: dict | None = None, timeout: float = 30.0) -> dict:
     """Wait until no request runs and the connections are closed (down to ``idle``'s
-    open files when given, else unchanged for ``STEADY_S`` seconds); then the figures."""
+    open files when given, else steady for a second); then the figures."""
     server.wait_for(slots_idle, timeout=timeout, what="idle slots")
     deadline = time.monotonic() + timeout
     figures = process_figures(server)
-    steady = 0
     while time.monotonic() < deadline:
         time.sleep(1.0)
         again = process_figures(server)
-        steady = steady + 1 if again["open_files"] == figures["open_files"] else 0
-        done = again["open_files"] <= idle["open_files"] if idle else steady >= STEADY_S
+        done = again["open_files"] <= idle["open_files"] if idle else again["open_files"] == figures["open_files"]
         if done and again["kv_blocks_used"] == 0:
             return again
         figures = again
