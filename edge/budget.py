@@ -300,9 +300,14 @@ def probe_memory(
     proc_cgroup: str | os.PathLike[str] = PROC_SELF_CGROUP,
     integrated: bool | None = None,
     mem_get_info: Callable[[], tuple[int, int]] | None = None,
+    process_share: tuple[float, int] | None = None,
 ) -> MemoryInfo:
-    """What the KV pool may come from on ``device``. ``integrated`` and
-    ``mem_get_info`` override the CUDA queries (tests fake both kinds of GPU)."""
+    """What the KV pool may come from on ``device``. ``integrated``, ``mem_get_info`` and
+    ``process_share`` (torch's per-process memory fraction, bytes this process's allocator
+    already holds) override the CUDA queries (tests fake both kinds of GPU).
+
+    On a discrete GPU the free memory is capped by ``torch.cuda.set_per_process_memory_fraction``
+    when the process set one: the pool must fit the share the allocator will grant."""
     import torch
 
     dev = torch.device(device)
@@ -317,6 +322,15 @@ def probe_memory(
             free, total = torch.cuda.mem_get_info(dev)
         else:
             free, total = mem_get_info()
+        if process_share is None and mem_get_info is None:
+            process_share = (torch.cuda.get_per_process_memory_fraction(dev), torch.cuda.memory_reserved(dev))
+        fraction, held = process_share or (1.0, 0)
+        if fraction < 1.0:
+            share = max(0, int(total * fraction) - held)
+            if share < free:
+                return MemoryInfo(
+                    "discrete", int(total), share, f"torch.cuda per-process memory fraction {fraction:g}"
+                )
         return MemoryInfo("discrete", int(total), int(free), "torch.cuda.mem_get_info")
     if dev.type != "cpu":
         raise BudgetError(f"no memory probe for device {dev}; pass kv_blocks= or kv_memory=")

@@ -12,7 +12,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    """``EDGE_TEST_SMS=16``: run the GPU tests confined to 16 SMs (an AGX Orin's count)."""
+    """``EDGE_TEST_SMS=16``: run the GPU tests confined to 16 SMs (an AGX Orin's count).
+    ``EDGE_TEST_GPU_FRACTION=0.3``: this process may take that share of GPU memory (engines
+    size their KV pools to it), so several suites can share one GPU."""
+    fraction = os.environ.get("EDGE_TEST_GPU_FRACTION")
+    if fraction and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(fraction))
     sms = os.environ.get("EDGE_TEST_SMS")
     if sms and torch.cuda.is_available():
         import sys

@@ -99,6 +99,18 @@ def test_probe_discrete_uses_mem_get_info(tmp_path: Path) -> None:
     assert m == MemoryInfo("discrete", 80 * GiB, 30 * GiB, "torch.cuda.mem_get_info")
 
 
+def test_probe_discrete_honours_the_per_process_memory_fraction(tmp_path: Path) -> None:
+    """A process limited to 25 % of an 80 GiB GPU, its allocator already holding 4 GiB, may
+    size its pool from 16 GiB, not from the device's 70 GiB free; a share above the free
+    figure changes nothing."""
+    probe = dict(meminfo=tmp_path / "missing", integrated=False, mem_get_info=lambda: (70 * GiB, 80 * GiB))
+    m = probe_memory("cuda", process_share=(0.25, 4 * GiB), **probe)
+    assert (m.total, m.available) == (80 * GiB, 16 * GiB)
+    assert "fraction 0.25" in m.source
+    assert probe_memory("cuda", process_share=(0.95, 0), **probe).available == 70 * GiB
+    assert probe_memory("cuda", process_share=(0.01, 4 * GiB), **probe).available == 0
+
+
 V2_ROOT = "0::/\n"
 V1_ROOT = "9:name=systemd:/\n4:memory:/\n2:cpu,cpuacct:/\n0::/\n"
 
