@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,15 @@ import torch
 
 from edge.config import ModelConfig
 from edge.int4 import DEFAULT_GROUP_SIZE, SYMMETRIC_ZERO, Int4Codes, Int4Weight, pack_weight, quantize_rtn
-from edge.loader import CheckpointError, checkpoint_files, expected_shapes, fused_layout, iter_tensor_rows
-from edge.quant import LM_HEAD, Int8Weight, QuantError, is_linear_weight, quantize_tensor
+from edge.loader import (
+    CheckpointError,
+    checkpoint_files,
+    expected_shapes,
+    fused_layout,
+    iter_tensor_rows,
+    tensor_shape,
+)
+from edge.quant import LM_HEAD, Int8Weight, QuantError, is_linear_weight, quantize_into, quantize_tensor
 from edge.quant_embedding import Int8Embedding
 
 log = logging.getLogger(__name__)
@@ -55,6 +62,9 @@ EMBED = "model.embed_tokens.weight"
 HEAD_CHOICES = ("int8", "int4", "float")
 EMBED_CHOICES = ("int8", "float")
 INT8_GROUP_SIZE = 128
+# Float tensors quantized while loading are read and quantized this many bytes of rows at a
+# time: neither a whole host copy nor whole-tensor float32 temporaries on the device.
+STREAM_CHUNK_BYTES = 16 << 20
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
 
 
@@ -170,6 +180,20 @@ class TensorReader:
 
     def __contains__(self, name: str) -> bool:
         return self.checkpoint_name(name) in self.files
+
+    def rows(self, name: str, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, host rows) chunks of ``name``, each at most ``chunk_bytes``."""
+        name = self.checkpoint_name(name)
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        for chunk in iter_tensor_rows(self.model_dir, [name], chunk_bytes):
+            yield chunk.row, chunk.data
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        name = self.checkpoint_name(name)
+        if name not in self.files:
+            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        return tensor_shape(self.files[name], name)
 
     def get(self, name: str) -> torch.Tensor:
         name = self.checkpoint_name(name)
@@ -353,9 +377,8 @@ def load_int4_weights(
     def codes(name: str) -> Int4Codes:
         base = name.removesuffix(".weight")
         if rtn:
-            w = _float(reader, name, shapes[name], device)
-            g = w.shape[1] if fmt.group_size < 0 else fmt.group_size
-            return quantize_rtn(w, g, torch.float16, name)
+            g = shapes[name][1] if fmt.group_size < 0 else fmt.group_size
+            return _rtn_streamed(reader, name, shapes[name], device, g)
         return read(reader, base, shapes[name], fmt, device)
 
     weights: dict[str, Any] = {}
@@ -371,13 +394,13 @@ def load_int4_weights(
         elif dest == LM_HEAD and lm_head != "float":
             weights[dest] = _quantized_head(reader, shapes[dest], device, lm_head)
         elif dest == EMBED and embedding == "int8":
-            table = _int8(_float(reader, dest, shapes[dest], device), dest)
-            weights[dest] = Int8Embedding(table, dtype)
+            weights[dest] = Int8Embedding(_int8_streamed(reader, dest, shapes[dest], device), dtype)
         else:
             out = torch.empty(sum(shapes[n][0] for n in names), *shapes[names[0]][1:], device=device, dtype=dtype)
             for n in names:
                 row = layout[n][1]
-                out[row : row + shapes[n][0]].copy_(_float(reader, n, shapes[n], device))
+                for r0, rows in _float_rows(reader, n, shapes[n], device):
+                    out[row + r0 : row + r0 + rows.shape[0]].copy_(rows)
             weights[dest] = out
     return weights
 
@@ -409,15 +432,48 @@ def quantize_fused_weights(
         del w
 
 
-def _float(reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _float_rows(
+    reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, rows on ``device``) of a float tensor, chunk by chunk: the whole tensor
+    is never on the host, and on the device only where the caller puts it."""
     if name.removesuffix(".weight") + ".qweight" in reader or name + "_packed" in reader:
         raise CheckpointError(f"tensor {name} is quantized in this checkpoint; expected it float")
-    t = reader.get(name)
-    if tuple(t.shape) != shape:
-        raise CheckpointError(f"tensor {name} has shape {tuple(t.shape)}, config.json implies {shape}")
-    if not t.is_floating_point():
-        raise CheckpointError(f"tensor {name} is {t.dtype}; expected a float tensor")
-    return t.to(device)
+    got = reader.shape(name)
+    if tuple(got) != shape:
+        raise CheckpointError(f"tensor {name} has shape {tuple(got)}, config.json implies {shape}")
+    for r0, t in reader.rows(name):
+        if not t.is_floating_point():
+            raise CheckpointError(f"tensor {name} is {t.dtype}; expected a float tensor")
+        yield r0, t.to(device)
+
+
+def _rtn_streamed(
+    reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device, group_size: int
+) -> Int4Codes:
+    """RTN int4 codes of a float tensor quantized chunk by chunk (RTN is row-wise)."""
+    rows, cols = shape
+    if group_size < 1 or cols % group_size:
+        raise QuantError(f"{name}: in_features {cols} is not a multiple of group_size {group_size}")
+    q = torch.empty(rows, cols, dtype=torch.uint8, device=device)
+    scale = torch.empty(rows, cols // group_size, dtype=torch.float16, device=device)
+    zero = torch.empty(rows, cols // group_size, dtype=torch.uint8, device=device)
+    for r0, w in _float_rows(reader, name, shape, device):
+        c = quantize_rtn(w, group_size, torch.float16, name)
+        r1 = r0 + w.shape[0]
+        q[r0:r1], scale[r0:r1], zero[r0:r1] = c.q, c.scale, c.zero
+    return Int4Codes(q, scale, zero, group_size)
+
+
+def _int8_streamed(reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device) -> Int8Weight:
+    """q8_0 groups of a float tensor quantized chunk by chunk."""
+    rows, cols = shape
+    g = INT8_GROUP_SIZE if cols % INT8_GROUP_SIZE == 0 else cols
+    q = torch.empty(rows, cols, dtype=torch.int8, device=device)
+    s = torch.empty(rows, cols // g, dtype=torch.float32, device=device)
+    for r0, w in _float_rows(reader, name, shape, device):
+        quantize_into(w, q[r0 : r0 + w.shape[0]], s[r0 : r0 + w.shape[0]], g, name)
+    return Int8Weight(q, s, g)
 
 
 def _int8(w: torch.Tensor, name: str) -> Int8Weight:
@@ -427,10 +483,9 @@ def _int8(w: torch.Tensor, name: str) -> Int8Weight:
 
 
 def _quantized_head(reader: TensorReader, shape: tuple[int, ...], device: torch.device, kind: str) -> Any:
-    w = _float(reader, LM_HEAD, shape, device)
     if kind == "int8":
-        return _int8(w, LM_HEAD)
-    return pack_weight([quantize_rtn(w, DEFAULT_GROUP_SIZE, torch.float16, LM_HEAD)], device, LM_HEAD)
+        return _int8_streamed(reader, LM_HEAD, shape, device)
+    return pack_weight([_rtn_streamed(reader, LM_HEAD, shape, device, DEFAULT_GROUP_SIZE)], device, LM_HEAD)
 
 
 def describe_weights(weights: dict[str, Any], fmt: Int4Format) -> dict[str, str]:

@@ -99,6 +99,15 @@ def iter_tensor_rows(
                 raise CheckpointError(f"cannot read tensor {n} from {path.name}: {exc}") from exc
 
 
+def tensor_shape(path: Path, name: str) -> tuple[int, ...]:
+    """The shape of tensor ``name`` in the safetensors file ``path`` (its header only)."""
+    try:
+        with _open(path) as f:
+            return tuple(f.get_slice(name).get_shape())
+    except Exception as exc:
+        raise CheckpointError(f"cannot read tensor {name} from {path.name}: {exc}") from exc
+
+
 def _rows(path: Path, name: str, chunk_bytes: int) -> Iterator[TensorRows]:
     with _open(path) as f:
         shape = tuple(f.get_slice(name).get_shape())

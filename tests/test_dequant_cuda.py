@@ -115,7 +115,10 @@ def test_quantized_engines_prefill_in_one_long_chunk(tmp_path) -> None:
     build_hf_model("Qwen3ForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, tie_word_embeddings=False)
     ids = torch.randint(3, 200, (1500,), generator=torch.Generator().manual_seed(0)).tolist()
     for quantize in ("int8", "int4"):
-        kw = dict(device="cuda", dtype="bfloat16", quantize=quantize, quant_group_size=64, max_seq_len=2048)
+        # Explicit pools: the first engine's default pool would leave the second little memory
+        # to plan its chunk from when the process has a share of the GPU.
+        kw = dict(device="cuda", dtype="bfloat16", quantize=quantize, quant_group_size=64, max_seq_len=2048,
+                  num_blocks=2 * 2048 // 16)
         cuda = Engine.from_pretrained(tmp_path, **kw)
         ref = Engine.from_pretrained(tmp_path, kernels="reference", **kw)
         assert cuda.prefill_chunk == EXPANDED_PREFILL_CHUNK and ref.prefill_chunk == FLOAT_PREFILL_CHUNK

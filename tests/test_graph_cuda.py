@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from edge.engine import Engine
 from edge.sampling import SamplingParams
@@ -18,6 +19,21 @@ def engines() -> tuple[Engine, Engine]:
 
 
 PROMPT = "The kiosk robot greets every visitor and explains the paged cache"
+TIE_GAP = 5e-2  # bf16: a top-2 logit gap under this may flip between two kernel plans
+
+
+def assert_same_or_tie(engine: Engine, prompt: list[int], got: list[int], want: list[int]) -> None:
+    """``got == want``, or they part where the model's top two logits are a bf16 near tie
+    (the embedded model's random weights have some; the graph's fused kernels round
+    differently from eager's). A real fault parts at a clear winner."""
+    at = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), None)
+    if at is None:
+        assert got == want
+        return
+    logits = engine.score(prompt + want[:at])[-1]
+    top2 = torch.topk(logits.float(), 2).values
+    gap = (top2[0] - top2[1]).item()
+    assert gap < TIE_GAP, f"graph and eager part at token {at} ({got[at]} vs {want[at]}) with a top-2 gap of {gap:.3g}"
 
 
 def test_graph_matches_eager_across_many_page_crossings(engines) -> None:
@@ -27,7 +43,7 @@ def test_graph_matches_eager_across_many_page_crossings(engines) -> None:
     g = graph.generate(PROMPT, params)
     e = eager.generate(PROMPT, params)
     assert len(g.token_ids) == 320
-    assert g.token_ids == e.token_ids
+    assert_same_or_tie(eager, graph.encode(PROMPT), g.token_ids, e.token_ids)
     prompt_len = len(graph.encode(PROMPT))
     crossings = (prompt_len + 320 - 1) // 16 + 1  # blocks the request touched, one 4-byte entry each
     # one entry per block, never a whole-table resend; +1 block for the speculative step past the end
