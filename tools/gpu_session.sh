@@ -12,6 +12,8 @@ OUT=$(mktemp -d); trap 'tar czf "$RESULTS/session.tgz" -C "$OUT" .' EXIT
 if [ "${STACK:-cu13}" = cu12 ]; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl || exit 1
     export PYTHONPATH=/tmp/cu12:.
+    # NVRTC 12.6 loaded first: cuda-pathfinder would otherwise take the machine's 13.x.
+    export LD_LIBRARY_PATH=/tmp/cu12/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-} LD_PRELOAD=/tmp/cu12/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
 else
     export PYTHONPATH=.
 fi
@@ -30,7 +32,7 @@ step() {  # name, command...
 B="python3 tools/bench.py"
 for s in "$@"; do
     case $s in
-        tests) step tests python3 -m pytest -m cuda -q -p no:cacheprovider --continue-on-collection-errors tests ;;
+        tests) step tests timeout "${SUITE_LIMIT:-900}" python3 -m pytest -m cuda -q -p no:cacheprovider --continue-on-collection-errors tests ;;
         tests16) step tests-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
         tests8) step tests-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
         orin-tests)  # correctness only, so the three suites share the GPU at once (a fifth of its memory each): 16 SMs, 8 SMs, the CUDA 12 stack at full SMs
@@ -45,6 +47,14 @@ for s in "$@"; do
                python3 -c 'import cuda.bindings, cuda.core; from edge.kernels import nvrtc; print(\"cuda-bindings\", cuda.bindings.__version__, \"cuda-core\", cuda.core.__version__, \"nvrtc\", nvrtc.nvrtc_version())';
                python3 tools/verify_paged.py --device cuda --dtype bfloat16 | tail -n 3; timeout ${SUITE_LIMIT:-480} $T; echo rc=\$?) > $OUT/tests-cu12.log 2>&1 &
               wait; tail -n 2 $OUT/tests-16sms.log $OUT/tests-8sms.log $OUT/tests-cu12.log" ;;
+        orin-recheck)  # the GPU test files that failed at 16 / 8 SMs, at both counts at once (a fifth of the memory each)
+            step recheck-16sms+8sms sh -c "
+              export EDGE_TEST_GPU_FRACTION=0.2 EDGE_CACHE_DIR=/tmp/kc
+              F='tests/test_kernels_cuda.py tests/test_dequant_cuda.py tests/test_graph_cuda.py'
+              (EDGE_TEST_SMS=16 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider \$F > $OUT/recheck-16sms.log 2>&1) &
+              (EDGE_TEST_SMS=8 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider \$F > $OUT/recheck-8sms.log 2>&1) &
+              wait; tail -n 1 $OUT/recheck-16sms.log $OUT/recheck-8sms.log" ;;
+        load-peak-int4) step load-peak-int4 sh -c "python3 tools/make_model.py /tmp/q8b --preset qwen3-8b --dtype bfloat16 && python3 tools/load_peak.py /tmp/q8b --device cuda --quantize int4 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int4 --bits 4 && python3 tools/load_peak.py /tmp/q8b-int4 --device cuda" ;;
         quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
         verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
         vision) step vision python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_vision_cuda.py ;;
