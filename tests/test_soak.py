@@ -33,5 +33,6 @@ def test_soak_returns_to_idle(tmp_path: Path) -> None:
                         "cancel 200": per_kind, "bad 400": per_kind, "ids 200": per_kind}, outcomes
     assert before["kv_blocks_used"] == 0 and after["kv_blocks_used"] == 0, (before, after)
     assert after["kv_blocks_free"] + after["kv_blocks_evictable"] == after["kv_blocks_total"], after
-    assert after["open_files"] == before["open_files"] and after["threads"] == before["threads"], (before, after)
+    # A leak grows these; the baseline may still count a keep-alive connection that closes later.
+    assert after["open_files"] <= before["open_files"] and after["threads"] <= before["threads"], (before, after)
     assert after["rss_mib"] - before["rss_mib"] <= RSS_SLACK_MIB, (before, after)

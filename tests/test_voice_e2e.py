@@ -41,10 +41,11 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     (q_start, q_end), (b_start, _) = bench.make_conversation_wav(
         wav, parts=((0.5, bench.QUESTION), (4.0, bench.BARGE_IN)))
     before = server.metrics()
-    # a long answer (ignore_eos): still generating when the second utterance barges in;
-    # the second answer is cancelled when the input ends
+    # a long answer (ignore_eos): still generating when the second utterance barges in
+    # (3000 tokens: ~20 s at this server's CPU speed, far past the barge-in at 4 s however
+    # fast or loaded the runner is); the second answer is cancelled when the input ends
     turns, log = bench.run_voice(["--url", server.base_url], wav, out,
-                                 ["--max-tokens", "1000", "--ignore-eos", "--temperature", "1", "--seed", "0",
+                                 ["--max-tokens", "3000", "--ignore-eos", "--temperature", "1", "--seed", "0",
                                   "--on-eof", "cancel"], env=server_env())
     assert len(turns) == 2, log
     first, second = turns
@@ -59,7 +60,7 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     assert m1["barge_onset"] <= m1["audio_stopped"] < m1["barge_onset"] + 1.0  # docs/voice.md has the figures
     # the service cancelled the request it was still generating
     assert first["cancel_status"] == 200 and first["finish_reason"] == "cancelled"
-    assert first["usage"]["completion_tokens"] < 1000
+    assert first["usage"]["completion_tokens"] < 3000
     assert m1["cancel_sent"] <= m1["request_ended"]
     # the history keeps what was heard: a strict prefix of the generated answer
     assert first["heard"] and first["answer"].startswith(first["heard"].rstrip())
