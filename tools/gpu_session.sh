@@ -57,6 +57,8 @@ for s in "$@"; do
         load-peak-int4) step load-peak-int4 sh -c "python3 tools/make_model.py /tmp/q8b --preset qwen3-8b --dtype bfloat16 && python3 tools/load_peak.py /tmp/q8b --device cuda --quantize int4 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int4 --bits 4 && python3 tools/load_peak.py /tmp/q8b-int4 --device cuda" ;;
         quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
         verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
+        vision16) step vision-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
+        vision8) step vision-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
         vision) step vision python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_vision_cuda.py ;;
         verify-int4) step verify-int4 python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize int4 ;;
         bench-vision) step bench-vision sh -c "$B vision > $OUT/vision-8b.json" ;;
