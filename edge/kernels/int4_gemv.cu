@@ -284,9 +284,9 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
 // scales of each (row tile, group) and the next lane their zero points, which all lanes
 // read after the warp's wait and __syncwarp. Stage layout: weights [kUnroll][kTiles][512
 // B], scales [kUnroll][kTiles][16 scales], zero points [kUnroll][kTiles][16 B].
-constexpr int kScaleBytes = 16 * static_cast<int>(sizeof(edge_scale_t));
 template <int kTiles>
 struct Ring {
+  static constexpr int kScaleBytes = 16 * static_cast<int>(sizeof(edge_scale_t));
   static constexpr int kSlots = kUnroll * kTiles;
   static constexpr int kWeights = kSlots * 4 * kTileWords;  // bytes
   static constexpr int kScales = kSlots * kScaleBytes;
@@ -300,7 +300,7 @@ __device__ __forceinline__ void ring_issue(unsigned int stage, const unsigned in
                                            const edge_scale_t* __restrict__ scale,
                                            const unsigned char* __restrict__ zero, const int (&rowgroups)[kTiles],
                                            int kb0, int stride, int kb_count, int group_shift, int zmask, int lane) {
-  constexpr int kScaleLanes = kScaleBytes / 16;
+  constexpr int kScaleBytes = Ring<kTiles>::kScaleBytes, kScaleLanes = kScaleBytes / 16;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = kb0 + u * stride;
@@ -333,7 +333,8 @@ __device__ __forceinline__ void ring_read(Batch<kTiles>& b, const unsigned char*
     for (int i = 0; i < kTiles; ++i) {
       const int slot = u * kTiles + i;
       b.w[u][i] = *reinterpret_cast<const uint4*>(stage + slot * 4 * kTileWords + 16 * lane);
-      const edge_scale_t* sc = reinterpret_cast<const edge_scale_t*>(stage + Ring<kTiles>::kWeights + slot * kScaleBytes);
+      const edge_scale_t* sc =
+          reinterpret_cast<const edge_scale_t*>(stage + Ring<kTiles>::kWeights + slot * Ring<kTiles>::kScaleBytes);
       const unsigned char* zp = stage + Ring<kTiles>::kWeights + Ring<kTiles>::kScales + slot * 16;
       const edge_scale_t none = edge::from_float<edge_scale_t>(0.f);
       b.s0[u][i] = live ? sc[g] : none;
@@ -389,13 +390,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     rowbase[i] = rb[i] * groups * 16 + g;
   }
   const int step = split * kUnroll;
-  const bool has_tok = g < ntok;
-  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
   float acc[kTiles][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 #if CFG_INT4_SMEM_STAGES >= 2
   // The ring: N - 1 batches in flight a warp. Its first batches are constants of the step:
   // copied before the wait, under the previous kernel's tail.
@@ -416,6 +411,13 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   edge::await_inputs();
   stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
+
+  const bool has_tok = g < ntok;
+  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
   int slot = 0;
   for (int kb0 = kw; kb0 < kb_count; kb0 += step) {
     edge::cp_async_wait<kStages - 2>();  // this lane's copies of the batch at kb0 landed
@@ -441,6 +443,13 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   edge::await_inputs();
   stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
+
+  const bool has_tok = g < ntok;
+  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
   for (; kb0 < kb_count; kb0 += 2 * step) {
     load_batch<kTiles>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
