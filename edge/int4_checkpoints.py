@@ -181,24 +181,24 @@ class TensorReader:
     def __contains__(self, name: str) -> bool:
         return self.checkpoint_name(name) in self.files
 
-    def rows(self, name: str, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
-        """(first row, host rows) chunks of ``name``, each at most ``chunk_bytes``."""
+    def _stored(self, name: str) -> str:
+        """The checkpoint's name of tensor ``name``; CheckpointError when it lacks it."""
         name = self.checkpoint_name(name)
         if name not in self.files:
             raise CheckpointError(f"checkpoint lacks tensor {name}")
-        for chunk in iter_tensor_rows(self.model_dir, [name], chunk_bytes):
+        return name
+
+    def rows(self, name: str, chunk_bytes: int = STREAM_CHUNK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
+        """(first row, host rows) chunks of ``name``, each at most ``chunk_bytes``."""
+        for chunk in iter_tensor_rows(self.model_dir, [self._stored(name)], chunk_bytes):
             yield chunk.row, chunk.data
 
     def shape(self, name: str) -> tuple[int, ...]:
-        name = self.checkpoint_name(name)
-        if name not in self.files:
-            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        name = self._stored(name)
         return tensor_shape(self.files[name], name)
 
     def get(self, name: str) -> torch.Tensor:
-        name = self.checkpoint_name(name)
-        if name not in self.files:
-            raise CheckpointError(f"checkpoint lacks tensor {name}")
+        name = self._stored(name)
         out: torch.Tensor | None = None
         for chunk in iter_tensor_rows(self.model_dir, [name]):
             if out is None:
