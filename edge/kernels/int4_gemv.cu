@@ -390,10 +390,10 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     rowbase[i] = rb[i] * groups * 16 + g;
   }
   const int step = split * kUnroll;
-  float acc[kTiles][4];
+  // The first batches are constants of the step: loaded before the wait, under the
+  // previous kernel's tail.
 #if CFG_INT4_SMEM_STAGES >= 2
-  // The ring: N - 1 batches in flight a warp. Its first batches are constants of the step:
-  // copied before the wait, under the previous kernel's tail.
+  // The ring: N - 1 batches in flight a warp.
   constexpr int kStages = CFG_INT4_SMEM_STAGES;
   constexpr int kStage = Ring<kTiles>::kStage;
   int rowgroups[kTiles];
@@ -408,16 +408,26 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
                        zmask, lane);
     edge::cp_async_commit();
   }
+#else
+  // Two register stages: the next batch's weights, scales and zero points are in flight
+  // while the current batch is multiplied, so each warp keeps loads outstanding.
+  Batch<kTiles> st0, st1;
+  int kb0 = kw;
+  load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
+#endif
   edge::await_inputs();
   stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
 
   const bool has_tok = g < ntok;
   const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
+  float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+
+#if CFG_INT4_SMEM_STAGES >= 2
   int slot = 0;
   for (int kb0 = kw; kb0 < kb_count; kb0 += step) {
     edge::cp_async_wait<kStages - 2>();  // this lane's copies of the batch at kb0 landed
@@ -433,24 +443,6 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   }
   edge::cp_async_wait<0>();
 #else
-  // Two register stages: the next batch's weights, scales and zero points are in flight
-  // while the current batch is multiplied, so each warp keeps loads outstanding. The
-  // first batch is a constant of the step: loaded before the wait, under the previous
-  // kernel's tail.
-  Batch<kTiles> st0, st1;
-  int kb0 = kw;
-  load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
-  edge::await_inputs();
-  stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
-  __syncthreads();
-
-  const bool has_tok = g < ntok;
-  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
-
   for (; kb0 < kb_count; kb0 += 2 * step) {
     load_batch<kTiles>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
