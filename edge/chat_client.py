@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import json
+import logging
 import mimetypes
 import signal
 import sys
@@ -31,6 +32,11 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import httpx
+
+log = logging.getLogger(__name__)
+# A cancel only ends the request on the service (the audio stopped already): wait for it
+# longer than a voice reply would, so a loaded board does not lose it.
+CANCEL_TIMEOUT_S = 10.0
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 BANNER = (
@@ -132,11 +138,18 @@ class ChatClient:
         return self.cancel_status(request_id) == 200
 
     def cancel_status(self, request_id: str) -> int | None:
-        """``POST /v1/cancel/{id}``: 200 cancelled, 404 already finished, None unreachable."""
-        try:
-            return self.http.post(f"/v1/cancel/{request_id}", timeout=2.0).status_code
-        except httpx.HTTPError:
-            return None
+        """``POST /v1/cancel/{id}``: 200 cancelled, 404 already finished, None unreachable.
+        A connection the server dropped is retried once on a fresh one (a cancel is
+        idempotent); the timeout allows for a service busy on a slow CPU."""
+        for attempt in (1, 2):
+            try:
+                return self.http.post(f"/v1/cancel/{request_id}", timeout=CANCEL_TIMEOUT_S).status_code
+            except (httpx.ConnectError, httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                log.warning("cancel of %s, attempt %d: %s: %s", request_id, attempt, type(exc).__name__, exc)
+            except httpx.HTTPError as exc:
+                log.warning("cancel of %s failed: %s: %s", request_id, type(exc).__name__, exc)
+                return None
+        return None
 
 
 def _error_message(r: httpx.Response) -> str:

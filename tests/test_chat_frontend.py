@@ -129,3 +129,35 @@ def test_two_quick_ctrl_c_stop_the_answer_but_not_the_chat(service: ServerProc) 
     finally:
         child.close(force=True)
     assert child.exitstatus == 0, child.before
+
+
+def test_cancel_retries_a_dropped_connection_once_and_reports_timeouts() -> None:
+    """A barge-in cancel whose keep-alive connection the server dropped is sent again; a
+    timeout or a second drop reports None (unreachable), never a false 200."""
+    import httpx
+
+    from edge.chat_client import ChatClient
+
+    def client(*responses):
+        calls = []
+
+        def handle(request: httpx.Request) -> httpx.Response:
+            calls.append(request.url.path)
+            r = responses[len(calls) - 1]
+            if isinstance(r, Exception):
+                raise r
+            return httpx.Response(r, json={})
+
+        c = ChatClient("http://edge.test")
+        c.http = httpx.Client(base_url="http://edge.test", transport=httpx.MockTransport(handle))
+        return c, calls
+
+    drop = httpx.RemoteProtocolError("Server disconnected without sending a response.")
+    c, calls = client(drop, 200)
+    assert c.cancel_status("req-1") == 200 and calls == ["/v1/cancel/req-1"] * 2
+    c, calls = client(drop, drop)
+    assert c.cancel_status("req-1") is None and len(calls) == 2
+    c, calls = client(httpx.ReadTimeout("slow"), 200)
+    assert c.cancel_status("req-1") is None and len(calls) == 1
+    c, calls = client(404, 404)
+    assert c.cancel_status("req-1") == 404 and c.cancel("req-1") is False and len(calls) == 2

@@ -59,7 +59,7 @@ def test_voice_conversation_with_barge_in(server: ServerProc, tmp_path: Path) ->
     assert b_start - 0.1 < m1["barge_onset"] < b_start + 0.4
     assert m1["barge_onset"] <= m1["audio_stopped"] < m1["barge_onset"] + 1.0  # docs/voice.md has the figures
     # the service cancelled the request it was still generating
-    assert first["cancel_status"] == 200 and first["finish_reason"] == "cancelled"
+    assert first["cancel_status"] == 200 and first["finish_reason"] == "cancelled", log
     assert first["usage"]["completion_tokens"] < 3000
     assert m1["cancel_sent"] <= m1["request_ended"]
     # the history keeps what was heard: a strict prefix of the generated answer
