@@ -399,7 +399,7 @@ def load_int4_weights(
             out = torch.empty(sum(shapes[n][0] for n in names), *shapes[names[0]][1:], device=device, dtype=dtype)
             for n in names:
                 row = layout[n][1]
-                for r0, rows in _float_rows(reader, n, shapes[n], device):
+                for r0, rows in _float_rows(reader, n, shapes[n]):
                     out[row + r0 : row + r0 + rows.shape[0]].copy_(rows)
             weights[dest] = out
     return weights
@@ -432,11 +432,9 @@ def quantize_fused_weights(
         del w
 
 
-def _float_rows(
-    reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device
-) -> Iterator[tuple[int, torch.Tensor]]:
-    """(first row, rows on ``device``) of a float tensor, chunk by chunk: the whole tensor
-    is never on the host, and on the device only where the caller puts it."""
+def _float_rows(reader: TensorReader, name: str, shape: tuple[int, ...]) -> Iterator[tuple[int, torch.Tensor]]:
+    """(first row, host rows) of a float tensor, chunk by chunk: the whole tensor is never
+    on the host; each chunk goes straight to where the caller puts it."""
     if name.removesuffix(".weight") + ".qweight" in reader or name + "_packed" in reader:
         raise CheckpointError(f"tensor {name} is quantized in this checkpoint; expected it float")
     got = reader.shape(name)
@@ -445,7 +443,7 @@ def _float_rows(
     for r0, t in reader.rows(name):
         if not t.is_floating_point():
             raise CheckpointError(f"tensor {name} is {t.dtype}; expected a float tensor")
-        yield r0, t.to(device)
+        yield r0, t
 
 
 def _rtn_streamed(
@@ -458,26 +456,32 @@ def _rtn_streamed(
     q = torch.empty(rows, cols, dtype=torch.uint8, device=device)
     scale = torch.empty(rows, cols // group_size, dtype=torch.float16, device=device)
     zero = torch.empty(rows, cols // group_size, dtype=torch.uint8, device=device)
-    for r0, w in _float_rows(reader, name, shape, device):
-        c = quantize_rtn(w, group_size, torch.float16, name)
+    for r0, w in _float_rows(reader, name, shape):
+        c = quantize_rtn(w.to(device), group_size, torch.float16, name)
         r1 = r0 + w.shape[0]
         q[r0:r1], scale[r0:r1], zero[r0:r1] = c.q, c.scale, c.zero
     return Int4Codes(q, scale, zero, group_size)
 
 
 def _int8_streamed(reader: TensorReader, name: str, shape: tuple[int, ...], device: torch.device) -> Int8Weight:
-    """q8_0 groups of a float tensor quantized chunk by chunk."""
+    """q8_0 groups of a float tensor quantized chunk by chunk (quantize_into moves each
+    chunk to the device)."""
     rows, cols = shape
-    g = INT8_GROUP_SIZE if cols % INT8_GROUP_SIZE == 0 else cols
+    g = _int8_group(cols)
     q = torch.empty(rows, cols, dtype=torch.int8, device=device)
     s = torch.empty(rows, cols // g, dtype=torch.float32, device=device)
-    for r0, w in _float_rows(reader, name, shape, device):
+    for r0, w in _float_rows(reader, name, shape):
         quantize_into(w, q[r0 : r0 + w.shape[0]], s[r0 : r0 + w.shape[0]], g, name)
     return Int8Weight(q, s, g)
 
 
+def _int8_group(cols: int) -> int:
+    """q8_0 groups of 128 columns, or one group a row where 128 does not divide it."""
+    return INT8_GROUP_SIZE if cols % INT8_GROUP_SIZE == 0 else cols
+
+
 def _int8(w: torch.Tensor, name: str) -> Int8Weight:
-    g = INT8_GROUP_SIZE if w.shape[1] % INT8_GROUP_SIZE == 0 else w.shape[1]
+    g = _int8_group(w.shape[1])
     q, s = quantize_tensor(w, g, torch.float32, device=w.device, name=name)
     return Int8Weight(q, s, g)
 
