@@ -9,11 +9,14 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 export EDGE_CACHE_DIR=${EDGE_CACHE_DIR:-/tmp/edge-cache}
 RESULTS=${OUT:-gpu-out}
 OUT=$(mktemp -d); trap 'tar czf "$RESULTS/session.tgz" -C "$OUT" .' EXIT
+install_cu12() {  # the carried CUDA 12 stack into /tmp/cu12
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl
+}
+# Its environment: NVRTC 12.6 loaded first, as cuda-pathfinder would take the machine's 13.x.
+CU12_ENV="PYTHONPATH=/tmp/cu12:. LD_LIBRARY_PATH=/tmp/cu12/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-} LD_PRELOAD=/tmp/cu12/nvidia/cuda_nvrtc/lib/libnvrtc.so.12"
 if [ "${STACK:-cu13}" = cu12 ]; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl || exit 1
-    export PYTHONPATH=/tmp/cu12:.
-    # NVRTC 12.6 loaded first: cuda-pathfinder would otherwise take the machine's 13.x.
-    export LD_LIBRARY_PATH=/tmp/cu12/nvidia/cuda_nvrtc/lib:${LD_LIBRARY_PATH:-} LD_PRELOAD=/tmp/cu12/nvidia/cuda_nvrtc/lib/libnvrtc.so.12
+    install_cu12 || exit 1
+    export $CU12_ENV
 else
     export PYTHONPATH=.
 fi
@@ -36,14 +39,13 @@ for s in "$@"; do
         tests16) step tests-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
         tests8) step tests-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -x -p no:cacheprovider tests ;;
         orin-tests)  # correctness only, so the three suites share the GPU at once (a fifth of its memory each): 16 SMs, 8 SMs, the CUDA 12 stack at full SMs
-            python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/cu12 .whl/cu12/*.whl || exit 1
+            install_cu12 || exit 1
             T="python3 -m pytest -m cuda -q -p no:cacheprovider --continue-on-collection-errors tests"
-            NV12=/tmp/cu12/nvidia/cuda_nvrtc/lib  # NVRTC 12.6 loaded first: cuda-pathfinder would otherwise take the machine's 13.x
             step tests-16sms+8sms+cu12 sh -c "
               export EDGE_TEST_GPU_FRACTION=0.2
               (EDGE_CACHE_DIR=/tmp/c16 EDGE_TEST_SMS=16 timeout ${SUITE_LIMIT:-480} $T > $OUT/tests-16sms.log 2>&1; echo rc=\$? >> $OUT/tests-16sms.log) &
               (EDGE_CACHE_DIR=/tmp/c8 EDGE_TEST_SMS=8 timeout ${SUITE_LIMIT:-480} $T > $OUT/tests-8sms.log 2>&1; echo rc=\$? >> $OUT/tests-8sms.log) &
-              (export EDGE_CACHE_DIR=/tmp/c12 PYTHONPATH=/tmp/cu12:\$PYTHONPATH LD_LIBRARY_PATH=$NV12:\${LD_LIBRARY_PATH:-} LD_PRELOAD=$NV12/libnvrtc.so.12;
+              (export EDGE_CACHE_DIR=/tmp/c12 $CU12_ENV PYTHONPATH=/tmp/cu12:\$PYTHONPATH;
                python3 -c 'import cuda.bindings, cuda.core; from edge.kernels import nvrtc; print(\"cuda-bindings\", cuda.bindings.__version__, \"cuda-core\", cuda.core.__version__, \"nvrtc\", nvrtc.nvrtc_version())';
                python3 tools/verify_paged.py --device cuda --dtype bfloat16 | tail -n 3; timeout ${SUITE_LIMIT:-480} $T; echo rc=\$?) > $OUT/tests-cu12.log 2>&1 &
               wait; tail -n 2 $OUT/tests-16sms.log $OUT/tests-8sms.log $OUT/tests-cu12.log" ;;
