@@ -120,7 +120,14 @@ def gemv(args: argparse.Namespace) -> dict:
             "ring8_warps4_tiles1_unroll1": Int4Tuning(warps=4, tiles=1, unroll=1, smem_stages=8),
             "ring4_tiles1_unroll1": Int4Tuning(tiles=1, unroll=1, smem_stages=4),
             "ring6_warps4_skip_math": Int4Tuning(warps=4, smem_stages=6, skip_math=True),
+            "ring8_warps4": Int4Tuning(warps=4, smem_stages=8),
+            "ring12_warps4_unroll1": Int4Tuning(warps=4, unroll=1, smem_stages=12),
+            "ring8_warps8_tiles1_unroll1": Int4Tuning(warps=8, tiles=1, unroll=1, smem_stages=8),
+            "ring12_warps4_unroll1_skip_math": Int4Tuning(warps=4, unroll=1, smem_stages=12, skip_math=True),
         }
+    if args.only:
+        keep = set(args.only.split(","))
+        tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
         resid = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
@@ -269,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
+    p.add_argument("--only", default="", help="gemv: time only these tunings (comma-separated labels) and the default")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--prefill-chunk", type=int, default=512, help="ttft: the int4 comparison run's prefill chunk")
     args = p.parse_args(argv)
