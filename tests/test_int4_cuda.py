@@ -157,56 +157,6 @@ def test_every_tile_count_and_column_split(tiles, split) -> None:
     assert torch.equal(ids, torch.argmax(lin.linear(x, w, norm=ln), dim=-1))
 
 
-RINGS = [  # (smem_stages, warps, unroll, tiles, split): the cp.async ring of int4_gemv.cu
-    (2, 8, 2, 2, None),
-    (3, 4, 2, 2, 2),
-    (4, 4, 1, 1, 1),
-    (6, 8, 1, 2, 8),
-    (8, 4, 4, 1, 4),
-]
-
-
-@pytest.mark.parametrize("ring", RINGS, ids=lambda r: "s{}w{}u{}t{}x{}".format(*r))
-def test_shared_memory_ring_matches_oracle(ring) -> None:
-    """The GEMV streaming its weights through a warp's ring of shared-memory stages
-    (cp.async) computes what the oracle does, for ragged tiles (a row's tile count no
-    multiple of the warps' batch: stale ring slots are never counted), every layout,
-    1 / 3 / 8 tokens, and every fused mode; the launches are the ring kernels'."""
-    from edge.kernels.int4_cuda import Int4Tuning
-
-    stages, warps, unroll, tiles, split = ring
-    lin = make_linear(Int4Tuning(smem_stages=stages, warps=warps, unroll=unroll, tiles=tiles, split=split))
-    assert lin.tuning.defines(torch.float16)["CFG_INT4_SMEM_STAGES"] == stages
-    g = _gen()
-    for out, inp, group, zero, act, sd in ((1000, 576, 64, True, False, torch.float16),
-                                           (528, 1024, 1024, False, True, torch.float32),
-                                           (4096, 12288, 128, True, False, torch.bfloat16)):
-        w = random_weight(out, inp, group, g, zero=zero, act_order=act, scale_dtype=sd)
-        for tokens in (1, 3, 8):
-            x = torch.randn(tokens, inp, generator=g, device="cuda").to(torch.bfloat16)
-            bias = torch.randn(out, generator=g, device="cuda").to(torch.bfloat16)
-            before = lin.launcher.counts.copy()
-            check(run(lin, x, w, bias), x, w, bias, f"ring {ring} {out}x{inp} g{group} t{tokens}")
-            assert sum(lin.launcher.counts.values()) == sum(before.values()) + 1
-    x = (torch.randn(3, 2048, generator=g, device="cuda") * 3).to(torch.float16)
-    ln = ((torch.rand(2048, generator=g, device="cuda") + 0.5).half(), 1e-6)
-    gu = random_weight(2 * 1040, 2048, 128, g, act_order=True)
-
-    def close(a: torch.Tensor, b: torch.Tensor) -> bool:
-        return torch.isfinite(a).all().item() and ((a.double() - b.double()).norm() / b.double().norm()).item() < TOL_REF[x.dtype]
-
-    assert close(run(lin, x, gu, norm=ln, swiglu=True), _fused_ref(x, gu, norm=ln, swiglu=True))
-    down = random_weight(2048, 1024, 64, g)
-    a = torch.randn(3, 1024, generator=g, device="cuda").to(torch.float16)
-    r0 = torch.randn(3, 2048, generator=g, device="cuda").to(torch.float16)
-    r1 = r0.clone()
-    run(lin, a, down, residual=r1)
-    assert close(r1, _fused_ref(a, down, residual=r0.clone()))
-    head = random_weight(1000, 2048, 128, g)
-    ids = lin.argmax(x, head, None, None, norm=ln)
-    assert torch.equal(ids, torch.argmax(lin.linear(x, head, norm=ln), dim=-1))
-
-
 def _fused_ref(x, w, bias=None, **kw):
     return Int4ReferenceLinear(reference).linear(x, w, bias, **kw)
 

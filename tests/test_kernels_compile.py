@@ -50,8 +50,6 @@ VARIANTS = [
     ),
     ("int4_gemv.cu", {"CFG_INT4_SKIP_MATH": 1}),  # tools/bench_int4.py gemv --sweep
     ("int4_gemv.cu", {"CFG_INT4_PREFETCH": 4}),
-    ("int4_gemv.cu", {"CFG_INT4_SMEM_STAGES": 4, "CFG_INT4_WARPS": 4}),  # the cp.async ring
-    ("int4_gemv.cu", {"CFG_INT4_SMEM_STAGES": 3, "CFG_INT4_SCALE": 3, "CFG_INT4_UNROLL": 1}),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [

@@ -113,17 +113,6 @@ def gemv(args: argparse.Namespace) -> dict:
             "tiles1_unroll1": Int4Tuning(tiles=1, unroll=1),
             "tiles1_unroll4": Int4Tuning(tiles=1, unroll=4),
             "skip_math": Int4Tuning(skip_math=True),
-            # the cp.async ring: N - 1 batches a warp in flight without registers
-            "ring3": Int4Tuning(smem_stages=3),
-            "ring4_warps4": Int4Tuning(warps=4, smem_stages=4),
-            "ring6_warps4": Int4Tuning(warps=4, smem_stages=6),
-            "ring8_warps4_tiles1_unroll1": Int4Tuning(warps=4, tiles=1, unroll=1, smem_stages=8),
-            "ring4_tiles1_unroll1": Int4Tuning(tiles=1, unroll=1, smem_stages=4),
-            "ring6_warps4_skip_math": Int4Tuning(warps=4, smem_stages=6, skip_math=True),
-            "ring8_warps4": Int4Tuning(warps=4, smem_stages=8),
-            "ring12_warps4_unroll1": Int4Tuning(warps=4, unroll=1, smem_stages=12),
-            "ring8_warps8_tiles1_unroll1": Int4Tuning(warps=8, tiles=1, unroll=1, smem_stages=8),
-            "ring12_warps4_unroll1_skip_math": Int4Tuning(warps=4, unroll=1, smem_stages=12, skip_math=True),
         }
     if args.only:
         keep = set(args.only.split(","))

@@ -73,7 +73,6 @@ class Int4Tuning:
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
     prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
-    smem_stages: int = 0  # 0: a warp keeps one batch of loads in registers ahead; N >= 2: N - 1 in a cp.async ring
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
@@ -85,8 +84,6 @@ class Int4Tuning:
             raise ValueError(f"split must divide warps ({self.warps}), got {self.split}")
         if not 0 <= self.prefetch <= 64:
             raise ValueError(f"prefetch must be 0..64 tiles, got {self.prefetch}")
-        if self.smem_stages == 1 or not 0 <= self.smem_stages <= 16:
-            raise ValueError(f"smem_stages must be 0 or 2..16, got {self.smem_stages}")
         if self.stage_bytes < 16 << 10:
             raise ValueError(f"stage_bytes must be at least 16 KiB, got {self.stage_bytes}")
         if self.prefill not in PREFILL:
@@ -106,16 +103,7 @@ class Int4Tuning:
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
             "CFG_INT4_PREFETCH": self.prefetch,
             "CFG_INT4_SKIP_MATH": int(self.skip_math),
-            "CFG_INT4_SMEM_STAGES": self.smem_stages,
         }
-
-    def ring_bytes(self, tiles: int, scale_dtype: torch.dtype) -> int:
-        """Shared memory the warps' rings take in one CTA of ``tiles`` row tiles
-        (int4_gemv.cu ``Ring``: per slot 512 B of codes, 16 scales, 16 zero points)."""
-        if not self.smem_stages:
-            return 0
-        slot = 4 * 128 + 16 * scale_dtype.itemsize + 16
-        return self.warps * self.smem_stages * self.unroll * tiles * slot
 
 
 def staged_row_bytes(in_features: int, dtype: torch.dtype) -> int:
@@ -170,9 +158,6 @@ class Int4CudaLinear:
         # Symmetric weights' zero point for the GEMV (which reads zero[0] for them).
         self._eights = torch.full((16,), 8, dtype=torch.uint8, device=f"cuda:{launcher.device_index}")
         self._k: dict[tuple[torch.dtype, str], Any] = {}
-        # Dynamic shared memory a GEMV CTA may take: staged activations, plus the warps' rings.
-        ring = max((tuning.ring_bytes(2, sd) for sd in scale_dtypes), default=0)
-        self._smem_cap = min(nvrtc.shared_memory(launcher.device_index)[1], tuning.stage_bytes + ring)
         for sd in scale_dtypes:
             defines = tuning.defines(sd)
             names = ["int4_argmax_take"]
@@ -185,7 +170,7 @@ class Int4CudaLinear:
             for name in names:
                 self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
                 if name.startswith("int4_gemv_"):
-                    nvrtc.allow_dynamic_smem(k, launcher.device_index, self._smem_cap)
+                    nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes)
         self._dq = DequantCuda(launcher, int4=True, int8=False)
 
     @property
@@ -197,7 +182,6 @@ class Int4CudaLinear:
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int4CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
-        other._smem_cap = self._smem_cap
         other._eights = self._eights
         other._dq = self._dq.with_launcher(launcher)
         return other
@@ -339,11 +323,9 @@ class Int4CudaLinear:
         tokens = x.numel() // w.in_features
         tiles, split, ctas = self.plan(outputs, two_tiles, infix.endswith("swiglu_"))
         row = staged_row_bytes(w.in_features, x.dtype)
-        ring = self.tuning.ring_bytes(tiles, w.scale.dtype)
-        room = min(self.tuning.stage_bytes, self._smem_cap - ring)
-        if room < row:
-            raise UnplannedArguments(f"int4 GEMV: a staged row of {row} B and rings of {ring} B exceed {self._smem_cap} B")
-        chunk = min(tokens, MAX_GEMV_TOKENS, room // row)  # tokens a CTA stages
+        if self.tuning.stage_bytes < row:
+            raise UnplannedArguments(f"int4 GEMV: a staged row of {row} B exceeds the {self.tuning.stage_bytes} B a CTA stages")
+        chunk = min(tokens, MAX_GEMV_TOKENS, self.tuning.stage_bytes // row)  # tokens a CTA stages
         self.launcher.launch(
             self._k[(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
             (ctas, -(-tokens // chunk)),
@@ -367,7 +349,7 @@ class Int4CudaLinear:
                 np.int32(chunk),
                 best_ptr,
             ),
-            shmem=chunk * row + ring,
+            shmem=chunk * row,
         )
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:

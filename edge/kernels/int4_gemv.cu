@@ -67,9 +67,6 @@ namespace {
 #ifndef CFG_INT4_SKIP_MATH  // benchmark only: stream the weights without the products
 #define CFG_INT4_SKIP_MATH 0
 #endif
-#ifndef CFG_INT4_SMEM_STAGES  // 0: two register stages; N >= 2: a warp's ring of N shared-memory stages
-#define CFG_INT4_SMEM_STAGES 0
-#endif
 constexpr int kWarps = CFG_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
 constexpr int kUnroll = CFG_INT4_UNROLL;  // column tiles a stage, per warp and row tile
@@ -275,76 +272,6 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
   }
 }
 
-// ---- the shared-memory ring (CFG_INT4_SMEM_STAGES = N >= 2) ---------------------------
-//
-// Bytes in flight without registers: each warp streams its batches through a ring of N
-// stages in shared memory with cp.async, N - 1 batches ahead of the one it multiplies (the
-// register path keeps one batch ahead). A lane copies its own 16 bytes of each tile and
-// reads back only those, so the weights need no barrier; lanes 0.. copy the 16 rows'
-// scales of each (row tile, group) and the next lane their zero points, which all lanes
-// read after the warp's wait and __syncwarp. Stage layout: weights [kUnroll][kTiles][512
-// B], scales [kUnroll][kTiles][16 scales], zero points [kUnroll][kTiles][16 B].
-template <int kTiles>
-struct Ring {
-  static constexpr int kScaleBytes = 16 * static_cast<int>(sizeof(edge_scale_t));
-  static constexpr int kSlots = kUnroll * kTiles;
-  static constexpr int kWeights = kSlots * 4 * kTileWords;  // bytes
-  static constexpr int kScales = kSlots * kScaleBytes;
-  static constexpr int kStage = kWeights + kScales + kSlots * 16;
-};
-
-// Copy the batch starting at column tile kb0 (tiles kb0 + u * stride) into the stage at
-// shared address `stage`; tiles past the row's end are not copied (never multiplied).
-template <int kTiles>
-__device__ __forceinline__ void ring_issue(unsigned int stage, const unsigned int* const (&base)[kTiles],
-                                           const edge_scale_t* __restrict__ scale,
-                                           const unsigned char* __restrict__ zero, const int (&rowgroups)[kTiles],
-                                           int kb0, int stride, int kb_count, int group_shift, int zmask, int lane) {
-  constexpr int kScaleBytes = Ring<kTiles>::kScaleBytes, kScaleLanes = kScaleBytes / 16;
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const int kb = kb0 + u * stride;
-    if (kb >= kb_count) break;  // the same for the whole warp
-    const int gi = kb >> group_shift;
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-      const int slot = u * kTiles + i;
-      edge::cp_async16(stage + slot * 4 * kTileWords + 16 * lane, base[i] + kb * kTileWords, 16);
-      const int at = (rowgroups[i] + gi) * 16;  // the first of the 16 rows' entries
-      if (lane < kScaleLanes) {
-        edge::cp_async16(stage + Ring<kTiles>::kWeights + slot * kScaleBytes + 16 * lane,
-                         reinterpret_cast<const unsigned char*>(scale + at) + 16 * lane, 16);
-      } else if (lane == kScaleLanes) {
-        edge::cp_async16(stage + Ring<kTiles>::kWeights + Ring<kTiles>::kScales + slot * 16, zero + (at & zmask), 16);
-      }
-    }
-  }
-}
-
-// The batch at kb0 from its stage (generic pointer) into registers, as load_batch leaves
-// it; a tile past the row's end gets zero scales (its stage slot holds stale bytes).
-template <int kTiles>
-__device__ __forceinline__ void ring_read(Batch<kTiles>& b, const unsigned char* stage, int kb0, int stride,
-                                          int kb_count, int g, int lane) {
-#pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
-    const bool live = kb0 + u * stride < kb_count;
-#pragma unroll
-    for (int i = 0; i < kTiles; ++i) {
-      const int slot = u * kTiles + i;
-      b.w[u][i] = *reinterpret_cast<const uint4*>(stage + slot * 4 * kTileWords + 16 * lane);
-      const edge_scale_t* sc =
-          reinterpret_cast<const edge_scale_t*>(stage + Ring<kTiles>::kWeights + slot * Ring<kTiles>::kScaleBytes);
-      const unsigned char* zp = stage + Ring<kTiles>::kWeights + Ring<kTiles>::kScales + slot * 16;
-      const edge_scale_t none = edge::from_float<edge_scale_t>(0.f);
-      b.s0[u][i] = live ? sc[g] : none;
-      b.s1[u][i] = live ? sc[g + 8] : none;
-      b.z0[u][i] = zp[g];
-      b.z1[u][i] = zp[g + 8];
-    }
-  }
-}
-
 // A CTA takes units blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at
 // most kMaxTokens; the host sizes tok_chunk so their staged rows fit its dynamic shared
 // memory).
@@ -389,32 +316,14 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
     rowbase[i] = rb[i] * groups * 16 + g;
   }
-  const int step = split * kUnroll;
-  // The first batches are constants of the step: loaded before the wait, under the
-  // previous kernel's tail.
-#if CFG_INT4_SMEM_STAGES >= 2
-  // The ring: N - 1 batches in flight a warp.
-  constexpr int kStages = CFG_INT4_SMEM_STAGES;
-  constexpr int kStage = Ring<kTiles>::kStage;
-  int rowgroups[kTiles];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) rowgroups[i] = rb[i] * groups;
-  // After the staged activations (tok_chunk rows, 16-byte multiples).
-  unsigned char* ring = smem_x + (long long)tok_chunk * (in + kPad) * sizeof(T) + warp * kStages * kStage;
-  const unsigned int ring_at = edge::smem_u32(ring);
-#pragma unroll
-  for (int j = 0; j < kStages - 1; ++j) {
-    ring_issue<kTiles>(ring_at + j * kStage, base, scale, zero, rowgroups, kw + j * step, split, kb_count, group_shift,
-                       zmask, lane);
-    edge::cp_async_commit();
-  }
-#else
   // Two register stages: the next batch's weights, scales and zero points are in flight
-  // while the current batch is multiplied, so each warp keeps loads outstanding.
+  // while the current batch is multiplied, so each warp keeps loads outstanding. The
+  // first batch is a constant of the step: loaded before the wait, under the previous
+  // kernel's tail.
+  const int step = split * kUnroll;
   Batch<kTiles> st0, st1;
   int kb0 = kw;
   load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
-#endif
   edge::await_inputs();
   stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
@@ -427,22 +336,6 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
 #pragma unroll
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
-#if CFG_INT4_SMEM_STAGES >= 2
-  int slot = 0;
-  for (int kb0 = kw; kb0 < kb_count; kb0 += step) {
-    edge::cp_async_wait<kStages - 2>();  // this lane's copies of the batch at kb0 landed
-    __syncwarp();                         // ... and every lane's (scales, zero points), and the last slot is read
-    const int fill = slot == 0 ? kStages - 1 : slot - 1;  // the slot multiplied last
-    ring_issue<kTiles>(ring_at + fill * kStage, base, scale, zero, rowgroups, kb0 + (kStages - 1) * step, split,
-                       kb_count, group_shift, zmask, lane);
-    edge::cp_async_commit();  // one group an iteration, empty past the end: the wait counts stay exact
-    Batch<kTiles> b;
-    ring_read<kTiles>(b, ring + slot * kStage, kb0, split, kb_count, g, lane);
-    mma_batch<T, kTiles>(b, acc, xrow, has_tok, kb0, split, kb_count, t);
-    slot = slot + 1 == kStages ? 0 : slot + 1;
-  }
-  edge::cp_async_wait<0>();
-#else
   for (; kb0 < kb_count; kb0 += 2 * step) {
     load_batch<kTiles>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
@@ -450,7 +343,6 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
   }
-#endif
   // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
