@@ -377,7 +377,9 @@ def test_bench_speculative_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     assert all(r["step_ms"] > 0 and r["vs_decode"] > 0 and r["path"] == "eager" for r in out["verify"])
     for run in [*out["perfect_proposer"], out["prompt_lookup"]]:
         assert run["identical"] and run["tok_s"] > 0 and run["speedup"] > 0
-    assert all(r["acceptance_rate"] == 1.0 for r in out["perfect_proposer"])
+    # The perfect proposer's proposals all stand, and more than one a step.
+    assert all(r["acceptance_rate"] == 1.0 and r["tokens_per_step"] > 1.5 for r in out["perfect_proposer"])
+    assert out["prompt_lookup"]["acceptance_rate"] > 0.5  # the model copies from its prompt
     assert out["projections"]["projection"] is True
     assert [r["tokens_per_step"] for r in out["projections"]["rows"]] == [2.0, 3.0]
     assert all(r["tok_s"] > 0 for r in out["projections"]["rows"])

@@ -119,6 +119,8 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     raw = model_config(preset=args.preset)
     if getattr(args, "init_profile", None):
         raw["init_profile"] = args.init_profile
+        if args.init_profile == "peaked":
+            raw["tie_word_embeddings"] = False  # the successor rows live in an own lm_head
     cfg = ModelConfig.from_dict(raw)
     weights = fuse_weights(iter_random_tensors(raw, 0, dtype, device), cfg, device, dtype)
     if _quantize(args) == "int4":

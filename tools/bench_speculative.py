@@ -10,8 +10,9 @@ On one engine, at one context length:
 - ``perfect_proposer``: end-to-end greedy tok/s when the proposals are the model's own
   greedy continuation (computed first by plain decoding): every proposal stands, the
   upper bound of any proposer at that k; the output is checked identical to plain decoding;
-- ``prompt_lookup``: n-gram proposals on a prompt that holds the model's own greedy
-  continuation of its first half (random weights: whatever acceptance arises is reported);
+- ``prompt_lookup``: n-gram proposals on a prompt the model copies from: a random first
+  half, the model's greedy continuation of it, and the half's last tokens again
+  (random weights: whatever acceptance arises is reported);
 - ``projections``: tok/s for published mean tokens per verify step (accepted + 1), from
   the measured verify cost, the proposer's own cost excluded. These are projections,
   not measurements.
@@ -41,6 +42,7 @@ from orin_shape import restrict_sms, stream_factory
 # Published mean tokens per verify step to project (EAGLE-3 reports about 4.2 for
 # Qwen3-8B; 2 and 3 are typical of prompt lookup and small draft models).
 PROJECTED_TOKENS_PER_STEP = (2.0, 3.0, 4.2)
+COPY_CUE = 4  # tokens of the prompt lookup prompt's first half repeated at its end
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,7 +193,7 @@ def run(args: argparse.Namespace) -> dict:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     if args.max_k < 1:
         raise SystemExit("--max-k must be at least 1")
-    if args.context + 3 * args.tokens + args.max_k + 2 > args.max_seq_len:
+    if args.context + COPY_CUE + 3 * args.tokens + args.max_k + 2 > args.max_seq_len:
         raise SystemExit(f"--max-seq-len {args.max_seq_len} cannot hold --context + 3 x --tokens")
     engine, _ = build_engine(args, stream_factory(ctx) if ctx is not None else None)
     captured = engine.capture_graphs(slots=(0,), speculative_tokens=args.max_k)
@@ -226,7 +228,7 @@ def run(args: argparse.Namespace) -> dict:
     result["plain"] = {"tokens": args.tokens, "tok_s": plain_tok_s}
     perfect = []
     for k in sorted({min(k, args.max_k) for k in (2, 4, 8)}):
-        got, secs, stats = speculative_run(engine, prompt, args.tokens, Continuation(prompt, want[1:]), k)
+        got, secs, stats = speculative_run(engine, prompt, args.tokens, Continuation(prompt, want), k)
         perfect.append({
             "k": k, "tok_s": (args.tokens - 1) / secs, "speedup": plain_s / secs, "identical": got == want,
             "tokens_per_step": stats["tokens_per_step"], "acceptance_rate": stats["acceptance_rate"],
@@ -234,15 +236,18 @@ def run(args: argparse.Namespace) -> dict:
         })
     result["perfect_proposer"] = perfect
 
-    # Prompt lookup on a prompt that holds the model's own continuation of its first half.
+    # Prompt lookup on a prompt the model copies from: a random first half, the model's own
+    # continuation of it, then the half's last tokens again, after which the model goes on
+    # as it did the first time (the peaked profile's next token follows the current one).
     half = prompt[: args.context // 2]
     cont, _ = plain_run(engine, half, args.context - len(half))
-    copy_prompt = half + cont
+    copy_prompt = half + cont + half[-COPY_CUE:]
     want, plain_s = plain_run(engine, copy_prompt, args.tokens)
     k = min(4, args.max_k)
     got, secs, stats = speculative_run(engine, copy_prompt, args.tokens, PromptLookup(), k)
     result["prompt_lookup"] = {
-        "k": k, "prompt": "first half random, second half the model's greedy continuation of it",
+        "k": k, "prompt": "first half random, the model's greedy continuation of it, the half's last "
+        f"{COPY_CUE} tokens again",
         "tok_s": (args.tokens - 1) / secs, "plain_tok_s": (args.tokens - 1) / plain_s, "speedup": plain_s / secs,
         "identical": got == want, "tokens_per_step": stats["tokens_per_step"],
         "acceptance_rate": stats["acceptance_rate"], "verify": stats["verify"],
