@@ -38,8 +38,10 @@ from edge import quant
 from edge.kernels import reference
 from edge.kernels.int8_cuda import (
     MAX_GEMV_TOKENS,
+    MAX_MMA_TOKENS,
     Int8CudaLinear,
     Int8Tuning,
+    mma_support,
     weight_support,
 )
 from edge.kernels.nvrtc import UnplannedArguments
@@ -95,16 +97,17 @@ def ic(int8_linear) -> Int8CudaLinear:
     return int8_linear()
 
 
-_GEMV_NAME = re.compile(r"int8_gemv_(.*?)(?:bf16|f16)_r\d")
+_GEMV_NAME = re.compile(r"int8_(gemv|mma)_(.*?)(?:bf16|f16)(?:_r\d)?")
 
 
 def by_kind(counts: dict[str, int]) -> Counter[str]:
-    """Launch counts with each int8 GEMV keyed by its mode (``int8_gemv_<infix>``, e.g.
-    ``int8_gemv_norm_``): dtypes and rows-per-warp variants summed."""
+    """Launch counts with each int8 GEMV keyed by its kernel and mode (``int8_gemv_<infix>``
+    or, the tensor-core kernel, ``int8_mma_<infix>``, e.g. ``int8_gemv_norm_``): dtypes and
+    rows-per-warp variants summed."""
     out: Counter[str] = Counter()
     for name, n in counts.items():
         m = _GEMV_NAME.fullmatch(name)
-        out[f"int8_gemv_{m.group(1)}" if m else name] += n
+        out[f"int8_{m.group(1)}_{m.group(2)}" if m else name] += n
     return out
 
 
@@ -171,6 +174,13 @@ def check(
     assert rel < TOL_REF[x.dtype], f"{label}: relative error vs reference {rel:.3g}"
 
 
+def kernel_of(x: torch.Tensor, w: Int8Weight) -> str:
+    """The kernel a decode input runs on: 2..8 tokens of a weight of whole 64-column
+    tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV."""
+    tokens = x.numel() // w.in_features
+    return "int8_mma_" if 2 <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None else "int8_gemv_"
+
+
 def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
     """The GEMV's result in a NaN-poisoned ``out``; checks that the plain GEMV (of
     ``rows_per_warp`` rows a warp, when given) was the one launch."""
@@ -182,7 +192,7 @@ def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None)
     y, names = launched(ic, ic.linear, x, w, bias, out=out)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr()
-    assert by_kind(names) == {"int8_gemv_": 1}, names
+    assert by_kind(names) == {kernel_of(x, w): 1}, names
     if rows_per_warp is not None:
         assert next(iter(names)).endswith(f"_r{rows_per_warp}"), names
     return y
@@ -450,7 +460,7 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     y, names = launched(ic, ic.linear, x, w, bias, out=case["out"], **kw)
     torch.cuda.synchronize()
     mode = "norm_" * ("norm" in kw) + "residual_" * ("residual" in kw) + "swiglu_" * bool(kw.get("swiglu"))
-    assert by_kind(names) == {f"int8_gemv_{mode}": 1}, f"{label}: launched {dict(names)}"
+    assert by_kind(names) == {f"{kernel_of(x, w)}{mode}": 1}, f"{label}: launched {dict(names)}"
     if "residual" in kw:
         assert y is kw["residual"], f"{label}: the residual is the result, updated in place"
         buf = case["buf"]
@@ -517,6 +527,67 @@ def test_fused_modes_every_variant(int8_linear, mode, rows_per_warp) -> None:
                 assert check_fused(ic, c, label).endswith(f"_r{r}"), label
 
 
+MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged tile counts, big groups
+    ("plain", 6144, 4096, 128),
+    ("norm", 1056, 576, 64),
+    ("residual", 4096, 12288, 128),
+    ("residual", 96, 704, 64),
+    ("norm_swiglu", 2 * 1024, 1024, 256),
+    ("norm_swiglu", 2 * 48, 320, 64),
+]
+
+
+@pytest.mark.parametrize("tokens", [2, 3, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
+def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
+    """2..8 tokens (the speculative verify step) run on the tensor-core kernel
+    (int8_mma.cu), one launch for all of them, every mode, against the float32 oracle
+    and the reference composition; 8 tokens of a 12288-column input take several launch
+    rows of staged tokens (its shared memory holds 3)."""
+    mode, rows, inp, group = case
+    for bias in (False, True):
+        c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, tokens, bias)
+        name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
+        assert name.startswith("int8_mma_"), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
+    """The verify step's greedy lm_head: argmax of 2..8 tokens' logits on the tensor-core
+    kernel, with and without the norm folded in, equal to torch.argmax of the kernel's
+    own logits; the per-stream slots are emptied for the next call."""
+    g = _gen()
+    rows, inp = 32000, 1024
+    w = random_weight(rows, inp, 128, g)
+    norm_w = (torch.rand(inp, generator=g, device="cuda") + 0.5).to(dtype)
+    for tokens in (2, 5, 8):
+        for norm in (None, (norm_w, 1e-6)):
+            x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
+            logits, lnames = launched(ic, ic.linear, x, w, norm=norm)
+            want = torch.argmax(logits, dim=-1)
+            got, names = launched(ic, ic.argmax, x, w, norm=norm)
+            mode = "norm_" if norm is not None else ""
+            assert by_kind(lnames) == {f"int8_mma_{mode}": 1}, dict(lnames)
+            assert by_kind(names) == {f"int8_mma_{mode}argmax_": 1, "int8_argmax_take": 1}, dict(names)
+            assert torch.equal(got, want), (tokens, norm is not None)
+
+
+def test_weights_without_whole_tiles_keep_the_per_token_kernel(ic) -> None:
+    """A group of 32 (tiles would straddle groups) or rows not in 32-row pairs: 2..4
+    tokens run the per-token GEMV, 5..8 are a prefill (expanded weights), and each is
+    still right."""
+    g = _gen()
+    for rows, inp, group in ((512, 512, 32), (48, 512, 64)):
+        w = random_weight(rows, inp, group, g)
+        assert mma_support(w) is not None
+        for tokens, kind in ((2, "int8_gemv_"), (4, "int8_gemv_"), (6, "int8_dequant_bf16")):
+            x = torch.randn(tokens, inp, generator=g, device="cuda").to(torch.bfloat16)
+            y, names = launched(ic, ic.linear, x, w)
+            assert by_kind(names)[kind] == 1, dict(names)
+            check(y, x, w, None, f"{rows}x{inp} g{group} T{tokens}")
+
+
 def test_unplanned_fusions_compose_or_raise(ic) -> None:
     """Fusions the GEMV has no mode for (MODES), and prefill chunks, compose the layer
     ops around the plain linear (the plain GEMV for decode inputs, the GEMM for
@@ -524,7 +595,7 @@ def test_unplanned_fusions_compose_or_raise(ic) -> None:
     mode's kernel cannot read raise instead of running anything else."""
     g = _gen()
     dt = torch.bfloat16
-    w = random_weight(512, 512, 128, g)
+    w = random_weight(512, 512, 32, g)  # group 32: no tensor-core kernel, so 5 tokens are a prefill
     ln = (1 + 0.1 * torch.randn(512, generator=g, device="cuda")).to(dt)
     x1 = torch.randn(1, 512, generator=g, device="cuda").to(dt)
     x5 = torch.randn(5, 512, generator=g, device="cuda").to(dt)

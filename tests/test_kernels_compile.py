@@ -43,6 +43,8 @@ VARIANTS = [
         {"CFG_INT8_WARPS": 8, "CFG_INT8_UNROLL_R1": 8, "CFG_INT8_MIN_BLOCKS": 2},
     ),
     ("int4_gemv.cu", {}),  # float16 scales, the default tuning
+    ("int8_mma.cu", {}),  # the verify step's int8 linears on tensor cores, every mode
+    ("int8_mma.cu", {"CFG_INT8_MMA_WARPS": 4, "CFG_INT8_MMA_UNROLL": 1}),
     ("dequant.cu", {}),  # every int4 / int8 prefill expansion
     (
         "int4_gemv.cu",

@@ -35,7 +35,7 @@
 //               has the same scheme).
 //
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87 Orin, sm_90).
-#include "common.cuh"
+#include "gemv_epilogue.cuh"
 
 #ifndef CFG_INT4_SCALE
 #define CFG_INT4_SCALE 1
@@ -51,6 +51,11 @@ typedef float edge_scale_t;
 #endif
 
 namespace {
+
+using edge::kArgmax;
+using edge::kResidual;
+using edge::kStore;
+using edge::kSwiglu;
 
 #ifndef CFG_INT4_WARPS
 #define CFG_INT4_WARPS 8
@@ -70,7 +75,7 @@ namespace {
 constexpr int kWarps = CFG_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
 constexpr int kUnroll = CFG_INT4_UNROLL;  // column tiles a stage, per warp and row tile
-constexpr int kMaxTokens = 8;              // the mma's N
+constexpr int kMaxTokens = edge::kGemvMaxTokens;  // the mma's N
 constexpr int kTileWords = 128;            // 16 x 64 codes
 
 // (a & b) | c in one instruction.
@@ -120,61 +125,6 @@ __device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, un
 }
 
 __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::to_float(s[0]); }
-
-enum Epilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
-
-// Activations are staged once per CTA in shared memory (a token a row, `in + kPad`
-// elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
-// there: the k16 steps then read their B fragments from shared memory instead of each
-// waiting for a global load (the weights of the next stage are in flight meanwhile).
-constexpr int kPad = 16;  // a token's row starts 32 bytes (8 banks) after the previous one
-
-// Tokens [0, ntok) of x (rows of `in`) into xs; kNorm: T(x * norm_w), and each warp's share
-// of every token's sum of squares of x into red_ss[warp][token].
-template <typename T, bool kNorm>
-__device__ __forceinline__ void stage_x(T* __restrict__ xs, float (*red_ss)[kMaxTokens], const T* __restrict__ x,
-                                        const int* __restrict__ perm, const T* __restrict__ norm_w, int in,
-                                        int ntok) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int stride = in + kPad;
-  const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
-  for (int n = 0; n < ntok; ++n) {
-    const T* xr = x + (long long)n * in;
-    float ss = 0.f;
-    for (int v = threadIdx.x; v < vecs; v += kThreads) {
-      alignas(16) T val[8];
-      alignas(16) T nw[8];
-      if (perm == nullptr) {
-        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
-        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
-      } else {
-        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
-        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
-        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          val[i] = xr[idx[i]];
-          if (kNorm) nw[i] = norm_w[idx[i]];
-        }
-      }
-      if (kNorm) {
-#pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          const float a = edge::to_float(val[i]), b = edge::to_float(val[i + 1]);
-          ss = fmaf(a, a, fmaf(b, b, ss));
-          *reinterpret_cast<unsigned int*>(val + i) =
-              edge::pack2<T>(a * edge::to_float(nw[i]), b * edge::to_float(nw[i + 1]));
-        }
-      }
-      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
-    }
-    if (kNorm) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (lane == 0) red_ss[warp][n] = ss;
-    }
-  }
-}
 
 // One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
 // group scales (rows g, g + 8) and zero points they need, kept as loaded: converting
@@ -325,11 +275,11 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   int kb0 = kw;
   load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
   edge::await_inputs();
-  stage_x<T, kNorm>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
+  edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
   __syncthreads();
 
   const bool has_tok = g < ntok;
-  const T* xrow = xs + (has_tok ? g : 0) * (in + kPad);
+  const T* xrow = xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
@@ -343,71 +293,11 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
     mma_batch<T, kTiles>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
   }
-  // C fragment: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    red[warp][i][g][2 * t] = acc[i][0];
-    red[warp][i][g][2 * t + 1] = acc[i][1];
-    red[warp][i][g + 8][2 * t] = acc[i][2];
-    red[warp][i][g + 8][2 * t + 1] = acc[i][3];
-  }
+  edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
   __syncthreads();
 
-  constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
-  // Outputs token-major, then unit, tile, row: a warp's 32 (argmax: one token's unit).
-  const int per_token = units * kOutTiles * 16;
-  const int total = per_token * ntok;
-  for (int o = threadIdx.x; o < ((total + 31) & ~31); o += kThreads) {
-    const bool live = o < total;
-    const int oo = live ? o : 0;
-    const int n = oo / per_token;
-    const int grp = (oo % per_token) / (kOutTiles * 16);
-    const int i = (oo / 16) % kOutTiles;
-    const int r = oo & 15;
-    float v = 0.f, up = 0.f;
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k) {
-      if (k < split) {
-        v += red[grp * split + k][i][r][n];
-        if (kEpi == kSwiglu) up += red[grp * split + k][kTiles - 1][r][n];
-      }
-    }
-    if (kNorm) {
-      float sq = 0.f;
-#pragma unroll
-      for (int k = 0; k < kWarps; ++k) sq += red_ss[k][n];  // every warp staged a share of the columns
-      const float inv_rms = rsqrtf(sq / static_cast<float>(in) + eps);
-      v *= inv_rms;
-      up *= inv_rms;
-    }
-    // A clamped duplicate tile (past the last row block) has rows >= out: not written.
-    const int ounit = blockIdx.x * units + grp;
-    const int row = (kEpi == kSwiglu ? ounit : ounit * kTiles + i) * 16 + r;
-    const bool writes = live && row < out;
-    if (bias != nullptr && writes) {
-      v += edge::to_float(bias[row]);
-      if (kEpi == kSwiglu) up += edge::to_float(bias[out + row]);
-    }
-    if (kEpi == kArgmax) {
-      unsigned long long key = writes ? edge::argmax_key(edge::round_to<T>(v), row) : 0ull;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
-        key = other > key ? other : key;
-      }
-      if (lane == 0 && key != 0ull) atomicMax(best + n0 + n, key);
-      continue;
-    }
-    if (!writes) continue;
-    T* yo = y + (long long)(n0 + n) * out + row;
-    if (kEpi == kSwiglu) {
-      const float gg = edge::round_to<T>(v);
-      v = gg / (1.f + __expf(-gg)) * edge::round_to<T>(up);
-    } else if (kEpi == kResidual) {
-      v = edge::to_float(*yo) + edge::round_to<T>(v);
-    }
-    *yo = edge::from_float<T>(v);
-  }
+  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, units, split, ntok, n0,
+                                                    best);
 }
 
 // ---- prefill GEMM: the packed codes straight into the tile loop ------------------------

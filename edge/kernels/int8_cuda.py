@@ -2,8 +2,11 @@
 
 :class:`Int8CudaLinear` is the backend's linear for the q8_0 format. ``linear`` has
 the semantics of :func:`edge.quant.int8_linear_reference` (``x @ dequant(w).T + bias``
-in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (at most
-:data:`MAX_GEMV_TOKENS` tokens); a prefill chunk expands the weight by a kernel
+in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token, or up to
+:data:`MAX_GEMV_TOKENS` where the tensor-core kernel does not apply), the tensor-core
+kernel of ``int8_mma.cu`` for 2 to :data:`MAX_MMA_TOKENS` tokens (the speculative
+verify step: every weight byte read once for all of them; weights whose group size and
+input width are multiples of 64, :func:`mma_support`); a prefill chunk expands the weight by a kernel
 (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
 and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.
@@ -30,12 +33,15 @@ import torch
 from edge.kernels.args import is_vector, overlap
 from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
+from edge.kernels import nvrtc
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
-__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "weight_support"]
+__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "mma_support",
+           "weight_support"]
 
 SOURCE = "int8_gemv.cu"
+MMA_SOURCE = "int8_mma.cu"
 DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAME = {torch.float16: "f16", torch.bfloat16: "bf16"}
 ROWS_PER_WARP = (4, 2, 1)
@@ -50,7 +56,9 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
 # The greedy lm_head (int8_argmax): the plain or norm launch with the argmax epilogue,
 # keyed by norm given.
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
-MAX_GEMV_TOKENS = 4  # more tokens (prefill): dequantize + matmul (the reference)
+MAX_GEMV_TOKENS = 4  # the per-token GEMV's most; more tokens (prefill): dequantize + matmul
+MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
+MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
@@ -70,12 +78,19 @@ class Int8Tuning:
     min_blocks: int = 4
     rows_per_warp: int | None = None
     dequant_chunk: int = DEQUANT_CHUNK_ELEMENTS  # weight elements expanded at once for prefill
+    mma_warps: int = 8  # int8_mma.cu: warps a CTA, splitting its row tile's columns
+    mma_unroll: int = 2  # int8_mma.cu: column tiles a register stage (two stages in flight)
+    mma_stage_bytes: int = 96 << 10  # shared memory a tensor-core CTA may stage tokens in (more: a launch row each)
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
             raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
+        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4:
+            raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} warps, unroll {self.mma_unroll}")
+        if self.mma_stage_bytes < 16 << 10:
+            raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
 
     def defines(self) -> dict[str, int]:
         return {
@@ -85,6 +100,9 @@ class Int8Tuning:
             "CFG_INT8_UNROLL_R4": self.unroll_r4,
             "CFG_INT8_MIN_BLOCKS": self.min_blocks,
         }
+
+    def mma_defines(self) -> dict[str, int]:
+        return {"CFG_INT8_MMA_WARPS": self.mma_warps, "CFG_INT8_MMA_UNROLL": self.mma_unroll}
 
 
 def weight_support(w: Int8Weight, dtype: torch.dtype) -> str | None:
@@ -101,6 +119,17 @@ def weight_support(w: Int8Weight, dtype: torch.dtype) -> str | None:
         return "weights must be 16-byte aligned on the GPU"
     if rows >= 2**31 or cols >= 2**31:
         return "weight too large for int32 indexing"
+    return None
+
+
+def mma_support(w: Int8Weight) -> str | None:
+    """None when the tensor-core kernel takes this (GEMV-supported) weight, else why not:
+    its 64-column tiles must not straddle groups, and row tiles come in pairs."""
+    rows, cols = w.weight.shape
+    if cols % 64 or w.group_size % 64:
+        return f"group size {w.group_size} / {cols} input columns: not whole 64-column tiles"
+    if rows % 32:
+        return f"{rows} rows: not a multiple of 32"
     return None
 
 
@@ -125,12 +154,19 @@ class Int8CudaLinear:
                     name = f"int8_gemv_{infix}{_DTYPE_NAME[dtype]}_r{r}"
                     self._k[name] = launcher.kernel(SOURCE, name, defines)
         self._k["take"] = launcher.kernel(SOURCE, "int8_argmax_take", defines)
+        self._mma_smem = min(nvrtc.shared_memory(launcher.device_index)[1], tuning.mma_stage_bytes)
+        for dtype in DTYPES:
+            for infix in (*(m[0] for m in MODES.values()), *ARGMAX_MODES.values()):  # the same modes
+                name = f"int8_mma_{infix}{_DTYPE_NAME[dtype]}"
+                self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem)
         self._dq = DequantCuda(launcher, int4=False, int8=True)
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int8CudaLinear":
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int8CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
+        other._mma_smem = self._mma_smem
         other._dq = self._dq.with_launcher(launcher)
         return other
 
@@ -150,9 +186,14 @@ class Int8CudaLinear:
         return r, -(-out_features // (warps * r)) * tokens
 
     def _gemv(self, x: torch.Tensor, w: Int8Weight) -> bool:
-        """Whether ``x`` is a decode input (the GEMV); else a prefill chunk (the GEMM)."""
-        cols = w.in_features
-        return x.numel() // cols <= MAX_GEMV_TOKENS
+        """Whether ``x`` is a decode input (a GEMV kernel); else a prefill chunk (the GEMM)."""
+        tokens = x.numel() // w.in_features
+        return tokens <= MAX_GEMV_TOKENS or self._mma(tokens, w)
+
+    @staticmethod
+    def _mma(tokens: int, w: Int8Weight) -> bool:
+        """Whether ``tokens`` tokens run on the tensor-core kernel (int8_mma.cu)."""
+        return 2 <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None
 
     def fuses(self, x: torch.Tensor, w: Int8Weight) -> bool:
         """Decode inputs run norm / residual / SwiGLU inside the GEMV."""
@@ -250,6 +291,9 @@ class Int8CudaLinear:
         """One GEMV launch in mode ``infix``."""
         rows, cols = w.weight.shape
         tokens = x.numel() // cols
+        if self._mma(tokens, w):
+            self._launch_mma(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr)
+            return
         staged = norm is not None and infix != ARGMAX_MODES[True]  # the kernel's kStaged
         smem = _norm_smem(x, cols) if staged else 0
         r, ctas = self.plan(rows, tokens, min_rows)
@@ -274,13 +318,48 @@ class Int8CudaLinear:
             shmem=smem,
         )
 
+    def _launch_mma(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, infix: str, y_ptr: int,
+                    outputs: int, tokens: int, norm: Norm | None, best_ptr: int) -> None:
+        """One tensor-core launch in mode ``infix`` (the GEMV's infix; int8_mma.cu)."""
+        cols = w.in_features
+        tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
+        units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
+        sums = (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
+        row = (cols + MMA_PAD) * x.element_size()
+        room = self._mma_smem - sums
+        if room < row:
+            raise UnplannedArguments(f"int8 tensor-core GEMV: a staged row of {row} B and {sums} B of sums exceed "
+                                     f"{self._mma_smem} B")
+        chunk = min(tokens, room // row)
+        self.launcher.launch(
+            self._k[f"int8_mma_{infix}{_DTYPE_NAME[x.dtype]}"],
+            (units, -(-tokens // chunk)),
+            32 * self.tuning.mma_warps,
+            (
+                y_ptr,
+                x.data_ptr(),
+                w.weight.data_ptr(),
+                w.scale.data_ptr(),
+                0 if bias is None else bias.data_ptr(),
+                0 if norm is None else norm[0].data_ptr(),
+                np.float32(0.0 if norm is None else norm[1]),
+                np.int32(outputs),
+                np.int32(cols),
+                np.int32(w.group_size.bit_length() - 7),  # log2(group / 64)
+                np.int32(tokens),
+                np.int32(chunk),
+                best_ptr,
+            ),
+            shmem=sums + chunk * row,
+        )
+
     def _best(self, device: torch.device) -> torch.Tensor:
-        """The current stream's argmax slots (int64 ``[MAX_GEMV_TOKENS]``, zeroed when
+        """The current stream's argmax slots (int64 ``[MAX_MMA_TOKENS]``, zeroed when
         made; ``int8_argmax_take`` empties each slot it reads)."""
         return self.launcher.scratch(
             "argmax",
             lambda _slots: True,
-            lambda _old: torch.zeros(MAX_GEMV_TOKENS, dtype=torch.int64, device=device),
+            lambda _old: torch.zeros(MAX_MMA_TOKENS, dtype=torch.int64, device=device),
         )
 
     def argmax(

@@ -1,0 +1,166 @@
+// The epilogue of the tensor-core GEMVs (int4_gemv.cu, int8_mma.cu): the CTA's split
+// warps' partial sums meet in shared memory and each output gets, once, the RMSNorm
+// scale, bias, then one of the modes below, for every token the CTA staged.
+//
+//   kStore      y[row] = T(dot + bias).
+//   kResidual   y[row] = T(y[row] + T(dot + bias)), in place (y must not alias x).
+//   kSwiglu     the weight is [gate; up]; y[j] = T(silu(T(g)) * T(u)).
+//   kArgmax     nothing stored: the largest T-rounded output of each token (lowest
+//               row among equals, NaN largest) into best[token] by a 64-bit atomicMax
+//               (a unit must give 32 outputs a token: a warp reduces them).
+#pragma once
+#include "common.cuh"
+
+namespace edge {
+
+constexpr int kGemvMaxTokens = 8;  // tokens a CTA multiplies at once: the mma's N
+
+enum GemvEpilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
+
+constexpr int kGemvPad = 16;  // a staged token's row starts 32 bytes (8 banks) after the previous one
+
+// Activations are staged once per CTA in shared memory (a token a row, `in + kGemvPad`
+// elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
+// there: the k16 steps then read their B fragments from shared memory instead of each
+// waiting for a global load (the weights of the next stage are in flight meanwhile).
+// Tokens [0, ntok) of x (rows of `in`) into xs; kNorm: T(x * norm_w), and each warp's
+// share of every token's sum of squares of x into red_ss[warp][token]; kSums (in a
+// multiple of 64): the sum of each 64-column tile's staged values into
+// sums[tile * kGemvMaxTokens + token].
+template <typename T, bool kNorm, bool kSums, int kThreads>
+__device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
+                                             float* __restrict__ sums, const T* __restrict__ x,
+                                             const int* __restrict__ perm, const T* __restrict__ norm_w, int in,
+                                             int ntok) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int stride = in + kGemvPad;
+  const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
+  for (int n = 0; n < ntok; ++n) {
+    const T* xr = x + (long long)n * in;
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      alignas(16) T val[8];
+      alignas(16) T nw[8];
+      if (perm == nullptr) {
+        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
+        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+      } else {
+        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
+        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
+        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          val[i] = xr[idx[i]];
+          if (kNorm) nw[i] = norm_w[idx[i]];
+        }
+      }
+      if (kNorm) {
+#pragma unroll
+        for (int i = 0; i < 8; i += 2) {
+          const float a = to_float(val[i]), b = to_float(val[i + 1]);
+          ss = fmaf(a, a, fmaf(b, b, ss));
+          *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
+        }
+      }
+      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
+      if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
+        const unsigned int group = 0xFFu << (lane & 24);
+        sum += __shfl_xor_sync(group, sum, 1);
+        sum += __shfl_xor_sync(group, sum, 2);
+        sum += __shfl_xor_sync(group, sum, 4);
+        if ((lane & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
+      }
+    }
+    if (kNorm) {
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) red_ss[warp][n] = ss;
+    }
+  }
+}
+
+// A warp's C fragments into its red[warp]: c0, c1 are row g, tokens 2t, 2t + 1; c2, c3 row g + 8.
+template <int kTiles>
+__device__ __forceinline__ void gemv_store_partials(float (*red)[16][kGemvMaxTokens], const float (&acc)[kTiles][4],
+                                                    int g, int t) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    red[i][g][2 * t] = acc[i][0];
+    red[i][g][2 * t + 1] = acc[i][1];
+    red[i][g + 8][2 * t] = acc[i][2];
+    red[i][g + 8][2 * t + 1] = acc[i][3];
+  }
+}
+
+// red[warp][tile][row][token]: the warps' partial sums (C fragments); red_ss[warp][token]:
+// each warp's share of a token's sum of squares (kNorm). A CTA holds `units` units of
+// kTiles row tiles (kSwiglu: a gate tile and its up tile), `split` warps a unit, the
+// tokens [n0, n0 + ntok). Called by every thread after a __syncthreads.
+template <typename T, int kWarps, int kTiles, bool kNorm, int kEpi>
+__device__ __forceinline__ void gemv_epilogue(const float (*red)[kTiles][16][kGemvMaxTokens],
+                                              const float (*red_ss)[kGemvMaxTokens], T* __restrict__ y,
+                                              const T* __restrict__ bias, float eps, int out, int in, int units,
+                                              int split, int ntok, int n0, unsigned long long* __restrict__ best) {
+  constexpr int kThreads = 32 * kWarps;
+  const int lane = threadIdx.x & 31;
+  constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
+  // Outputs token-major, then unit, tile, row: a warp's 32 (argmax: one token's unit).
+  const int per_token = units * kOutTiles * 16;
+  const int total = per_token * ntok;
+  for (int o = threadIdx.x; o < ((total + 31) & ~31); o += kThreads) {
+    const bool live = o < total;
+    const int oo = live ? o : 0;
+    const int n = oo / per_token;
+    const int grp = (oo % per_token) / (kOutTiles * 16);
+    const int i = (oo / 16) % kOutTiles;
+    const int r = oo & 15;
+    float v = 0.f, up = 0.f;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) {
+      if (k < split) {
+        v += red[grp * split + k][i][r][n];
+        if (kEpi == kSwiglu) up += red[grp * split + k][kTiles - 1][r][n];
+      }
+    }
+    if (kNorm) {
+      float sq = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarps; ++k) sq += red_ss[k][n];  // every warp staged a share of the columns
+      const float inv_rms = rsqrtf(sq / static_cast<float>(in) + eps);
+      v *= inv_rms;
+      up *= inv_rms;
+    }
+    // A clamped duplicate tile (past the last row block) has rows >= out: not written.
+    const int ounit = blockIdx.x * units + grp;
+    const int row = (kEpi == kSwiglu ? ounit : ounit * kTiles + i) * 16 + r;
+    const bool writes = live && row < out;
+    if (bias != nullptr && writes) {
+      v += to_float(bias[row]);
+      if (kEpi == kSwiglu) up += to_float(bias[out + row]);
+    }
+    if (kEpi == kArgmax) {
+      unsigned long long key = writes ? argmax_key(round_to<T>(v), row) : 0ull;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const unsigned long long other = __shfl_xor_sync(0xffffffffu, key, off);
+        key = other > key ? other : key;
+      }
+      if (lane == 0 && key != 0ull) atomicMax(best + n0 + n, key);
+      continue;
+    }
+    if (!writes) continue;
+    T* yo = y + (long long)(n0 + n) * out + row;
+    if (kEpi == kSwiglu) {
+      const float gg = round_to<T>(v);
+      v = gg / (1.f + __expf(-gg)) * round_to<T>(up);
+    } else if (kEpi == kResidual) {
+      v = to_float(*yo) + round_to<T>(v);
+    }
+    *yo = from_float<T>(v);
+  }
+}
+
+}  // namespace edge

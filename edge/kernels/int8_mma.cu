@@ -1,0 +1,263 @@
+// W8A16 linear for 2..8 tokens on tensor cores (compiled at run time by NVRTC, see
+// edge/kernels/nvrtc.py): the speculative verify step's linears. Same semantics and
+// layout as int8_gemv.cu (q int8 [out, in] row-major, scale float32 [out, in / group]):
+//
+//   y[t, o] = sum_k x[t, k] * q[o, k] * scale[o, k / group]  (+ bias[o])
+//
+// int8_gemv.cu gives each token its own CTAs, so k tokens read the weights k times;
+// here every weight byte is read once for all the CTA's tokens (mma.sync m16n8k16,
+// float32 accumulation, the tokens are the B operand's 8 columns: 8 cost what 2 do).
+//
+// A warp's unit of work is a tile of 16 rows x 64 columns. Lane (g, t) (g = lane / 4,
+// t = lane % 4) loads 16 bytes of row g and 16 of row g + 8 at columns 16t..16t+15 of
+// the tile: 4 lanes read a row's 64 bytes, coalesced. Byte j of word s of a lane's load
+// is column 16t + 4s + j, and k16 step s takes word s of both rows: the step runs over
+// columns {16t + 4s + j}, a permutation of the tile that the B operand follows (lane
+// 4n + t reads token n's 4 consecutive activations there). Inside a step, the mma's k
+// index 2t, 2t + 1 is column byte 0, 2 of the word and 2t + 8, 2t + 9 bytes 1, 3.
+//
+// A signed byte is 16 h + l with h its signed high nibble and l its low nibble. Each
+// nibble goes into a 16-bit lane by one logic op, as Base + l (Base = 1024.0 in float16,
+// 128.0 in bfloat16: both exact for 4-bit l) and Base + 8 + h (XOR-ing the raw high
+// nibble with 8 in the same op), so one tile takes two mma chains, S_l and S_h, and
+//   sum q x = 16 S_h + S_l - (17 Base + 128) sum x,
+// with sum x the tile's staged activations summed while staging. The group scale (a
+// group holds whole tiles: group a multiple of 64) multiplies each tile's sum.
+//
+// A CTA is kWarps warps on one unit of kTiles row tiles (kSwiglu: a gate tile and its up
+// tile), the warps splitting its column tiles; the partial sums meet in shared memory
+// and gemv_epilogue.cuh finishes each output (bias, RMSNorm scale, residual, SwiGLU,
+// argmax) once. Activations are staged per CTA (gemv_epilogue.cuh: kNorm folds the norm
+// weight in); the host sizes the tokens a CTA stages to its shared memory.
+//
+// No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87, sm_90).
+#include "gemv_epilogue.cuh"
+
+namespace {
+
+using edge::kArgmax;
+using edge::kGemvMaxTokens;
+using edge::kGemvPad;
+using edge::kResidual;
+using edge::kStore;
+using edge::kSwiglu;
+
+#ifndef CFG_INT8_MMA_WARPS
+#define CFG_INT8_MMA_WARPS 8
+#endif
+#ifndef CFG_INT8_MMA_UNROLL
+#define CFG_INT8_MMA_UNROLL 2
+#endif
+constexpr int kWarps = CFG_INT8_MMA_WARPS;  // warps a CTA: its unit's column split (int8_cuda.py reads it)
+constexpr int kThreads = 32 * kWarps;
+constexpr int kUnroll = CFG_INT8_MMA_UNROLL;  // column tiles a register stage, per warp and row tile
+
+// (a & b) ^ c in one instruction.
+__device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  return d;
+}
+
+// Base in both 16-bit lanes (and the high nibbles' offset Base + 8 after the XOR).
+template <typename T>
+struct Nibbles;
+template <>
+struct Nibbles<__half> {
+  static constexpr unsigned int kBase = 0x6400u;  // 1024.0
+  static constexpr float kBias = 17.f * 1024.f + 128.f;
+};
+template <>
+struct Nibbles<__nv_bfloat16> {
+  static constexpr unsigned int kBase = 0x4300u;  // 128.0
+  static constexpr float kBias = 17.f * 128.f + 128.f;
+};
+
+// One batch of a warp: kUnroll column tiles of each of its kTiles row tiles (rows g and
+// g + 8) with the group scales of those rows.
+template <int kTiles>
+struct Batch {
+  uint4 lo[kUnroll][kTiles], hi[kUnroll][kTiles];  // rows g, g + 8
+  float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
+};
+
+// The loads of the batch starting at column tile kb0 (tiles kb0 + u * stride), branch-free:
+// a tile past the row's end re-reads the last one (scaled by 0 when multiplied).
+template <int kTiles>
+__device__ __forceinline__ void load_batch(Batch<kTiles>& b, const signed char* const (&row_g)[kTiles],
+                                           const signed char* const (&row_g8)[kTiles],
+                                           const float* const (&sc_g)[kTiles], const float* const (&sc_g8)[kTiles],
+                                           int kb0, int stride, int kb_count, int group_shift) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = min(kb0 + u * stride, kb_count - 1);
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      b.lo[u][i] = edge::ld_weights(row_g[i] + kb * 64);
+      b.hi[u][i] = edge::ld_weights(row_g8[i] + kb * 64);
+    }
+  }
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int gi = min(kb0 + u * stride, kb_count - 1) >> group_shift;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      b.s0[u][i] = __ldg(sc_g[i] + gi);
+      b.s1[u][i] = __ldg(sc_g8[i] + gi);
+    }
+  }
+}
+
+__device__ __forceinline__ unsigned int word(const uint4& w, int s) {
+  return s == 0 ? w.x : s == 1 ? w.y : s == 2 ? w.z : w.w;
+}
+
+// acc += the batch's products (module comment): per column tile 4 k16 steps of two mma
+// chains (low and high nibbles), then 16 S_h + S_l less the activation sum's share,
+// times the group scale.
+template <typename T, int kTiles>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
+                                          const float* __restrict__ sums, bool has_tok, int kb0, int stride,
+                                          int kb_count, int t) {
+  constexpr unsigned int kLo = Nibbles<T>::kBase * 0x10001u;
+  constexpr unsigned int kHi = (Nibbles<T>::kBase + 8u) * 0x10001u;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = min(kb0 + u * stride, kb_count - 1);
+    const float live = kb0 + u * stride < kb_count ? 1.f : 0.f;
+    float pl[kTiles][4], ph[kTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) pl[i][c] = ph[i][c] = 0.f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
+      // k 2t + 8, 2t + 9 <- columns 1, 3.
+      const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s);
+      const unsigned int b0 = has_tok ? __byte_perm(xv.x, xv.y, 0x5410) : 0u;
+      const unsigned int b1 = has_tok ? __byte_perm(xv.x, xv.y, 0x7632) : 0u;
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        const unsigned int wg = word(b.lo[u][i], s), wh = word(b.hi[u][i], s);
+        unsigned int a[4];
+        // Low nibbles: a0 / a2 row g (bytes 0, 2 / 1, 3), a1 / a3 row g + 8.
+        a[0] = and_xor(wg, 0x000F000Fu, kLo);
+        a[1] = and_xor(wh, 0x000F000Fu, kLo);
+        a[2] = and_xor(wg >> 8, 0x000F000Fu, kLo);
+        a[3] = and_xor(wh >> 8, 0x000F000Fu, kLo);
+        edge::mma16816<T>(pl[i], a, b0, b1);
+        // High nibbles, XOR 8: Base + 8 + h for the signed nibble h.
+        a[0] = and_xor(wg >> 4, 0x000F000Fu, kHi);
+        a[1] = and_xor(wh >> 4, 0x000F000Fu, kHi);
+        a[2] = and_xor(wg >> 12, 0x000F000Fu, kHi);
+        a[3] = and_xor(wh >> 12, 0x000F000Fu, kHi);
+        edge::mma16816<T>(ph[i], a, b0, b1);
+      }
+    }
+    // The tile's activation sums of tokens 2t, 2t + 1 (the C fragment's columns).
+    const float2 sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);
+    constexpr float kBias = Nibbles<T>::kBias;
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i) {
+      const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
+      acc[i][0] = fmaf(s0, fmaf(16.f, ph[i][0], fmaf(-kBias, sx.x, pl[i][0])), acc[i][0]);
+      acc[i][1] = fmaf(s0, fmaf(16.f, ph[i][1], fmaf(-kBias, sx.y, pl[i][1])), acc[i][1]);
+      acc[i][2] = fmaf(s1, fmaf(16.f, ph[i][2], fmaf(-kBias, sx.x, pl[i][2])), acc[i][2]);
+      acc[i][3] = fmaf(s1, fmaf(16.f, ph[i][3], fmaf(-kBias, sx.y, pl[i][3])), acc[i][3]);
+    }
+  }
+}
+
+// A CTA takes unit blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at most
+// kGemvMaxTokens; the host sizes tok_chunk so their staged rows and tile sums fit its
+// dynamic shared memory).
+template <typename T, int kTiles, bool kNorm, int kEpi>
+__device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,
+                                         const float* __restrict__ scale, const T* __restrict__ bias,
+                                         const T* __restrict__ norm_w, float eps, int out, int in, int group_shift,
+                                         int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) {
+  static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
+  static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
+  __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
+  __shared__ float red_ss[kWarps][kGemvMaxTokens];
+  extern __shared__ __align__(16) unsigned char smem_x[];
+  const int kb_count = in >> 6;
+  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens]
+  T* xs = reinterpret_cast<T*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float));
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.y * tok_chunk;
+  const int ntok = min(tok_chunk, num_tokens - n0);
+  const int unit = blockIdx.x;
+  const int groups = in >> (group_shift + 6);
+  const signed char* row_g[kTiles];
+  const signed char* row_g8[kTiles];
+  const float* sc_g[kTiles];
+  const float* sc_g8[kTiles];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    // kSwiglu: the gate tile, then the up tile `out` rows further; a row past the end
+    // re-reads the last valid row of its half (never written).
+    const int r0 = (kEpi == kSwiglu ? unit : unit * kTiles + i) * 16;
+    const int half = kEpi == kSwiglu ? i * out : 0;
+    const int ra = min(r0 + g, out - 1) + half, rb = min(r0 + g + 8, out - 1) + half;
+    row_g[i] = q + (long long)ra * in + 16 * t;
+    row_g8[i] = q + (long long)rb * in + 16 * t;
+    sc_g[i] = scale + (long long)ra * groups;
+    sc_g8[i] = scale + (long long)rb * groups;
+  }
+  // The first batch is a constant of the step: loaded before the wait, under the
+  // previous kernel's tail.
+  Batch<kTiles> st0, st1;
+  int kb0 = warp;
+  const int step = kWarps * kUnroll;
+  load_batch<kTiles>(st0, row_g, row_g8, sc_g, sc_g8, kb0, kWarps, kb_count, group_shift);
+  edge::await_inputs();
+  edge::gemv_stage_x<T, kNorm, true, kThreads>(xs, red_ss, sums, x + (long long)n0 * in, nullptr, norm_w, in, ntok);
+  __syncthreads();
+
+  const bool has_tok = g < ntok;
+  const T* xrow = xs + (has_tok ? g : 0) * (in + kGemvPad);
+  float acc[kTiles][4];
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+  for (; kb0 < kb_count; kb0 += 2 * step) {
+    load_batch<kTiles>(st1, row_g, row_g8, sc_g, sc_g8, kb0 + step, kWarps, kb_count, group_shift);
+    mma_batch<T, kTiles>(st0, acc, xrow, sums, has_tok, kb0, kWarps, kb_count, t);
+    if (kb0 + step >= kb_count) break;
+    load_batch<kTiles>(st0, row_g, row_g8, sc_g, sc_g8, kb0 + 2 * step, kWarps, kb_count, group_shift);
+    mma_batch<T, kTiles>(st1, acc, xrow, sums, has_tok, kb0 + step, kWarps, kb_count, t);
+  }
+  edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
+  __syncthreads();
+  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, 1, kWarps, ntok, n0, best);
+}
+
+}  // namespace
+
+// One signature for every mode (norm_w / eps unused without the norm, best without argmax).
+#define CFG_INT8_MMA(NAME, T, TILES, NORM, EPI)                                                            \
+  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
+      T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,                         \
+      const float* __restrict__ scale, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,  \
+      int out, int in, int group_shift, int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) { \
+    int8_mma<T, TILES, NORM, EPI>(y, x, q, scale, bias, norm_w, eps, out, in, group_shift, num_tokens, tok_chunk, \
+                                  best);                                                                     \
+  }
+
+// The modes of int8_gemv.cu (int8_cuda.py: MODES, ARGMAX_MODES): one row tile a CTA,
+// two for SwiGLU (gate and up) and argmax (32 outputs a warp).
+#define CFG_INT8_MMA_MODES(DT, T)                                         \
+  CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore)                       \
+  CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore)                   \
+  CFG_INT8_MMA(int8_mma_residual_##DT, T, 1, false, kResidual)           \
+  CFG_INT8_MMA(int8_mma_norm_swiglu_##DT, T, 2, true, kSwiglu)           \
+  CFG_INT8_MMA(int8_mma_argmax_##DT, T, 2, false, kArgmax)               \
+  CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax)
+
+CFG_INT8_MMA_MODES(bf16, __nv_bfloat16)
+CFG_INT8_MMA_MODES(f16, __half)
