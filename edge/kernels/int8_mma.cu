@@ -19,10 +19,14 @@
 // A signed byte is 16 h + l with h its signed high nibble and l its low nibble. Each
 // nibble goes into a 16-bit lane by one logic op, as Base + l (Base = 1024.0 in float16,
 // 128.0 in bfloat16: both exact for 4-bit l) and Base + 8 + h (XOR-ing the raw high
-// nibble with 8 in the same op), so one tile takes two mma chains, S_l and S_h, and
+// nibble with 8 in the same op), so one tile takes two mma chains, S_l and S_h. In
+// bfloat16 the bases stay in the lanes and
 //   sum q x = 16 S_h + S_l - (17 Base + 128) sum x,
-// with sum x the tile's staged activations summed while staging. The group scale (a
-// group holds whole tiles: group a multiple of 64) multiplies each tile's sum.
+// with sum x the tile's staged activations summed while staging (float32 keeps the
+// cancellation ~16 bits clear of the result). Float16's 1024 base would cancel 3 bits
+// more than that leaves: there one HSUB2 a pair removes the base exactly and
+// sum q x = 16 S_h + S_l. The group scale (a group holds whole tiles: group a
+// multiple of 64) multiplies each tile's sum.
 //
 // A CTA is kWarps warps on one unit of kTiles row tiles (kSwiglu: a gate tile and its up
 // tile), the warps splitting its column tiles; the partial sums meet in shared memory
@@ -65,12 +69,18 @@ struct Nibbles;
 template <>
 struct Nibbles<__half> {
   static constexpr unsigned int kBase = 0x6400u;  // 1024.0
-  static constexpr float kBias = 17.f * 1024.f + 128.f;
+  static constexpr float kBias = 0.f;             // removed in the lanes
+  // a - b in both lanes: Base + n - (Base + o) = n - o, exact.
+  __device__ __forceinline__ static unsigned int strip(unsigned int a, unsigned int b) {
+    __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+    return *reinterpret_cast<unsigned int*>(&r);
+  }
 };
 template <>
 struct Nibbles<__nv_bfloat16> {
   static constexpr unsigned int kBase = 0x4300u;  // 128.0
   static constexpr float kBias = 17.f * 128.f + 128.f;
+  __device__ __forceinline__ static unsigned int strip(unsigned int a, unsigned int) { return a; }  // kept
 };
 
 // One batch of a warp: kUnroll column tiles of each of its kTiles row tiles (rows g and
@@ -142,16 +152,16 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
         const unsigned int wg = word(b.lo[u][i], s), wh = word(b.hi[u][i], s);
         unsigned int a[4];
         // Low nibbles: a0 / a2 row g (bytes 0, 2 / 1, 3), a1 / a3 row g + 8.
-        a[0] = and_xor(wg, 0x000F000Fu, kLo);
-        a[1] = and_xor(wh, 0x000F000Fu, kLo);
-        a[2] = and_xor(wg >> 8, 0x000F000Fu, kLo);
-        a[3] = and_xor(wh >> 8, 0x000F000Fu, kLo);
+        a[0] = Nibbles<T>::strip(and_xor(wg, 0x000F000Fu, kLo), kLo);
+        a[1] = Nibbles<T>::strip(and_xor(wh, 0x000F000Fu, kLo), kLo);
+        a[2] = Nibbles<T>::strip(and_xor(wg >> 8, 0x000F000Fu, kLo), kLo);
+        a[3] = Nibbles<T>::strip(and_xor(wh >> 8, 0x000F000Fu, kLo), kLo);
         edge::mma16816<T>(pl[i], a, b0, b1);
         // High nibbles, XOR 8: Base + 8 + h for the signed nibble h.
-        a[0] = and_xor(wg >> 4, 0x000F000Fu, kHi);
-        a[1] = and_xor(wh >> 4, 0x000F000Fu, kHi);
-        a[2] = and_xor(wg >> 12, 0x000F000Fu, kHi);
-        a[3] = and_xor(wh >> 12, 0x000F000Fu, kHi);
+        a[0] = Nibbles<T>::strip(and_xor(wg >> 4, 0x000F000Fu, kHi), kHi);
+        a[1] = Nibbles<T>::strip(and_xor(wh >> 4, 0x000F000Fu, kHi), kHi);
+        a[2] = Nibbles<T>::strip(and_xor(wg >> 12, 0x000F000Fu, kHi), kHi);
+        a[3] = Nibbles<T>::strip(and_xor(wh >> 12, 0x000F000Fu, kHi), kHi);
         edge::mma16816<T>(ph[i], a, b0, b1);
       }
     }
