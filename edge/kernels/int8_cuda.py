@@ -302,15 +302,7 @@ class Int8CudaLinear:
             ctas,
             32 * self.tuning.warps,
             (
-                y_ptr,
-                x.data_ptr(),
-                w.weight.data_ptr(),
-                w.scale.data_ptr(),
-                0 if bias is None else bias.data_ptr(),
-                0 if norm is None else norm[0].data_ptr(),
-                np.float32(0.0 if norm is None else norm[1]),
-                np.int32(outputs),
-                np.int32(cols),
+                *_operands(x, w, bias, norm, y_ptr, outputs),
                 np.int32(w.group_size.bit_length() - 1),
                 np.int32(tokens),
                 best_ptr,
@@ -336,15 +328,7 @@ class Int8CudaLinear:
             (units, -(-tokens // chunk)),
             32 * self.tuning.mma_warps,
             (
-                y_ptr,
-                x.data_ptr(),
-                w.weight.data_ptr(),
-                w.scale.data_ptr(),
-                0 if bias is None else bias.data_ptr(),
-                0 if norm is None else norm[0].data_ptr(),
-                np.float32(0.0 if norm is None else norm[1]),
-                np.int32(outputs),
-                np.int32(cols),
+                *_operands(x, w, bias, norm, y_ptr, outputs),
                 np.int32(w.group_size.bit_length() - 7),  # log2(group / 64)
                 np.int32(tokens),
                 np.int32(chunk),
@@ -389,6 +373,23 @@ class Int8CudaLinear:
         self._launch(x, w, bias, ARGMAX_MODES[norm is not None], 0, w.out_features, norm=norm, best_ptr=best.data_ptr())
         self.launcher.launch(self._k["take"], 1, 32, (best.data_ptr(), out.data_ptr(), np.int32(tokens)))
         return out
+
+
+def _operands(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, norm: Norm | None, y_ptr: int,
+              outputs: int) -> tuple:
+    """The leading kernel arguments both int8 kernels take: y, x, q, scale, bias, norm_w,
+    eps, out, in."""
+    return (
+        y_ptr,
+        x.data_ptr(),
+        w.weight.data_ptr(),
+        w.scale.data_ptr(),
+        0 if bias is None else bias.data_ptr(),
+        0 if norm is None else norm[0].data_ptr(),
+        np.float32(0.0 if norm is None else norm[1]),
+        np.int32(outputs),
+        np.int32(w.in_features),
+    )
 
 
 def _mode(norm: Norm | None, residual: torch.Tensor | None, swiglu: bool) -> tuple[str, tuple[int, ...]] | None:
