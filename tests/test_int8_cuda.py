@@ -39,6 +39,7 @@ from edge.kernels import reference
 from edge.kernels.int8_cuda import (
     MAX_GEMV_TOKENS,
     MAX_MMA_TOKENS,
+    MIN_MMA_TOKENS,
     Int8CudaLinear,
     Int8Tuning,
     mma_support,
@@ -175,10 +176,10 @@ def check(
 
 
 def kernel_of(x: torch.Tensor, w: Int8Weight) -> str:
-    """The kernel a decode input runs on: 2..8 tokens of a weight of whole 64-column
+    """The kernel a decode input runs on: 3..8 tokens of a weight of whole 64-column
     tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV."""
     tokens = x.numel() // w.in_features
-    return "int8_mma_" if 2 <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None else "int8_gemv_"
+    return "int8_mma_" if MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None else "int8_gemv_"
 
 
 def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
@@ -542,11 +543,11 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 ]
 
 
-@pytest.mark.parametrize("tokens", [2, 3, 5, 8])
+@pytest.mark.parametrize("tokens", [3, 5, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
 def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
-    """2..8 tokens (the speculative verify step) run on the tensor-core kernel
+    """3..8 tokens (the speculative verify step) run on the tensor-core kernel
     (int8_mma.cu), one launch for all of them, every mode, against the float32 oracle
     and the reference composition; 8 tokens of a 12288-column input take several launch
     rows of staged tokens (its shared memory holds 3)."""
@@ -559,14 +560,14 @@ def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
-    """The verify step's greedy lm_head: argmax of 2..8 tokens' logits on the tensor-core
+    """The verify step's greedy lm_head: argmax of 3..8 tokens' logits on the tensor-core
     kernel, with and without the norm folded in, equal to torch.argmax of the kernel's
     own logits; the per-stream slots are emptied for the next call."""
     g = _gen()
     rows, inp = 32000, 1024
     w = random_weight(rows, inp, 128, g)
     norm_w = (torch.rand(inp, generator=g, device="cuda") + 0.5).to(dtype)
-    for tokens in (2, 5, 8):
+    for tokens in (3, 5, 8):
         for norm in (None, (norm_w, 1e-6)):
             x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
             logits, lnames = launched(ic, ic.linear, x, w, norm=norm)
@@ -579,14 +580,14 @@ def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
 
 
 def test_weights_without_whole_tiles_keep_the_per_token_kernel(ic) -> None:
-    """A group of 32 (tiles would straddle groups) or rows not in 32-row pairs: 2..4
+    """A group of 32 (tiles would straddle groups) or rows not in 32-row pairs: 3..4
     tokens run the per-token GEMV, 5..8 are a prefill (expanded weights), and each is
     still right."""
     g = _gen()
     for rows, inp, group in ((512, 512, 32), (48, 512, 64)):
         w = random_weight(rows, inp, group, g)
         assert mma_support(w) is not None
-        for tokens, kind in ((2, "int8_gemv_"), (4, "int8_gemv_"), (6, "int8_dequant_bf16")):
+        for tokens, kind in ((3, "int8_gemv_"), (4, "int8_gemv_"), (6, "int8_dequant_bf16")):
             x = torch.randn(tokens, inp, generator=g, device="cuda").to(torch.bfloat16)
             y, names = launched(ic, ic.linear, x, w)
             assert by_kind(names)[kind] == 1, dict(names)

@@ -4,7 +4,7 @@
 the semantics of :func:`edge.quant.int8_linear_reference` (``x @ dequant(w).T + bias``
 in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token, or up to
 :data:`MAX_GEMV_TOKENS` where the tensor-core kernel does not apply), the tensor-core
-kernel of ``int8_mma.cu`` for 2 to :data:`MAX_MMA_TOKENS` tokens (the speculative
+kernel of ``int8_mma.cu`` for :data:`MIN_MMA_TOKENS` to :data:`MAX_MMA_TOKENS` tokens (the speculative
 verify step: every weight byte read once for all of them; weights whose group size and
 input width are multiples of 64, :func:`mma_support`); a prefill chunk expands the weight by a kernel
 (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
@@ -37,7 +37,7 @@ from edge.kernels import nvrtc
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
-__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "mma_support",
+__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MIN_MMA_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "mma_support",
            "weight_support"]
 
 SOURCE = "int8_gemv.cu"
@@ -57,6 +57,7 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
 # keyed by norm given.
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 MAX_GEMV_TOKENS = 4  # the per-token GEMV's most; more tokens (prefill): dequantize + matmul
+MIN_MMA_TOKENS = 3  # 2 tokens: two per-token GEMVs measured faster (docs/benchmarks.md, 2026-11-25)
 MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
 MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
@@ -193,7 +194,7 @@ class Int8CudaLinear:
     @staticmethod
     def _mma(tokens: int, w: Int8Weight) -> bool:
         """Whether ``tokens`` tokens run on the tensor-core kernel (int8_mma.cu)."""
-        return 2 <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None
+        return MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None
 
     def fuses(self, x: torch.Tensor, w: Int8Weight) -> bool:
         """Decode inputs run norm / residual / SwiGLU inside the GEMV."""
