@@ -11,6 +11,9 @@ activation dtype first)."""
 
 from __future__ import annotations
 
+import re
+from collections import Counter
+
 import pytest
 import torch
 
@@ -191,35 +194,50 @@ def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order) -> Non
     close(r1, _fused_ref(a, down, residual=r0.clone()), "residual")
 
 
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])
-def test_tokens_beyond_the_staged_rows_run_in_launch_rows(act_order) -> None:
-    """More tokens than a CTA's shared memory stages: each launch row takes its own
-    tokens (every mode, the argmax included), with the small and the default stage."""
+def test_tokens_beyond_the_staged_rows(act_order, dtype) -> None:
+    """More tokens than a CTA's shared memory stages: the plain and residual modes read
+    them directly (one launch row) unless act order gathers them; the other modes, and
+    act order, give each launch row its own tokens (the argmax included). With the small
+    and the default stage."""
     from edge.kernels.int4_cuda import Int4Tuning, staged_row_bytes
 
     g = _gen()
     hidden, inter, tokens = 2048, 1536, 7
     small = make_linear(Int4Tuning(stage_bytes=16 << 10))
-    assert (16 << 10) // staged_row_bytes(hidden, torch.bfloat16) < tokens, "the case must need several rows"
-    x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(torch.bfloat16)
-    norm = ((torch.rand(hidden, generator=g, device="cuda") + 0.5).to(torch.bfloat16), 1e-6)
+    assert (16 << 10) // staged_row_bytes(hidden, dtype) < tokens, "the case must need several rows"
+    assert (16 << 10) // staged_row_bytes(inter, dtype) < tokens, "the case must need several rows"
+    x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
+    norm = ((torch.rand(hidden, generator=g, device="cuda") + 0.5).to(dtype), 1e-6)
     qkv = random_weight(3072, hidden, 128, g, act_order=act_order)
     gate_up = random_weight(2 * inter, hidden, 128, g, act_order=act_order)
     down = random_weight(hidden, inter, 128, g, act_order=act_order)
-    a = torch.randn(tokens, inter, generator=g, device="cuda").to(torch.bfloat16)
-    r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(torch.bfloat16)
+    a = torch.randn(tokens, inter, generator=g, device="cuda").to(dtype)
+    r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
     for lin in (small, make_linear()):
-        check(run(lin, x, qkv), x, qkv, None, "plain")
+        direct = lin is small and not act_order
+
+        def ran(fn, mode):
+            before = Counter(lin.launcher.counts)
+            out = fn()
+            names = Counter(lin.launcher.counts) - before
+            kind = f"int4_gemv_{'direct_' if direct and mode in ('', 'residual_') else ''}{mode}"
+            assert len(names) == 1 and re.fullmatch(kind + r"(bf16|f16)_t[12]", next(iter(names))), dict(names)
+            return out
+
+        check(ran(lambda: run(lin, x, qkv), ""), x, qkv, None, "plain")
 
         def close(y, ref, label):
             assert torch.isfinite(y).all(), label
             rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
-            assert rel < TOL_REF[torch.bfloat16], f"{label}: {rel:.3g}"
+            assert rel < TOL_REF[dtype], f"{label}: {rel:.3g}"
 
-        close(run(lin, x, qkv, norm=norm), _fused_ref(x, qkv, norm=norm), "norm")
-        close(run(lin, x, gate_up, norm=norm, swiglu=True), _fused_ref(x, gate_up, norm=norm, swiglu=True), "norm+swiglu")
+        close(ran(lambda: run(lin, x, qkv, norm=norm), "norm_"), _fused_ref(x, qkv, norm=norm), "norm")
+        close(ran(lambda: run(lin, x, gate_up, norm=norm, swiglu=True), "norm_swiglu_"),
+              _fused_ref(x, gate_up, norm=norm, swiglu=True), "norm+swiglu")
         r1 = r0.clone()
-        run(lin, a, down, residual=r1)
+        ran(lambda: run(lin, a, down, residual=r1), "residual_")
         close(r1, _fused_ref(a, down, residual=r0.clone()), "residual")
         ids = lin.argmax(x, qkv, None, None, norm=norm)
         assert torch.equal(ids, torch.argmax(lin.linear(x, qkv, norm=norm), dim=-1))

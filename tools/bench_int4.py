@@ -95,12 +95,13 @@ def gemv(args: argparse.Namespace) -> dict:
         }
         for _ in range(cfg.num_layers)
     ]
-    x = torch.randn(1, h, generator=g, device="cuda").to(torch.bfloat16)
-    a = torch.randn(1, cfg.q_size, generator=g, device="cuda").to(torch.bfloat16)
+    n = args.tokens
+    x = torch.randn(n, h, generator=g, device="cuda").to(torch.bfloat16)
+    a = torch.randn(n, cfg.q_size, generator=g, device="cuda").to(torch.bfloat16)
     ln = (torch.rand(h, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
     result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
                     "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                    "green_context": green is not None, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9}
+                    "green_context": green is not None, "tokens": n, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9}
     tunings = {"default": Int4Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())}
     if args.sweep:
         tunings |= {
@@ -119,7 +120,7 @@ def gemv(args: argparse.Namespace) -> dict:
         tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
-        resid = torch.zeros(1, h, dtype=torch.bfloat16, device="cuda")
+        resid = torch.zeros(n, h, dtype=torch.bfloat16, device="cuda")
 
         def run(kinds=("qkv", "o", "gate_up", "down")):
             def step() -> None:
@@ -133,7 +134,7 @@ def gemv(args: argparse.Namespace) -> dict:
                     else:
                         act = None
                     if "down" in kinds:
-                        lin.linear(act if act is not None else torch.zeros(1, inter, dtype=x.dtype, device="cuda"),
+                        lin.linear(act if act is not None else torch.zeros(n, inter, dtype=x.dtype, device="cuda"),
                                    lw["down"], residual=resid)
             return step
 
@@ -141,7 +142,7 @@ def gemv(args: argparse.Namespace) -> dict:
         t = _time_graph(run())
         row = {"step_us": t * 1e6, "bytes": total, "GBps": total / t / 1e9, "fraction_of_copy": total / t / bw,
                "fraction_of_read": total / t / read_bw}
-        for kind in ("qkv", "o", "gate_up"):
+        for kind in ("qkv", "o", "gate_up", "down"):
             nb = sum(lw[kind].nbytes() for lw in layers)
             tk = _time_graph(run((kind,)))
             row[f"{kind}_fraction"] = nb / tk / bw
@@ -266,6 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
     p.add_argument("--only", default="", help="gemv: time only these tunings (comma-separated labels) and the default")
+    p.add_argument("--tokens", type=int, default=1, help="gemv: tokens a step (2..8: a speculative verify step's linears)")
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--prefill-chunk", type=int, default=512, help="ttft: the int4 comparison run's prefill chunk")
     args = p.parse_args(argv)

@@ -77,6 +77,14 @@ for s in "$@"; do
         fixes) step fixes python3 -m pytest -q -p no:cacheprovider tests/test_green_context_cuda.py tests/test_int8_cuda.py -k "green or fused_plan or fused_kernels" ;;
         quant-tests) step quant-tests python3 -m pytest -q -p no:cacheprovider tests/test_int4_cuda.py tests/test_int8_cuda.py tests/test_dequant_cuda.py ;;
         bench-8b-int8) step bench-8b-int8 sh -c "$B decode --preset qwen3-8b --quantize int8 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int8.json" ;;
+        spec-tests)  # the quantized-linear and speculative GPU tests, the three files at once (a third of the memory each)
+            step spec-tests sh -c "
+              export EDGE_TEST_GPU_FRACTION=0.3 EDGE_CACHE_DIR=/tmp/st
+              for f in int8 int4 speculative; do (timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_\${f}_cuda.py > $OUT/tests-\$f.log 2>&1) & done
+              wait; tail -n 1 $OUT/tests-int8.log $OUT/tests-int4.log $OUT/tests-speculative.log" ;;
+        spec-*)  # spec-<quantize>[-<sms>]: the speculative benchmark with a per-kernel breakdown at k = 4
+            q=${s#spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
+            step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 > $OUT/$s.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
         bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;

@@ -17,7 +17,22 @@ constexpr int kGemvMaxTokens = 8;  // tokens a CTA multiplies at once: the mma's
 
 enum GemvEpilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
-constexpr int kGemvPad = 16;  // a staged token's row starts 32 bytes (8 banks) after the previous one
+constexpr int kGemvPad = 16;
+
+// a - b in both 16-bit lanes of a packed pair (the tensor-core GEMVs remove the magic
+// bases of their dequantized codes with it: exact for the small integers they hold).
+template <typename T>
+__device__ __forceinline__ unsigned int sub_pairs(unsigned int a, unsigned int b);
+template <>
+__device__ __forceinline__ unsigned int sub_pairs<__half>(unsigned int a, unsigned int b) {
+  __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<unsigned int*>(&r);
+}
+template <>
+__device__ __forceinline__ unsigned int sub_pairs<__nv_bfloat16>(unsigned int a, unsigned int b) {
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<unsigned int*>(&r);
+}  // a staged token's row starts 32 bytes (8 banks) after the previous one
 
 // Activations are staged once per CTA in shared memory (a token a row, `in + kGemvPad`
 // elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
@@ -35,49 +50,67 @@ __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int stride = in + kGemvPad;
   const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
-  for (int n = 0; n < ntok; ++n) {
-    const T* xr = x + (long long)n * in;
-    float ss = 0.f;
-    for (int v = threadIdx.x; v < vecs; v += kThreads) {
-      alignas(16) T val[8];
-      alignas(16) T nw[8];
-      if (perm == nullptr) {
-        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
-        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
-      } else {
-        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
-        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
-        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+  float ss[kGemvMaxTokens];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          val[i] = xr[idx[i]];
-          if (kNorm) nw[i] = norm_w[idx[i]];
-        }
+  for (int n = 0; n < kGemvMaxTokens; ++n) ss[n] = 0.f;
+  for (int v = threadIdx.x; v < vecs; v += kThreads) {
+    // Every token's 16 bytes are loaded before any is used: one memory latency a step,
+    // not one a token.
+    alignas(16) T val[kGemvMaxTokens][8];
+    alignas(16) T nw[8];
+    if (perm == nullptr) {
+#pragma unroll
+      for (int n = 0; n < kGemvMaxTokens; ++n)
+        if (n < ntok) *reinterpret_cast<uint4*>(val[n]) = __ldg(reinterpret_cast<const uint4*>(x + (long long)n * in + 8 * v));
+      if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+    } else {
+      const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
+      const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
+      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+#pragma unroll
+        for (int n = 0; n < kGemvMaxTokens; ++n)
+          if (n < ntok) val[n][i] = x[(long long)n * in + idx[i]];
+        if (kNorm) nw[i] = norm_w[idx[i]];
       }
+    }
+#pragma unroll
+    for (int n = 0; n < kGemvMaxTokens; ++n) {
+      if (n >= ntok) break;
       if (kNorm) {
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
-          const float a = to_float(val[i]), b = to_float(val[i + 1]);
-          ss = fmaf(a, a, fmaf(b, b, ss));
-          *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
+          const float a = to_float(val[n][i]), b = to_float(val[n][i + 1]);
+          ss[n] = fmaf(a, a, fmaf(b, b, ss[n]));
+          *reinterpret_cast<unsigned int*>(val[n] + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
         }
       }
-      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
-      if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
+      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val[n]);
+    }
+    if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
+      const unsigned int group = 0xFFu << (lane & 24);
+#pragma unroll
+      for (int n = 0; n < kGemvMaxTokens; ++n) {
+        if (n >= ntok) break;
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
-        const unsigned int group = 0xFFu << (lane & 24);
+        for (int i = 0; i < 8; ++i) sum += to_float(val[n][i]);
         sum += __shfl_xor_sync(group, sum, 1);
         sum += __shfl_xor_sync(group, sum, 2);
         sum += __shfl_xor_sync(group, sum, 4);
         if ((lane & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
       }
     }
-    if (kNorm) {
+  }
+  if (kNorm) {
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (lane == 0) red_ss[warp][n] = ss;
+    for (int n = 0; n < kGemvMaxTokens; ++n) {
+      if (n >= ntok) break;
+      float s = ss[n];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
+      if (lane == 0) red_ss[warp][n] = s;
     }
   }
 }
@@ -98,12 +131,14 @@ __device__ __forceinline__ void gemv_store_partials(float (*red)[16][kGemvMaxTok
 // red[warp][tile][row][token]: the warps' partial sums (C fragments); red_ss[warp][token]:
 // each warp's share of a token's sum of squares (kNorm). A CTA holds `units` units of
 // kTiles row tiles (kSwiglu: a gate tile and its up tile), `split` warps a unit, the
-// tokens [n0, n0 + ntok). Called by every thread after a __syncthreads.
+// tokens [n0, n0 + ntok); its first unit is unit0. Called by every thread after a
+// __syncthreads.
 template <typename T, int kWarps, int kTiles, bool kNorm, int kEpi>
 __device__ __forceinline__ void gemv_epilogue(const float (*red)[kTiles][16][kGemvMaxTokens],
                                               const float (*red_ss)[kGemvMaxTokens], T* __restrict__ y,
-                                              const T* __restrict__ bias, float eps, int out, int in, int units,
-                                              int split, int ntok, int n0, unsigned long long* __restrict__ best) {
+                                              const T* __restrict__ bias, float eps, int out, int in, int unit0,
+                                              int units, int split, int ntok, int n0,
+                                              unsigned long long* __restrict__ best) {
   constexpr int kThreads = 32 * kWarps;
   const int lane = threadIdx.x & 31;
   constexpr int kOutTiles = kEpi == kSwiglu ? 1 : kTiles;  // tiles that give outputs
@@ -134,7 +169,7 @@ __device__ __forceinline__ void gemv_epilogue(const float (*red)[kTiles][16][kGe
       up *= inv_rms;
     }
     // A clamped duplicate tile (past the last row block) has rows >= out: not written.
-    const int ounit = blockIdx.x * units + grp;
+    const int ounit = unit0 + grp;
     const int row = (kEpi == kSwiglu ? ounit : ounit * kTiles + i) * 16 + r;
     const bool writes = live && row < out;
     if (bias != nullptr && writes) {

@@ -44,6 +44,9 @@ DTYPES = (torch.float16, torch.bfloat16)
 _DTYPE_NAME = {torch.float16: "f16", torch.bfloat16: "bf16"}
 SCALE_CODES = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
 MAX_GEMV_TOKENS = 8  # the mma's N; more tokens (prefill): dequantize + cuBLAS
+# Modes with a direct variant (B fragments from global memory, nothing staged): taken
+# when the tokens' rows do not fit one CTA's staging (the down projection's verify step).
+DIRECT_MODES = ("", "residual_")
 # Kernel modes keyed by (norm, residual, swiglu) given: the name infix and whether the
 # mode needs two row tiles a CTA (SwiGLU pairs the gate tile with its up tile).
 MODES: dict[tuple[bool, bool, bool], tuple[str, bool]] = {
@@ -167,6 +170,8 @@ class Int4CudaLinear:
                     names.append(f"int4_gemv_{infix}{dt}_t2")
                     if not two:
                         names.append(f"int4_gemv_{infix}{dt}_t1")
+                for infix in DIRECT_MODES:
+                    names += [f"int4_gemv_direct_{infix}{dt}_t1", f"int4_gemv_direct_{infix}{dt}_t2"]
             for name in names:
                 self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
                 if name.startswith("int4_gemv_"):
@@ -326,8 +331,11 @@ class Int4CudaLinear:
         if self.tuning.stage_bytes < row:
             raise UnplannedArguments(f"int4 GEMV: a staged row of {row} B exceeds the {self.tuning.stage_bytes} B a CTA stages")
         chunk = min(tokens, MAX_GEMV_TOKENS, self.tuning.stage_bytes // row)  # tokens a CTA stages
+        direct = chunk < tokens and infix in DIRECT_MODES and w.perm is None  # one launch row instead
+        if direct:
+            chunk = tokens
         self.launcher.launch(
-            self._k[(w.scale.dtype, f"int4_gemv_{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
+            self._k[(w.scale.dtype, f"int4_gemv_{'direct_' if direct else ''}{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")],
             (ctas, -(-tokens // chunk)),
             32 * self.tuning.warps,
             (
@@ -349,7 +357,7 @@ class Int4CudaLinear:
                 np.int32(chunk),
                 best_ptr,
             ),
-            shmem=chunk * row,
+            shmem=0 if direct else chunk * row,
         )
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:

@@ -91,19 +91,10 @@ struct Magic;
 template <>
 struct Magic<__half> {
   static constexpr unsigned int kBase = 0x6400u;  // 1024.0
-  __device__ __forceinline__ static unsigned int sub(unsigned int a, unsigned int b) {
-    __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<unsigned int*>(&r);
-  }
 };
 template <>
 struct Magic<__nv_bfloat16> {
   static constexpr unsigned int kBase = 0x4300u;  // 128.0
-  __device__ __forceinline__ static unsigned int sub(unsigned int a, unsigned int b) {
-    __nv_bfloat162 r = __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&a),
-                               *reinterpret_cast<const __nv_bfloat162*>(&b));
-    return *reinterpret_cast<unsigned int*>(&r);
-  }
 };
 
 // kBase + z in both lanes: subtracting it leaves q - z, exact (z <= 16).
@@ -118,30 +109,32 @@ __device__ __forceinline__ unsigned int zero_pair(unsigned int z) {
 template <typename T>
 __device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, unsigned int z1, unsigned int (&a)[4]) {
   constexpr unsigned int bias = Magic<T>::kBase * 0x10001u;
-  a[0] = Magic<T>::sub(and_or(w, 0x000F000Fu, bias), z0);
-  a[1] = Magic<T>::sub(and_or(w >> 4, 0x000F000Fu, bias), z1);
-  a[2] = Magic<T>::sub(and_or(w >> 8, 0x000F000Fu, bias), z0);
-  a[3] = Magic<T>::sub(and_or(w >> 12, 0x000F000Fu, bias), z1);
+  a[0] = edge::sub_pairs<T>(and_or(w, 0x000F000Fu, bias), z0);
+  a[1] = edge::sub_pairs<T>(and_or(w >> 4, 0x000F000Fu, bias), z1);
+  a[2] = edge::sub_pairs<T>(and_or(w >> 8, 0x000F000Fu, bias), z0);
+  a[3] = edge::sub_pairs<T>(and_or(w >> 12, 0x000F000Fu, bias), z1);
 }
 
 __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::to_float(s[0]); }
 
 // One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
 // group scales (rows g, g + 8) and zero points they need, kept as loaded: converting
-// them here would make the warp wait for those loads before the batch is used.
-template <int kTiles>
+// them here would make the warp wait for those loads before the batch is used. kDirect:
+// the tokens' B fragments of those tiles too (read from global memory, nothing staged).
+template <int kTiles, bool kDirect>
 struct Batch {
   uint4 w[kUnroll][kTiles];
   edge_scale_t s0[kUnroll][kTiles], s1[kUnroll][kTiles];
   unsigned char z0[kUnroll][kTiles], z1[kUnroll][kTiles];
+  uint2 xv[kDirect ? kUnroll : 1][4];
 };
 
 // Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride):
 // branch-free, a tile past the row's end re-reads the last one (never multiplied).
 // rowbase[i] indexes row g of tile i's first group in the scale / zero arrays; a tile's
 // group is kb >> group_shift; zmask 0 reads zero[0] for every tile (symmetric weights).
-template <int kTiles>
-__device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int* const (&base)[kTiles],
+template <int kTiles, bool kDirect>
+__device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const unsigned int* const (&base)[kTiles],
                                            const edge_scale_t* __restrict__ scale,
                                            const unsigned char* __restrict__ zero, const int (&rowbase)[kTiles],
                                            int kb0, int stride, int kb_count, int group_shift, int zmask) {
@@ -178,13 +171,26 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const unsigned int*
   }
 }
 
+// kDirect: the batch's B fragments from token g's row of x (zeros past the tokens).
+template <int kTiles, bool kDirect, typename T>
+__device__ __forceinline__ void load_x(Batch<kTiles, kDirect>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
+                                       int stride, int kb_count, int t) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = min(kb0 + u * stride, kb_count - 1);
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      b.xv[u][s] = has_tok ? __ldg(reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t)) : make_uint2(0u, 0u);
+  }
+}
+
 // acc += the batch's products: per column tile 4 k16 steps of mma on the dequantized
 // codes (B fragments from the staged activations: lane 4n + t holds token n's 4
 // consecutive values, zeros past the CTA's tokens), the tile's group scale applied to
 // the float32 partial sums. Branch-free (a tile past the row's end is scaled by 0), so
 // the mma chains of the batch's tiles interleave.
-template <typename T, int kTiles>
-__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
+template <typename T, int kTiles, bool kDirect>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
                                           bool has_tok, int kb0, int stride, int kb_count, int t) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
@@ -197,8 +203,14 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
       for (int c = 0; c < 4; ++c) part[i][c] = 0.f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
-      const unsigned int b0 = has_tok ? xv.x : 0u, b1 = has_tok ? xv.y : 0u;
+      uint2 xv;
+      if constexpr (kDirect) {
+        xv = b.xv[u][s];
+      } else {
+        xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
+        if (!has_tok) xv = make_uint2(0u, 0u);
+      }
+      const unsigned int b0 = xv.x, b1 = xv.y;
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const unsigned int word = s == 0 ? b.w[u][i].x : s == 1 ? b.w[u][i].y : s == 2 ? b.w[u][i].z : b.w[u][i].w;
@@ -224,8 +236,9 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
 
 // A CTA takes units blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at
 // most kMaxTokens; the host sizes tok_chunk so their staged rows fit its dynamic shared
-// memory).
-template <typename T, int kTiles, bool kNorm, int kEpi>
+// memory). kDirect stages nothing: each batch loads its B fragments with its weights
+// (for tokens whose rows do not fit the staging; no norm, no act-order permutation).
+template <typename T, int kTiles, bool kNorm, int kEpi, bool kDirect>
 __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const unsigned int* __restrict__ packed,
                                           const edge_scale_t* __restrict__ scale,
@@ -235,6 +248,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
                                           int tok_chunk, unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
+  static_assert(!(kDirect && kNorm), "the norm is applied while staging");
   __shared__ float red[kWarps][kTiles][16][kMaxTokens];
   __shared__ float red_ss[kWarps][kMaxTokens];
   extern __shared__ __align__(16) unsigned char smem_x[];
@@ -271,15 +285,19 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   // first batch is a constant of the step: loaded before the wait, under the previous
   // kernel's tail.
   const int step = split * kUnroll;
-  Batch<kTiles> st0, st1;
+  Batch<kTiles, kDirect> st0, st1;
   int kb0 = kw;
-  load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
+  load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
   edge::await_inputs();
-  edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
-  __syncthreads();
-
   const bool has_tok = g < ntok;
-  const T* xrow = xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
+  const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
+  if constexpr (kDirect) {
+    load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0, split, kb_count, t);
+  } else {
+    edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
+    __syncthreads();
+  }
+
   float acc[kTiles][4];
 #pragma unroll
   for (int i = 0; i < kTiles; ++i)
@@ -287,17 +305,19 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
     for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
   for (; kb0 < kb_count; kb0 += 2 * step) {
-    load_batch<kTiles>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
-    mma_batch<T, kTiles>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
+    load_batch<kTiles, kDirect>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
+    if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, split, kb_count, t);
+    mma_batch<T, kTiles, kDirect>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
     if (kb0 + step >= kb_count) break;
-    load_batch<kTiles>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
-    mma_batch<T, kTiles>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
+    load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
+    if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, split, kb_count, t);
+    mma_batch<T, kTiles, kDirect>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
   }
   edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
   __syncthreads();
 
-  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, units, split, ntok, n0,
-                                                    best);
+  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, blockIdx.x * units, units,
+                                                    split, ntok, n0, best);
 }
 
 // ---- prefill GEMM: the packed codes straight into the tile loop ------------------------
@@ -418,29 +438,34 @@ __device__ __forceinline__ void int4_gemm(T* __restrict__ y, const T* __restrict
 #endif
 
 // One signature for every mode (norm_w / eps unused without the norm, best without argmax).
-#define CFG_INT4_GEMV(NAME, T, TILES, NORM, EPI)                                                      \
+#define CFG_INT4_GEMV(NAME, T, TILES, NORM, EPI, DIRECT)                                                    \
   extern "C" __global__ void CFG_INT4_BOUNDS NAME(                                                    \
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,             \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                  \
       const int* __restrict__ perm, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, \
       int out, int in, int group_shift, int zmask, int num_tokens, int split, int tok_chunk,         \
       unsigned long long* __restrict__ best) {                                                         \
-    int4_gemv<T, TILES, NORM, EPI>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in,          \
-                                   group_shift, zmask, num_tokens, split, tok_chunk, best);             \
+    int4_gemv<T, TILES, NORM, EPI, DIRECT>(y, x, packed, scale, zero, perm, bias, norm_w, eps, out, in,  \
+                                           group_shift, zmask, num_tokens, split, tok_chunk, best);     \
   }
 
-// The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA.
+// The modes the decoder layer uses (int4_cuda.py: MODES), with 1 or 2 row tiles a CTA; the
+// plain and residual modes also direct (tokens whose rows do not fit the staging).
 #define CFG_INT4_MODES(DT, T)                                                              \
-  CFG_INT4_GEMV(int4_gemv_##DT##_t1, T, 1, false, kStore)                                  \
-  CFG_INT4_GEMV(int4_gemv_##DT##_t2, T, 2, false, kStore)                                  \
-  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t1, T, 1, true, kStore)                              \
-  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t2, T, 2, true, kStore)                              \
-  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t1, T, 1, false, kResidual)                      \
-  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t2, T, 2, false, kResidual)                      \
-  CFG_INT4_GEMV(int4_gemv_norm_swiglu_##DT##_t2, T, 2, true, kSwiglu)                      \
-  CFG_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu)                          \
-  CFG_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax)                          \
-  CFG_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax)                      \
+  CFG_INT4_GEMV(int4_gemv_##DT##_t1, T, 1, false, kStore, false) \
+  CFG_INT4_GEMV(int4_gemv_##DT##_t2, T, 2, false, kStore, false) \
+  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t1, T, 1, true, kStore, false) \
+  CFG_INT4_GEMV(int4_gemv_norm_##DT##_t2, T, 2, true, kStore, false) \
+  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t1, T, 1, false, kResidual, false) \
+  CFG_INT4_GEMV(int4_gemv_residual_##DT##_t2, T, 2, false, kResidual, false) \
+  CFG_INT4_GEMV(int4_gemv_norm_swiglu_##DT##_t2, T, 2, true, kSwiglu, false) \
+  CFG_INT4_GEMV(int4_gemv_swiglu_##DT##_t2, T, 2, false, kSwiglu, false) \
+  CFG_INT4_GEMV(int4_gemv_direct_##DT##_t1, T, 1, false, kStore, true) \
+  CFG_INT4_GEMV(int4_gemv_direct_##DT##_t2, T, 2, false, kStore, true) \
+  CFG_INT4_GEMV(int4_gemv_direct_residual_##DT##_t1, T, 1, false, kResidual, true) \
+  CFG_INT4_GEMV(int4_gemv_direct_residual_##DT##_t2, T, 2, false, kResidual, true) \
+  CFG_INT4_GEMV(int4_gemv_argmax_##DT##_t2, T, 2, false, kArgmax, false) \
+  CFG_INT4_GEMV(int4_gemv_norm_argmax_##DT##_t2, T, 2, true, kArgmax, false) \
   extern "C" __global__ void __launch_bounds__(128) int4_gemm_##DT(                                 \
       T* __restrict__ y, const T* __restrict__ x, const unsigned int* __restrict__ packed,           \
       const edge_scale_t* __restrict__ scale, const unsigned char* __restrict__ zero,                \

@@ -60,6 +60,9 @@ MAX_GEMV_TOKENS = 4  # the per-token GEMV's most; more tokens (prefill): dequant
 MIN_MMA_TOKENS = 3  # at 2 tokens two per-token GEMVs are faster (docs/benchmarks.md)
 MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
 MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
+# Tensor-core modes with a direct variant (B fragments from global memory, nothing
+# staged): taken when the tokens' rows do not fit one CTA's staging (the down projection).
+MMA_DIRECT_MODES = ("", "residual_")
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
@@ -161,13 +164,17 @@ class Int8CudaLinear:
                 name = f"int8_mma_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
                 nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem)
+            for infix in MMA_DIRECT_MODES:
+                name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
+                self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+        self._resident: dict[tuple[str, int], int] = {}  # (tensor-core kernel, shared bytes) -> CTAs an SM holds
         self._dq = DequantCuda(launcher, int4=False, int8=True)
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int8CudaLinear":
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int8CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
-        other._mma_smem = self._mma_smem
+        other._mma_smem, other._resident = self._mma_smem, self._resident
         other._dq = self._dq.with_launcher(launcher)
         return other
 
@@ -313,20 +320,33 @@ class Int8CudaLinear:
 
     def _launch_mma(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, infix: str, y_ptr: int,
                     outputs: int, tokens: int, norm: Norm | None, best_ptr: int) -> None:
-        """One tensor-core launch in mode ``infix`` (the GEMV's infix; int8_mma.cu)."""
+        """One tensor-core launch in mode ``infix`` (the GEMV's infix; int8_mma.cu): the
+        tokens staged in one CTA's shared memory, else (plain and residual modes) read
+        directly, else in as many launch rows as it takes; never more CTAs than are
+        resident (each stages its tokens once for all the units it takes)."""
         cols = w.in_features
         tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
         units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
-        sums = (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
+        exact = x.dtype == torch.float16  # float16 removes the bases in the lanes: no tile sums
+        sums = 0 if exact else (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
         row = (cols + MMA_PAD) * x.element_size()
         room = self._mma_smem - sums
-        if room < row:
+        chunk = min(tokens, max(room, 0) // row)
+        if chunk < tokens and infix in MMA_DIRECT_MODES:
+            name, chunk, shmem = f"int8_mma_direct_{infix}{_DTYPE_NAME[x.dtype]}", tokens, 0
+        elif chunk < 1:
             raise UnplannedArguments(f"int8 tensor-core GEMV: a staged row of {row} B and {sums} B of sums exceed "
                                      f"{self._mma_smem} B")
-        chunk = min(tokens, room // row)
+        else:
+            name, shmem = f"int8_mma_{infix}{_DTYPE_NAME[x.dtype]}", sums + chunk * row
+        kernel = self._k[name]
+        resident = self._resident.get((name, shmem))
+        if resident is None:
+            resident = self._resident[(name, shmem)] = nvrtc.max_active_blocks(
+                kernel, 32 * self.tuning.mma_warps, self.launcher.device_index, 1, shmem)
         self.launcher.launch(
-            self._k[f"int8_mma_{infix}{_DTYPE_NAME[x.dtype]}"],
-            (units, -(-tokens // chunk)),
+            kernel,
+            (min(units, resident * self._sms), -(-tokens // chunk)),
             32 * self.tuning.mma_warps,
             (
                 *_operands(x, w, bias, norm, y_ptr, outputs),
@@ -335,7 +355,7 @@ class Int8CudaLinear:
                 np.int32(chunk),
                 best_ptr,
             ),
-            shmem=sums + chunk * row,
+            shmem=shmem,
         )
 
     def _best(self, device: torch.device) -> torch.Tensor:

@@ -25,14 +25,17 @@
 // with sum x the tile's staged activations summed while staging (float32 keeps the
 // cancellation ~16 bits clear of the result). Float16's 1024 base would cancel 3 bits
 // more than that leaves: there one HSUB2 a pair removes the base exactly and
-// sum q x = 16 S_h + S_l. The group scale (a group holds whole tiles: group a
-// multiple of 64) multiplies each tile's sum.
+// sum q x = 16 S_h + S_l (as in bfloat16 with kDirect, which has no staged sums). The
+// group scale (a group holds whole tiles: group a multiple of 64) multiplies each
+// tile's sum.
 //
-// A CTA is kWarps warps on one unit of kTiles row tiles (kSwiglu: a gate tile and its up
-// tile), the warps splitting its column tiles; the partial sums meet in shared memory
-// and gemv_epilogue.cuh finishes each output (bias, RMSNorm scale, residual, SwiGLU,
-// argmax) once. Activations are staged per CTA (gemv_epilogue.cuh: kNorm folds the norm
-// weight in); the host sizes the tokens a CTA stages to its shared memory.
+// A CTA is kWarps warps on one unit of kTiles row tiles at a time (kSwiglu: a gate tile
+// and its up tile), the warps splitting its column tiles, kUnroll adjacent tiles a warp
+// (whole 128-byte lines of a row); the partial sums meet in shared memory and
+// gemv_epilogue.cuh finishes each output (bias, RMSNorm scale, residual, SwiGLU, argmax)
+// once. Activations are staged once per CTA (gemv_epilogue.cuh: kNorm folds the norm
+// weight in) and serve every unit the CTA takes; the host sizes the tokens a CTA stages
+// to its shared memory, and launches no more CTAs than are resident.
 //
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87, sm_90).
 #include "gemv_epilogue.cuh"
@@ -63,44 +66,55 @@ __device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, 
   return d;
 }
 
-// Base in both 16-bit lanes (and the high nibbles' offset Base + 8 after the XOR).
+// Base in both 16-bit lanes (and the high nibbles' offset Base + 8 after the XOR); kExact:
+// the bases are always removed in the lanes; kBias: what kept bases add to 16 S_h + S_l
+// per unit of the activation sum.
 template <typename T>
 struct Nibbles;
 template <>
 struct Nibbles<__half> {
   static constexpr unsigned int kBase = 0x6400u;  // 1024.0
-  static constexpr float kBias = 0.f;             // removed in the lanes
-  // a - b in both lanes: Base + n - (Base + o) = n - o, exact.
-  __device__ __forceinline__ static unsigned int strip(unsigned int a, unsigned int b) {
-    __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    return *reinterpret_cast<unsigned int*>(&r);
-  }
+  static constexpr bool kExact = true;
+  static constexpr float kBias = 0.f;
 };
 template <>
 struct Nibbles<__nv_bfloat16> {
   static constexpr unsigned int kBase = 0x4300u;  // 128.0
+  static constexpr bool kExact = false;
   static constexpr float kBias = 17.f * 128.f + 128.f;
-  __device__ __forceinline__ static unsigned int strip(unsigned int a, unsigned int) { return a; }  // kept
 };
 
-// One batch of a warp: kUnroll column tiles of each of its kTiles row tiles (rows g and
-// g + 8) with the group scales of those rows.
-template <int kTiles>
+// A lane pair Base + n less Base: n, exact (kStrip), or kept for the float32 correction.
+template <typename T, bool kStrip>
+__device__ __forceinline__ unsigned int strip(unsigned int a, unsigned int base) {
+  if constexpr (kStrip) {
+    return edge::sub_pairs<T>(a, base);
+  } else {
+    return a;
+  }
+}
+
+// One batch of a warp: kUnroll adjacent column tiles of each of its kTiles row tiles
+// (rows g and g + 8, so a row's kUnroll x 64 bytes are read by the one warp), with the
+// group scales of those rows; kDirect: the tokens' B fragments too (read from global
+// memory, nothing staged).
+template <int kTiles, bool kDirect>
 struct Batch {
   uint4 lo[kUnroll][kTiles], hi[kUnroll][kTiles];  // rows g, g + 8
   float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
+  uint2 xv[kDirect ? kUnroll : 1][4];
 };
 
-// The loads of the batch starting at column tile kb0 (tiles kb0 + u * stride), branch-free:
-// a tile past the row's end re-reads the last one (scaled by 0 when multiplied).
-template <int kTiles>
-__device__ __forceinline__ void load_batch(Batch<kTiles>& b, const signed char* const (&row_g)[kTiles],
+// The weight loads of the batch starting at column tile kb0, branch-free: a tile past the
+// row's end re-reads the last one (scaled by 0 when multiplied).
+template <int kTiles, bool kDirect>
+__device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const signed char* const (&row_g)[kTiles],
                                            const signed char* const (&row_g8)[kTiles],
                                            const float* const (&sc_g)[kTiles], const float* const (&sc_g8)[kTiles],
-                                           int kb0, int stride, int kb_count, int group_shift) {
+                                           int kb0, int kb_count, int group_shift) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = min(kb0 + u * stride, kb_count - 1);
+    const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       b.lo[u][i] = edge::ld_weights(row_g[i] + kb * 64);
@@ -109,7 +123,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const signed char* 
   }
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int gi = min(kb0 + u * stride, kb_count - 1) >> group_shift;
+    const int gi = min(kb0 + u, kb_count - 1) >> group_shift;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       b.s0[u][i] = __ldg(sc_g[i] + gi);
@@ -118,23 +132,38 @@ __device__ __forceinline__ void load_batch(Batch<kTiles>& b, const signed char* 
   }
 }
 
+// kDirect: the batch's B fragments from token g's row of x (zeros past the tokens),
+// columns 16t + 4s .. + 3 of each tile (below).
+template <int kTiles, bool kDirect, typename T>
+__device__ __forceinline__ void load_x(Batch<kTiles, kDirect>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
+                                       int kb_count, int t) {
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    const int kb = min(kb0 + u, kb_count - 1);
+#pragma unroll
+    for (int s = 0; s < 4; ++s)
+      b.xv[u][s] = has_tok ? __ldg(reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s)) : make_uint2(0u, 0u);
+  }
+}
+
 __device__ __forceinline__ unsigned int word(const uint4& w, int s) {
   return s == 0 ? w.x : s == 1 ? w.y : s == 2 ? w.z : w.w;
 }
 
 // acc += the batch's products (module comment): per column tile 4 k16 steps of two mma
-// chains (low and high nibbles), then 16 S_h + S_l less the activation sum's share,
-// times the group scale.
-template <typename T, int kTiles>
-__device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
-                                          const float* __restrict__ sums, bool has_tok, int kb0, int stride,
-                                          int kb_count, int t) {
+// chains (low and high nibbles), then 16 S_h + S_l less the activation sum's share when
+// the bases were kept, times the group scale.
+template <typename T, int kTiles, bool kDirect>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4],
+                                          const T* __restrict__ xrow, const float* __restrict__ sums, bool has_tok,
+                                          int kb0, int kb_count, int t) {
+  constexpr bool kStrip = kDirect || Nibbles<T>::kExact;
   constexpr unsigned int kLo = Nibbles<T>::kBase * 0x10001u;
   constexpr unsigned int kHi = (Nibbles<T>::kBase + 8u) * 0x10001u;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
-    const int kb = min(kb0 + u * stride, kb_count - 1);
-    const float live = kb0 + u * stride < kb_count ? 1.f : 0.f;
+    const int kb = min(kb0 + u, kb_count - 1);
+    const float live = kb0 + u < kb_count ? 1.f : 0.f;
     float pl[kTiles][4], ph[kTiles][4];
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
@@ -144,30 +173,36 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
       // k 2t + 8, 2t + 9 <- columns 1, 3.
-      const uint2 xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s);
-      const unsigned int b0 = has_tok ? __byte_perm(xv.x, xv.y, 0x5410) : 0u;
-      const unsigned int b1 = has_tok ? __byte_perm(xv.x, xv.y, 0x7632) : 0u;
+      uint2 xv;
+      if constexpr (kDirect) {
+        xv = b.xv[u][s];
+      } else {
+        xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s);
+        if (!has_tok) xv = make_uint2(0u, 0u);
+      }
+      const unsigned int b0 = __byte_perm(xv.x, xv.y, 0x5410);
+      const unsigned int b1 = __byte_perm(xv.x, xv.y, 0x7632);
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const unsigned int wg = word(b.lo[u][i], s), wh = word(b.hi[u][i], s);
         unsigned int a[4];
         // Low nibbles: a0 / a2 row g (bytes 0, 2 / 1, 3), a1 / a3 row g + 8.
-        a[0] = Nibbles<T>::strip(and_xor(wg, 0x000F000Fu, kLo), kLo);
-        a[1] = Nibbles<T>::strip(and_xor(wh, 0x000F000Fu, kLo), kLo);
-        a[2] = Nibbles<T>::strip(and_xor(wg >> 8, 0x000F000Fu, kLo), kLo);
-        a[3] = Nibbles<T>::strip(and_xor(wh >> 8, 0x000F000Fu, kLo), kLo);
+        a[0] = strip<T, kStrip>(and_xor(wg, 0x000F000Fu, kLo), kLo);
+        a[1] = strip<T, kStrip>(and_xor(wh, 0x000F000Fu, kLo), kLo);
+        a[2] = strip<T, kStrip>(and_xor(wg >> 8, 0x000F000Fu, kLo), kLo);
+        a[3] = strip<T, kStrip>(and_xor(wh >> 8, 0x000F000Fu, kLo), kLo);
         edge::mma16816<T>(pl[i], a, b0, b1);
         // High nibbles, XOR 8: Base + 8 + h for the signed nibble h.
-        a[0] = Nibbles<T>::strip(and_xor(wg >> 4, 0x000F000Fu, kHi), kHi);
-        a[1] = Nibbles<T>::strip(and_xor(wh >> 4, 0x000F000Fu, kHi), kHi);
-        a[2] = Nibbles<T>::strip(and_xor(wg >> 12, 0x000F000Fu, kHi), kHi);
-        a[3] = Nibbles<T>::strip(and_xor(wh >> 12, 0x000F000Fu, kHi), kHi);
+        a[0] = strip<T, kStrip>(and_xor(wg >> 4, 0x000F000Fu, kHi), kHi);
+        a[1] = strip<T, kStrip>(and_xor(wh >> 4, 0x000F000Fu, kHi), kHi);
+        a[2] = strip<T, kStrip>(and_xor(wg >> 12, 0x000F000Fu, kHi), kHi);
+        a[3] = strip<T, kStrip>(and_xor(wh >> 12, 0x000F000Fu, kHi), kHi);
         edge::mma16816<T>(ph[i], a, b0, b1);
       }
     }
-    // The tile's activation sums of tokens 2t, 2t + 1 (the C fragment's columns).
-    const float2 sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);
-    constexpr float kBias = Nibbles<T>::kBias;
+    float2 sx = make_float2(0.f, 0.f);
+    if constexpr (!kStrip) sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);  // tokens 2t, 2t + 1
+    constexpr float kBias = kStrip ? 0.f : Nibbles<T>::kBias;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
@@ -179,37 +214,16 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles>& b, float (&acc)[k
   }
 }
 
-// A CTA takes unit blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at most
-// kGemvMaxTokens; the host sizes tok_chunk so their staged rows and tile sums fit its
-// dynamic shared memory).
-template <typename T, int kTiles, bool kNorm, int kEpi>
-__device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,
-                                         const float* __restrict__ scale, const T* __restrict__ bias,
-                                         const T* __restrict__ norm_w, float eps, int out, int in, int group_shift,
-                                         int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) {
-  static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
-  static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
-  __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
-  __shared__ float red_ss[kWarps][kGemvMaxTokens];
-  extern __shared__ __align__(16) unsigned char smem_x[];
-  const int kb_count = in >> 6;
-  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens]
-  T* xs = reinterpret_cast<T*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float));
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int n0 = blockIdx.y * tok_chunk;
-  const int ntok = min(tok_chunk, num_tokens - n0);
-  const int unit = blockIdx.x;
-  const int groups = in >> (group_shift + 6);
-  const signed char* row_g[kTiles];
-  const signed char* row_g8[kTiles];
-  const float* sc_g[kTiles];
-  const float* sc_g8[kTiles];
+// The row and scale pointers of unit `unit`'s tiles for lane (g, t). kSwiglu: the gate
+// tile, then the up tile `out` rows further; a row past the end re-reads the last valid
+// row of its half (never written).
+template <int kTiles, int kEpi>
+__device__ __forceinline__ void unit_rows(const signed char* (&row_g)[kTiles], const signed char* (&row_g8)[kTiles],
+                                          const float* (&sc_g)[kTiles], const float* (&sc_g8)[kTiles],
+                                          const signed char* __restrict__ q, const float* __restrict__ scale,
+                                          int unit, int out, int in, int groups, int g, int t) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
-    // kSwiglu: the gate tile, then the up tile `out` rows further; a row past the end
-    // re-reads the last valid row of its half (never written).
     const int r0 = (kEpi == kSwiglu ? unit : unit * kTiles + i) * 16;
     const int half = kEpi == kSwiglu ? i * out : 0;
     const int ra = min(r0 + g, out - 1) + half, rb = min(r0 + g + 8, out - 1) + half;
@@ -218,56 +232,112 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
     sc_g[i] = scale + (long long)ra * groups;
     sc_g8[i] = scale + (long long)rb * groups;
   }
-  // The first batch is a constant of the step: loaded before the wait, under the
-  // previous kernel's tail.
-  Batch<kTiles> st0, st1;
-  int kb0 = warp;
-  const int step = kWarps * kUnroll;
-  load_batch<kTiles>(st0, row_g, row_g8, sc_g, sc_g8, kb0, kWarps, kb_count, group_shift);
-  edge::await_inputs();
-  edge::gemv_stage_x<T, kNorm, true, kThreads>(xs, red_ss, sums, x + (long long)n0 * in, nullptr, norm_w, in, ntok);
-  __syncthreads();
+}
 
+// A CTA takes units blockIdx.x, + gridDim.x, ... (the host launches at most the resident
+// CTAs, so the staged activations serve every unit a CTA takes) and tokens
+// [blockIdx.y * tok_chunk, + tok_chunk) (at most kGemvMaxTokens; the host sizes tok_chunk
+// so their staged rows and tile sums fit its dynamic shared memory). kDirect stages
+// nothing: each batch loads its B fragments with its weights (no norm then).
+template <typename T, int kTiles, bool kNorm, int kEpi, bool kDirect>
+__device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,
+                                         const float* __restrict__ scale, const T* __restrict__ bias,
+                                         const T* __restrict__ norm_w, float eps, int out, int in, int group_shift,
+                                         int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) {
+  static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
+  static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
+  static_assert(!(kDirect && kNorm), "the norm is applied while staging");
+  constexpr bool kStrip = kDirect || Nibbles<T>::kExact;  // no tile sums needed
+  __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
+  __shared__ float red_ss[kWarps][kGemvMaxTokens];
+  extern __shared__ __align__(16) unsigned char smem_x[];
+  const int kb_count = in >> 6;
+  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens] (bf16, staged)
+  T* xs = reinterpret_cast<T*>(smem_x + (kStrip ? 0 : kb_count * kGemvMaxTokens * sizeof(float)));
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.y * tok_chunk;
+  const int ntok = min(tok_chunk, num_tokens - n0);
+  const int units = kEpi == kSwiglu ? out >> 4 : (out + 16 * kTiles - 1) / (16 * kTiles);
+  const int groups = in >> (group_shift + 6);
   const bool has_tok = g < ntok;
-  const T* xrow = xs + (has_tok ? g : 0) * (in + kGemvPad);
-  float acc[kTiles][4];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i)
-#pragma unroll
-    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
-  for (; kb0 < kb_count; kb0 += 2 * step) {
-    load_batch<kTiles>(st1, row_g, row_g8, sc_g, sc_g8, kb0 + step, kWarps, kb_count, group_shift);
-    mma_batch<T, kTiles>(st0, acc, xrow, sums, has_tok, kb0, kWarps, kb_count, t);
-    if (kb0 + step >= kb_count) break;
-    load_batch<kTiles>(st0, row_g, row_g8, sc_g, sc_g8, kb0 + 2 * step, kWarps, kb_count, group_shift);
-    mma_batch<T, kTiles>(st1, acc, xrow, sums, has_tok, kb0 + step, kWarps, kb_count, t);
+  const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + kGemvPad);
+  const signed char* row_g[kTiles];
+  const signed char* row_g8[kTiles];
+  const float* sc_g[kTiles];
+  const float* sc_g8[kTiles];
+  const int step = kWarps * kUnroll;
+  Batch<kTiles, kDirect> st0, st1;
+  int unit = blockIdx.x;
+  unit_rows<kTiles, kEpi>(row_g, row_g8, sc_g, sc_g8, q, scale, unit, out, in, groups, g, t);
+  // The first batch's weights are a constant of the step: loaded before the wait, under
+  // the previous kernel's tail.
+  load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, warp * kUnroll, kb_count, group_shift);
+  edge::await_inputs();
+  if constexpr (kDirect) {
+    load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
+  } else {
+    edge::gemv_stage_x<T, kNorm, !kStrip, kThreads>(xs, red_ss, sums, x + (long long)n0 * in, nullptr, norm_w, in,
+                                                    ntok);
+    __syncthreads();
   }
-  edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
-  __syncthreads();
-  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, 1, kWarps, ntok, n0, best);
+  for (;;) {
+    int kb0 = warp * kUnroll;
+    float acc[kTiles][4];
+#pragma unroll
+    for (int i = 0; i < kTiles; ++i)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+    for (; kb0 < kb_count; kb0 += 2 * step) {
+      load_batch<kTiles, kDirect>(st1, row_g, row_g8, sc_g, sc_g8, kb0 + step, kb_count, group_shift);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
+      mma_batch<T, kTiles, kDirect>(st0, acc, xrow, sums, has_tok, kb0, kb_count, t);
+      if (kb0 + step >= kb_count) break;
+      load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, kb0 + 2 * step, kb_count, group_shift);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
+      mma_batch<T, kTiles, kDirect>(st1, acc, xrow, sums, has_tok, kb0 + step, kb_count, t);
+    }
+    const int next = unit + gridDim.x;
+    if (next < units) {  // the next unit's first weights in flight under this one's epilogue
+      unit_rows<kTiles, kEpi>(row_g, row_g8, sc_g, sc_g8, q, scale, next, out, in, groups, g, t);
+      load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, warp * kUnroll, kb_count, group_shift);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
+    }
+    edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
+    __syncthreads();
+    edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, unit, 1, kWarps, ntok,
+                                                        n0, best);
+    if (next >= units) break;
+    unit = next;
+    __syncthreads();  // red is rewritten by the next unit
+  }
 }
 
 }  // namespace
 
 // One signature for every mode (norm_w / eps unused without the norm, best without argmax).
-#define CFG_INT8_MMA(NAME, T, TILES, NORM, EPI)                                                            \
+#define CFG_INT8_MMA(NAME, T, TILES, NORM, EPI, DIRECT)                                                          \
   extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
       T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,                         \
       const float* __restrict__ scale, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,  \
       int out, int in, int group_shift, int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) { \
-    int8_mma<T, TILES, NORM, EPI>(y, x, q, scale, bias, norm_w, eps, out, in, group_shift, num_tokens, tok_chunk, \
-                                  best);                                                                     \
+    int8_mma<T, TILES, NORM, EPI, DIRECT>(y, x, q, scale, bias, norm_w, eps, out, in, group_shift, num_tokens, \
+                                          tok_chunk, best);                                                  \
   }
 
 // The modes of int8_gemv.cu (int8_cuda.py: MODES, ARGMAX_MODES): one row tile a CTA,
-// two for SwiGLU (gate and up) and argmax (32 outputs a warp).
-#define CFG_INT8_MMA_MODES(DT, T)                                         \
-  CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore)                       \
-  CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore)                   \
-  CFG_INT8_MMA(int8_mma_residual_##DT, T, 1, false, kResidual)           \
-  CFG_INT8_MMA(int8_mma_norm_swiglu_##DT, T, 2, true, kSwiglu)           \
-  CFG_INT8_MMA(int8_mma_argmax_##DT, T, 2, false, kArgmax)               \
-  CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax)
+// two for SwiGLU (gate and up) and argmax (32 outputs a warp); the plain and residual
+// modes also direct (for tokens whose rows do not fit the staging).
+#define CFG_INT8_MMA_MODES(DT, T)                                                    \
+  CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore, false)                           \
+  CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore, false)                       \
+  CFG_INT8_MMA(int8_mma_residual_##DT, T, 1, false, kResidual, false)               \
+  CFG_INT8_MMA(int8_mma_norm_swiglu_##DT, T, 2, true, kSwiglu, false)               \
+  CFG_INT8_MMA(int8_mma_argmax_##DT, T, 2, false, kArgmax, false)                   \
+  CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax, false)               \
+  CFG_INT8_MMA(int8_mma_direct_##DT, T, 1, false, kStore, true)                     \
+  CFG_INT8_MMA(int8_mma_direct_residual_##DT, T, 1, false, kResidual, true)
 
 CFG_INT8_MMA_MODES(bf16, __nv_bfloat16)
 CFG_INT8_MMA_MODES(f16, __half)
