@@ -176,7 +176,7 @@ def check(
 
 
 def kernel_of(x: torch.Tensor, w: Int8Weight) -> str:
-    """The kernel a decode input runs on: 3..8 tokens of a weight of whole 64-column
+    """The kernel a decode input runs on: 2..8 tokens of a weight of whole 64-column
     tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV."""
     tokens = x.numel() // w.in_features
     return "int8_mma_" if MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None else "int8_gemv_"
@@ -546,11 +546,11 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 ]
 
 
-@pytest.mark.parametrize("tokens", [3, 5, 8])
+@pytest.mark.parametrize("tokens", [2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
 def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
-    """3..8 tokens (the speculative verify step) run on the tensor-core kernel
+    """2..8 tokens (the speculative verify step) run on the tensor-core kernel
     (int8_mma.cu), one launch for all of them, every mode, against the float32 oracle
     and the reference composition. More than 3 tokens of a 12288-column input do not fit
     a CTA's staging (96 KiB): the plain and residual modes read them directly."""
@@ -565,14 +565,14 @@ def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
-    """The verify step's greedy lm_head: argmax of 3..8 tokens' logits on the tensor-core
+    """The verify step's greedy lm_head: argmax of 2..8 tokens' logits on the tensor-core
     kernel, with and without the norm folded in, equal to torch.argmax of the kernel's
     own logits; the per-stream slots are emptied for the next call."""
     g = _gen()
     rows, inp = 32000, 1024
     w = random_weight(rows, inp, 128, g)
     norm_w = (torch.rand(inp, generator=g, device="cuda") + 0.5).to(dtype)
-    for tokens in (3, 5, 8):
+    for tokens in (2, 5, 8):
         for norm in (None, (norm_w, 1e-6)):
             x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
             logits, lnames = launched(ic, ic.linear, x, w, norm=norm)

@@ -50,67 +50,49 @@ __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int stride = in + kGemvPad;
   const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
-  float ss[kGemvMaxTokens];
+  for (int n = 0; n < ntok; ++n) {
+    const T* xr = x + (long long)n * in;
+    float ss = 0.f;
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      alignas(16) T val[8];
+      alignas(16) T nw[8];
+      if (perm == nullptr) {
+        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
+        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+      } else {
+        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
+        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
+        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
 #pragma unroll
-  for (int n = 0; n < kGemvMaxTokens; ++n) ss[n] = 0.f;
-  for (int v = threadIdx.x; v < vecs; v += kThreads) {
-    // Every token's 16 bytes are loaded before any is used: one memory latency a step,
-    // not one a token.
-    alignas(16) T val[kGemvMaxTokens][8];
-    alignas(16) T nw[8];
-    if (perm == nullptr) {
-#pragma unroll
-      for (int n = 0; n < kGemvMaxTokens; ++n)
-        if (n < ntok) *reinterpret_cast<uint4*>(val[n]) = __ldg(reinterpret_cast<const uint4*>(x + (long long)n * in + 8 * v));
-      if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
-    } else {
-      const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
-      const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
-      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-#pragma unroll
-        for (int n = 0; n < kGemvMaxTokens; ++n)
-          if (n < ntok) val[n][i] = x[(long long)n * in + idx[i]];
-        if (kNorm) nw[i] = norm_w[idx[i]];
+        for (int i = 0; i < 8; ++i) {
+          val[i] = xr[idx[i]];
+          if (kNorm) nw[i] = norm_w[idx[i]];
+        }
       }
-    }
-#pragma unroll
-    for (int n = 0; n < kGemvMaxTokens; ++n) {
-      if (n >= ntok) break;
       if (kNorm) {
 #pragma unroll
         for (int i = 0; i < 8; i += 2) {
-          const float a = to_float(val[n][i]), b = to_float(val[n][i + 1]);
-          ss[n] = fmaf(a, a, fmaf(b, b, ss[n]));
-          *reinterpret_cast<unsigned int*>(val[n] + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
+          const float a = to_float(val[i]), b = to_float(val[i + 1]);
+          ss = fmaf(a, a, fmaf(b, b, ss));
+          *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
         }
       }
-      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val[n]);
-    }
-    if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
-      const unsigned int group = 0xFFu << (lane & 24);
-#pragma unroll
-      for (int n = 0; n < kGemvMaxTokens; ++n) {
-        if (n >= ntok) break;
+      *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
+      if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
         float sum = 0.f;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) sum += to_float(val[n][i]);
+        for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
+        const unsigned int group = 0xFFu << (lane & 24);
         sum += __shfl_xor_sync(group, sum, 1);
         sum += __shfl_xor_sync(group, sum, 2);
         sum += __shfl_xor_sync(group, sum, 4);
         if ((lane & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
       }
     }
-  }
-  if (kNorm) {
+    if (kNorm) {
 #pragma unroll
-    for (int n = 0; n < kGemvMaxTokens; ++n) {
-      if (n >= ntok) break;
-      float s = ss[n];
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffffu, s, off);
-      if (lane == 0) red_ss[warp][n] = s;
+      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+      if (lane == 0) red_ss[warp][n] = ss;
     }
   }
 }

@@ -289,14 +289,13 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   int kb0 = kw;
   load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
   edge::await_inputs();
-  const bool has_tok = g < ntok;
-  const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
-  if constexpr (kDirect) {
-    load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0, split, kb_count, t);
-  } else {
+  if constexpr (!kDirect) {
     edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
     __syncthreads();
   }
+  const bool has_tok = g < ntok;
+  const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
+  if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0, split, kb_count, t);
 
   float acc[kTiles][4];
 #pragma unroll

@@ -57,7 +57,7 @@ MODES: dict[tuple[bool, bool, bool], tuple[str, tuple[int, ...]]] = {
 # keyed by norm given.
 ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 MAX_GEMV_TOKENS = 4  # the per-token GEMV's most; more tokens (prefill): dequantize + matmul
-MIN_MMA_TOKENS = 3  # at 2 tokens two per-token GEMVs are faster (docs/benchmarks.md)
+MIN_MMA_TOKENS = 2  # from 2 tokens one read of the weights beats a per-token GEMV each (docs/benchmarks.md)
 MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
 MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
 # Tensor-core modes with a direct variant (B fragments from global memory, nothing
