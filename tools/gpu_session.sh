@@ -82,6 +82,13 @@ for s in "$@"; do
               export EDGE_TEST_GPU_FRACTION=0.3 EDGE_CACHE_DIR=/tmp/st
               for f in int8 int4 speculative; do (timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_\${f}_cuda.py > $OUT/tests-\$f.log 2>&1) & done
               wait; tail -n 1 $OUT/tests-int8.log $OUT/tests-int4.log $OUT/tests-speculative.log" ;;
+        spec-tests-orin)  # the int8 / int4 GPU tests at 16 SMs and int8 at 8 (fewer resident CTAs: each takes more units)
+            step spec-tests-orin sh -c "
+              export EDGE_TEST_GPU_FRACTION=0.3 EDGE_CACHE_DIR=/tmp/so
+              (EDGE_TEST_SMS=16 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8_cuda.py > $OUT/tests-int8-16.log 2>&1) &
+              (EDGE_TEST_SMS=16 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int4_cuda.py > $OUT/tests-int4-16.log 2>&1) &
+              (EDGE_TEST_SMS=8 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8_cuda.py > $OUT/tests-int8-8.log 2>&1) &
+              wait; tail -n 1 $OUT/tests-int8-16.log $OUT/tests-int4-16.log $OUT/tests-int8-8.log" ;;
         spec-*)  # spec-<quantize>[-<sms>]: the speculative benchmark with a per-kernel breakdown at k = 4
             q=${s#spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
             step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 > $OUT/$s.json" ;;
