@@ -16,6 +16,7 @@ GPU: their greedy tokens win by wide margins, so the multi-token path's other ro
 from __future__ import annotations
 
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -68,13 +69,19 @@ def test_verify_attention_matches_the_reference(dtype, heads, kv_heads, d) -> No
     g = torch.Generator().manual_seed(0)
     page = 16
     tol = 1e-4 if dtype == torch.float32 else 2e-2
+    # float16 / bfloat16 on tensor cores (a KV head's token x head rows in m16 tiles:
+    # group 7 and 5 tokens straddle tiles), float32 on the CUDA-core decode kernel.
+    kernel = "paged_decode_g" if dtype == torch.float32 else "paged_verify_tc"
     for tokens in (1, 2, 5, 9):
         for start in (0, 7, 16, 300, 900):
             k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, page, start + tokens, g)
             q = torch.randn(tokens, heads, d, generator=g).to(dtype).cuda()
             pos = torch.tensor([start], dtype=torch.int32, device="cuda")
             out = torch.full_like(q, float("nan"))
+            before = Counter(ops.launcher.counts)
             got = ops.verify_attention(q, k_pool, v_pool, table, pos, d**-0.5, out=out)
+            ran = Counter(ops.launcher.counts) - before
+            assert len(ran) == 1 and next(iter(ran)).startswith(kernel), dict(ran)
             want = reference.verify_attention(q, k_pool, v_pool, table, pos, d**-0.5)
             assert got.data_ptr() == out.data_ptr()
             assert torch.isfinite(got).all(), (tokens, start)

@@ -521,9 +521,13 @@ __device__ __forceinline__ void store_split_words(bool single, T* out, unsigned 
 // first row (words at split 0; stride words between splits). J threads per quad (a power
 // of two, as many as the share leaves) each take every J-th split, U at a time, then
 // combine through shuffles. Every thread of the CTA calls it.
-template <int THREADS, int D, typename T>
+struct SameRow {  // merge_split_words' default: output row g is row g
+  __device__ __forceinline__ int operator()(int g) const { return g; }
+};
+
+template <int THREADS, int D, typename T, typename RowOf = SameRow>
 __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* words, long long stride, int nsplit,
-                                                  int gcount, int k, int mergers) {
+                                                  int gcount, int k, int mergers, RowOf row_of = RowOf()) {
   constexpr int DQ = D / 4;
   constexpr int U = 4;
   constexpr unsigned long long empty = ~0ull;  // as the workspace is made
@@ -587,7 +591,7 @@ __device__ __forceinline__ void merge_split_words(T* out, unsigned long long* wo
     }
     if (ok && j == 0) {
       const float inv = 1.f / L;
-      store4(out + (long long)g * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
+      store4(out + (long long)row_of(g) * D + d, make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv));
     }
   }
 }

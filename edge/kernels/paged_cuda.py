@@ -419,6 +419,21 @@ class PagedAttentionCuda:
         nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, smem)
         return kernel, smem
 
+    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
+        """The tensor-core kernel of a verify step (several query tokens; the decode
+        kernel's defines, so the same dynamic shared memory)."""
+        t = self.tuning
+        defines = {
+            **_variant(dtype, head_dim),
+            "CFG_TC_WARPS": t.tc_warps,
+            "CFG_TC_MIN_BLOCKS": t.min_blocks(),
+            "CFG_TC_STAGES": self.tc_stages(dtype, head_dim),
+        }
+        kernel = self.launcher.kernel("paged_decode_tc.cu", "paged_verify_tc", defines)
+        nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, tc_smem_bytes(dtype, head_dim, t.tc_warps,
+                                                                                   defines["CFG_TC_STAGES"]))
+        return kernel
+
     def prefill_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
         return self.launcher.kernel("paged_prefill.cu", "paged_prefill", _variant(dtype, head_dim))
 
@@ -719,10 +734,13 @@ class PagedAttentionCuda:
     ) -> torch.Tensor:
         """:func:`edge.kernels.reference.verify_attention` on CUDA: the T tokens of a
         verify step ``q [T, q_heads, D]`` at positions [*pos, *pos + T), token i against
-        keys [0, *pos + i] (K/V already written) -> ``[T, q_heads, D]``. One launch of the
-        CUDA-core decode kernel with a token per grid row z (kv_len = *pos + 1 + z), the
-        split count of a graph launch: the configuration depends on T only, the lengths
-        are read on the device, so a CUDA graph per T replays at any position."""
+        keys [0, *pos + i] (K/V already written) -> ``[T, q_heads, D]``. float16 /
+        bfloat16: one launch of the tensor-core kernel with a KV head's (token, query
+        head) pairs as the rows of its m16 tiles (each K/V row read once for all T
+        tokens); float32 (or the CUDA-core tuning): the CUDA-core decode kernel with a
+        token per grid row z (kv_len = *pos + 1 + z). Split as a graph launch is: the
+        configuration depends on T only, the lengths are read on the device, so a CUDA
+        graph per T replays at any position."""
         _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
         if q.dim() != 3:
             raise ValueError(f"q must be [T, q_heads, D], got {tuple(q.shape)}")
@@ -737,12 +755,45 @@ class PagedAttentionCuda:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         else:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
+        if self.tc_path(k_pool.dtype, False):
+            self._launch_verify_tc(out, _dense(q), k_pool, v_pool, block_table, pos_ptr, float(scale))
+            return out
         plan = self._plan(k_pool.dtype, d, q.shape[1], kvh, page, multi=True)
         self._launch_decode(
             plan, out, _dense(q), k_pool, v_pool, block_table, pos_ptr, 0, t, plan.splits(None), float(scale),
             plan.graph_min_rows,
         )
         return out
+
+    def _launch_verify_tc(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                          block_table: torch.Tensor, pos_ptr: int, scale: float) -> None:
+        """One tensor-core verify launch: ceil(T * group / 16) tiles a KV head, as many
+        splits as one wave holds."""
+        t, q_heads, d = q.shape
+        kvh, page = k_pool.shape[2], k_pool.shape[1]
+        plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: kernel resources, wave
+        ctas = kvh * -(-(t * plan.group) // 16)
+        splits = max(1, min(self.tuning.max_splits, plan.wave // ctas))
+        if ctas * splits > plan.wave:
+            mergers = 0
+        else:
+            mergers = 1 if splits < 16 else max(1, min(splits // 2, plan.merge_cap))
+        ws_ptr = cnt_ptr = 0
+        if splits > 1:
+            ws, cnt = self._workspace(k_pool.device, splits * t * q_heads * d, ctas)
+            ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
+        self.launcher.launch(
+            self.verify_tc_kernel(k_pool.dtype, d),
+            (ctas, splits),
+            plan.threads,
+            (
+                out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), pos_ptr,
+                np.int32(0), np.int32(kvh), np.int32(plan.group), np.int32(plan.log2_page),
+                np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(mergers), np.int32(plan.graph_min_rows),
+                np.int32(t),
+            ),
+            shmem=plan.smem,
+        )
 
     # -- prefill ------------------------------------------------------------------------
 

@@ -71,7 +71,13 @@ struct RopeArgs {
   float eps;
 };
 
-template <typename T, int D, int W, int STAGES, bool ROPE>
+// MULTI (the speculative verify step, without ROPE): q is [tokens, q_heads, D] at
+// positions *pos .. *pos + tokens - 1 (their K/V already stored), token i attends to keys
+// [0, *pos + i]. The m16 tile's rows are a KV head's (token, query head) pairs, token-major
+// (group 4: 4 tokens a tile), each row masked at its own length; a CTA's split range
+// covers its last token's keys. Rows land in out at [token, head]; the split words of a
+// CTA's rows are contiguous (row kvh * tokens * group + its index).
+template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI>
 __device__ __forceinline__ void paged_decode_tc(
     T* __restrict__ out,             // [q_heads, D]
     const T* __restrict__ q,         // [q_heads, D] (ROPE: the qkv row)
@@ -85,7 +91,9 @@ __device__ __forceinline__ void paged_decode_tc(
     unsigned int* __restrict__ counters,  // arrivals per KV head (mergers = 0)
     int mergers,                     // most splits per KV head that merge; 0: the last to arrive
     int min_rows,                    // fewest keys per active split (active_splits)
-    RopeArgs rope) {
+    RopeArgs rope,
+    int tokens) {                    // MULTI: query tokens (1 otherwise)
+  static_assert(!(MULTI && ROPE), "the verify step stores its K/V before attention");
   using C = TcCfg<T, D, W, STAGES>;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
@@ -104,14 +112,18 @@ __device__ __forceinline__ void paged_decode_tc(
   const int warp = tid >> 5;
   const int gid = lane >> 2;
   const int tig = lane & 3;
-  const int hchunks = (group + kTcRows - 1) / kTcRows;
+  const int rows_all = MULTI ? tokens * group : group;  // a KV head's query rows
+  const int hchunks = (rows_all + kTcRows - 1) / kTcRows;
   const int kvh = blockIdx.x / hchunks;
   const int chunk = blockIdx.x - kvh * hchunks;
-  const int gcount = min(kTcRows, group - chunk * kTcRows);
+  const int gcount = min(kTcRows, rows_all - chunk * kTcRows);
   const int q_heads = kv_heads * group;
-  const int head0 = kvh * group + chunk * kTcRows;
+  // The first row's place among the split words' rows (MULTI), or its query head.
+  const int head0 = MULTI ? kvh * rows_all + chunk * kTcRows : kvh * group + chunk * kTcRows;
   const int split = blockIdx.y;
-  const int kv_len = pos != nullptr ? __ldg(pos) + 1 : host_len;
+  const int len0 = pos != nullptr ? __ldg(pos) + 1 : host_len;  // token 0's keys
+  // MULTI: row r is token (chunk * 16 + r) / group; the CTA's range ends at its last token's.
+  const int kv_len = MULTI ? len0 + (chunk * kTcRows + gcount - 1) / group : len0;
   const int nsplit = active_splits(kv_len, gridDim.y, min_rows);
   if (split >= nsplit) return;
   const bool by_arrival = mergers == 0;
@@ -177,17 +189,23 @@ __device__ __forceinline__ void paged_decode_tc(
     rsin = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.sin_tab) + p * D + lane * E);
   }
   int slots[PT];
+  if constexpr (MULTI) {  // the newest tokens' rows were stored by the kernel before
+    grid_dependency_wait();
+    allow_dependents();
+  }
 #pragma unroll
   for (int s = 0; s < STAGES; ++s) {
     fetch_slots(s, slots);
-    copy_stage(s, slots, newest);
+    copy_stage(s, slots, MULTI ? -1 : newest);
     cp_async_commit();
   }
   fetch_slots(STAGES, slots);
-  grid_dependency_wait();
-  allow_dependents();
+  if constexpr (!MULTI) {
+    grid_dependency_wait();
+    allow_dependents();
+  }
   const int new_off = newest - r0;
-  const bool holds_newest = new_off >= 0 && newest < r1;
+  const bool holds_newest = !MULTI && new_off >= 0 && newest < r1;
   const int new_at = holds_newest ? new_off : 0;  // the row's place in its stage's buffer
   T* const new_stage = pipe + ((new_at / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_at % KEYS) * LDS;
   auto put_newest = [&]() {  // ROPE, last warp: the newest row into its stage's buffer
@@ -234,9 +252,23 @@ __device__ __forceinline__ void paged_decode_tc(
   // Q fragments (A operand): rows gid and gid + 8 of the head tile.
   const bool qv0 = gid < gcount;
   const bool qv1 = gid + 8 < gcount;
-  const T* qtile = ROPE ? &sm_q[0][0] : q + (long long)head0 * D;
-  const T* q0 = qtile + gid * D;
-  const T* q1 = qtile + (gid + 8) * D;
+  // MULTI: row r's token and query head, its key limit and its place in out.
+  auto row_token = [&](int r) { return (chunk * kTcRows + r) / group; };
+  auto out_row = [&](int r) {
+    const int i = chunk * kTcRows + r;
+    return MULTI ? (i / group) * q_heads + kvh * group + i % group : head0 + r;
+  };
+  const T* q0;
+  const T* q1;
+  if constexpr (MULTI) {
+    q0 = q + (long long)out_row(qv0 ? gid : 0) * D;
+    q1 = q + (long long)out_row(qv1 ? gid + 8 : 0) * D;
+  } else {
+    const T* qtile = ROPE ? &sm_q[0][0] : q + (long long)head0 * D;
+    q0 = qtile + gid * D;
+    q1 = qtile + (gid + 8) * D;
+  }
+  const int lim[2] = {MULTI ? min(r1, len0 + row_token(gid)) : r1, MULTI ? min(r1, len0 + row_token(gid + 8)) : r1};
   unsigned int qa[KSTEPS][4];
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -285,7 +317,7 @@ __device__ __forceinline__ void paged_decode_tc(
 #pragma unroll
         for (int c = 0; c < 4; ++c) {
           const int key = k0 + j * 8 + tig * 2 + (c & 1);
-          sc[j][c] = key < r1 ? sc[j][c] * scale_log2 : neg_inf();
+          sc[j][c] = key < lim[c >> 1] ? sc[j][c] * scale_log2 : neg_inf();
         }
       }
       float corr[2];
@@ -324,15 +356,15 @@ __device__ __forceinline__ void paged_decode_tc(
     const int d = (i - g * (D / 4)) * 4;
     float M, L;
     const float4 o = merge_warp_partials<W>(sm_m, sm_l, sm_o, g, d, M, L);
-    const int head = head0 + g;
-    store_split_words(single, out + (long long)head * D, ws + ((long long)split * q_heads + head) * D, o, M, L, d);
+    store_split_words(single, out + (long long)out_row(g) * D,
+                      ws + ((long long)split * tokens * q_heads + head0 + g) * D, o, M, L, d);
   }
   if (single) return;
 
   const int k = split_merger(by_arrival, counters + blockIdx.x, split, nsplit, mergers, sm_merger);
   if (k >= 0)
-    merge_split_words<THREADS, D>(out + (long long)head0 * D, ws + (long long)head0 * D, (long long)q_heads * D, nsplit,
-                                  gcount, k, mergers);
+    merge_split_words<THREADS, D>(out, ws + (long long)head0 * D, (long long)tokens * q_heads * D, nsplit, gcount, k,
+                                  mergers, out_row);
 }
 
 }  // namespace edge
@@ -351,9 +383,22 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
                     int kv_heads, int group, int log2_page, float scale_log2,
                     unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
                     int min_rows) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false>(
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, false>(
       out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers, min_rows, edge::RopeArgs{});
+      counters, mergers, min_rows, edge::RopeArgs{}, 1);
+}
+
+// The speculative verify step: `tokens` query tokens at *pos .. (MULTI above).
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
+    paged_verify_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
+                    edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
+                    const int* __restrict__ table, const int* __restrict__ pos, int host_len,
+                    int kv_heads, int group, int log2_page, float scale_log2,
+                    unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
+                    int min_rows, int tokens) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true>(
+      out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
+      counters, mergers, min_rows, edge::RopeArgs{}, tokens);
 }
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
@@ -366,7 +411,7 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
                          int min_rows, const edge_t* __restrict__ qk_norm,
                          const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
                          int max_pos, float eps) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true>(
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, false>(
       out, qkv, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers, min_rows, edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps});
+      counters, mergers, min_rows, edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, 1);
 }
