@@ -27,10 +27,11 @@ with ``--preset tiny`` runs everything eagerly on the reference backend (a smoke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import gc
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -204,28 +205,15 @@ def breakdown(engine: Engine, prompt: list[int], k: int, reps: int) -> dict[str,
             out["decode"] = _kernel_table(lambda: decoder.read(decoder.launch(seq, True)), reps)
     finally:
         engine.end_sequence(seq)
-    seq = engine.new_sequence(slot=0)
-    verifier = engine.verify_decoder(seq)
-    tokens = prompt[-(k + 1) :]
-
-    def once() -> None:
-        verifier.run(seq, tokens, True)
-        seq.rollback(k + 1)
-        verifier.settle(seq)
-
-    try:
-        engine.prefill(seq, prompt)
-        once()
+    with _held_verify_step(engine, prompt, k) as (once, _verifier):
         out["verify"] = _kernel_table(once, reps)
-    finally:
-        verifier.unbind()
-        seq.release()
     return out
 
 
-def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tuple[float, str]:
-    """One verify step of k proposals at ``len(prompt)`` (replay and read back), the
-    context held fixed by rolling every step back; and the path that ran."""
+@contextlib.contextmanager
+def _held_verify_step(engine: Engine, prompt: list[int], k: int) -> Iterator[tuple[Callable[[], None], Any]]:
+    """A sequence at ``len(prompt)`` and one verify step of k proposals that leaves it
+    there (rolled back after each step), run once to warm; and the verify decoder."""
     seq = engine.new_sequence(slot=0)
     decoder = engine.verify_decoder(seq)
     tokens = prompt[-(k + 1) :]
@@ -238,6 +226,16 @@ def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tupl
     try:
         engine.prefill(seq, prompt)
         once()
+        yield once, decoder
+    finally:
+        decoder.unbind()
+        seq.release()
+
+
+def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tuple[float, str]:
+    """One verify step of k proposals at ``len(prompt)`` (replay and read back), the
+    context held fixed by rolling every step back; and the path that ran."""
+    with _held_verify_step(engine, prompt, k) as (once, decoder):
         once()
         _sync(engine)
         t0 = time.perf_counter()
@@ -245,9 +243,6 @@ def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tupl
             once()
         _sync(engine)
         return (time.perf_counter() - t0) / reps * 1e3, decoder.path
-    finally:
-        decoder.unbind()
-        seq.release()
 
 
 def run(args: argparse.Namespace) -> dict:

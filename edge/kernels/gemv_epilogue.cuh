@@ -34,6 +34,14 @@ __device__ __forceinline__ unsigned int sub_pairs<__nv_bfloat16>(unsigned int a,
   return *reinterpret_cast<unsigned int*>(&r);
 }  // a staged token's row starts 32 bytes (8 banks) after the previous one
 
+// A lane's 4 staged activations of its B fragment (zeros for a lane past the tokens; the
+// load is unconditional: a predicated one costs the GEMVs registers).
+template <typename T>
+__device__ __forceinline__ uint2 staged_pair(const T* at, bool has_tok) {
+  const uint2 v = *reinterpret_cast<const uint2*>(at);
+  return has_tok ? v : make_uint2(0u, 0u);
+}
+
 // Activations are staged once per CTA in shared memory (a token a row, `in + kGemvPad`
 // elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
 // there: the k16 steps then read their B fragments from shared memory instead of each

@@ -204,12 +204,8 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       uint2 xv;
-      if constexpr (kDirect) {
-        xv = b.xv[u][s];
-      } else {
-        xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * s + 4 * t);
-        if (!has_tok) xv = make_uint2(0u, 0u);
-      }
+      if constexpr (kDirect) xv = b.xv[u][s];
+      else xv = edge::staged_pair(xrow + kb * 64 + 16 * s + 4 * t, has_tok);
       const unsigned int b0 = xv.x, b1 = xv.y;
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
