@@ -10,6 +10,10 @@ take is checked once per weight (:func:`weight_support`) when the backend is pla
 - Decode (at most :data:`MAX_GEMV_TOKENS` tokens): the GEMV, with ``norm`` (RMSNorm of
   the input folded in), ``residual`` (in-place add), ``swiglu`` (``[gate; up]``
   epilogue, alone or after the norm) and the greedy lm_head's argmax (:meth:`argmax`).
+  A CTA stages its tokens' activations in :attr:`Int4Tuning.stage_bytes` of shared
+  memory; more tokens than fit run in launch rows, except in the plain and residual
+  modes without act order, whose ``direct`` kernels read them from global memory in one
+  launch row (the verify step's down projection).
 - Prefill chunks (``Int4Tuning.prefill``): ``"dequant"``, each row chunk of the weight
   expanded by a kernel (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`) into one
   bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS,

@@ -6,7 +6,9 @@ in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token,
 :data:`MAX_GEMV_TOKENS` where the tensor-core kernel does not apply), the tensor-core
 kernel of ``int8_mma.cu`` for :data:`MIN_MMA_TOKENS` to :data:`MAX_MMA_TOKENS` tokens (the speculative
 verify step: every weight byte read once for all of them; weights whose group size and
-input width are multiples of 64, :func:`mma_support`); a prefill chunk expands the weight by a kernel
+input width are multiples of 64, :func:`mma_support`; no more CTAs than are resident, each
+staging its tokens once for all the row tiles it takes, or, for the plain and residual
+modes of tokens too wide to stage, the ``direct`` kernels); a prefill chunk expands the weight by a kernel
 (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
 and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.
