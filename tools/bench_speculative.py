@@ -140,21 +140,32 @@ def speculative_run(engine: Engine, prompt: list[int], n: int, proposer: Any, k:
         engine.end_sequence(seq)
 
 
-def decode_step_ms(engine: Engine, prompt: list[int], reps: int) -> float:
-    """One plain decode step at ``len(prompt)``, steps launched back to back (graph)."""
+@contextlib.contextmanager
+def _held_decode(engine: Engine, prompt: list[int]) -> Iterator[tuple[Any, SamplerState, torch.Tensor, Any]]:
+    """A sequence after ``prompt``, its greedy sampler, its first token and its graph
+    decoder bound and warm (None without graphs)."""
     seq = engine.new_sequence(slot=0)
     sampler = _greedy_sampler(engine, prompt)
     try:
         token = engine.prefill(seq, prompt).argmax().view(1)
         decoder = engine.slot_decoder(seq)
+        if decoder is not None:
+            decoder.bind(seq, sampler, token)
+            decoder.read(decoder.launch(seq, True))  # captured and warm
+        yield seq, sampler, token, decoder
+    finally:
+        engine.end_sequence(seq)
+
+
+def decode_step_ms(engine: Engine, prompt: list[int], reps: int) -> float:
+    """One plain decode step at ``len(prompt)``, steps launched back to back (graph)."""
+    with _held_decode(engine, prompt) as (seq, sampler, token, decoder):
         if decoder is None:
             engine.decode(seq, token, sampler, True)  # warm
             t0 = time.perf_counter()
             for _ in range(reps):
                 token = engine.decode(seq, token, sampler, True)
             return (time.perf_counter() - t0) / reps * 1e3
-        decoder.bind(seq, sampler, token)
-        decoder.read(decoder.launch(seq, True))  # captured and warm
         _sync(engine)
         t0 = time.perf_counter()
         for _ in range(reps):
@@ -162,8 +173,6 @@ def decode_step_ms(engine: Engine, prompt: list[int], reps: int) -> float:
         decoder.read(ring)
         _sync(engine)
         return (time.perf_counter() - t0) / reps * 1e3
-    finally:
-        engine.end_sequence(seq)
 
 
 def _kernel_table(fn: Any, reps: int) -> dict[str, Any]:
@@ -194,17 +203,9 @@ def _kernel_table(fn: Any, reps: int) -> dict[str, Any]:
 def breakdown(engine: Engine, prompt: list[int], k: int, reps: int) -> dict[str, Any]:
     """Per-kernel GPU time of one graph decode step and one verify step of k proposals."""
     out: dict[str, Any] = {"k": k}
-    seq = engine.new_sequence(slot=0)
-    sampler = _greedy_sampler(engine, prompt)
-    try:
-        token = engine.prefill(seq, prompt).argmax().view(1)
-        decoder = engine.slot_decoder(seq)
+    with _held_decode(engine, prompt) as (seq, _sampler, _token, decoder):
         if decoder is not None:
-            decoder.bind(seq, sampler, token)
-            decoder.read(decoder.launch(seq, True))
             out["decode"] = _kernel_table(lambda: decoder.read(decoder.launch(seq, True)), reps)
-    finally:
-        engine.end_sequence(seq)
     with _held_verify_step(engine, prompt, k) as (once, _verifier):
         out["verify"] = _kernel_table(once, reps)
     return out

@@ -19,6 +19,28 @@ enum GemvEpilogue { kStore = 0, kResidual = 1, kSwiglu = 2, kArgmax = 3 };
 
 constexpr int kGemvPad = 16;
 
+// One LOP3 of truth table kLut over a, b, c (0xEA: (a & b) | c; 0x6A: (a & b) ^ c): a
+// nibble masked into the mantissa of a magic base in one instruction.
+template <unsigned int kLut>
+__device__ __forceinline__ unsigned int lop3(unsigned int a, unsigned int b, unsigned int c) {
+  unsigned int d;
+  asm("lop3.b32 %0, %1, %2, %3, %4;" : "=r"(d) : "r"(a), "r"(b), "r"(c), "n"(kLut));
+  return d;
+}
+
+// The magic base of a 16-bit lane: kBase + n is exact for a nibble n (its mantissa's low
+// bits hold n).
+template <typename T>
+struct MagicBase;
+template <>
+struct MagicBase<__half> {
+  static constexpr unsigned int kBase = 0x6400u;  // 1024.0
+};
+template <>
+struct MagicBase<__nv_bfloat16> {
+  static constexpr unsigned int kBase = 0x4300u;  // 128.0
+};
+
 // a - b in both 16-bit lanes of a packed pair (the tensor-core GEMVs remove the magic
 // bases of their dequantized codes with it: exact for the small integers they hold).
 template <typename T>

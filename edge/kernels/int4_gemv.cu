@@ -80,27 +80,13 @@ constexpr int kTileWords = 128;            // 16 x 64 codes
 
 // (a & b) | c in one instruction.
 __device__ __forceinline__ unsigned int and_or(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int d;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
+  return edge::lop3<0xEA>(a, b, c);
 }
-
-// 16-bit lanes whose value is kBase + nibble for nibble < 16 (the mantissa's low bits).
-template <typename T>
-struct Magic;
-template <>
-struct Magic<__half> {
-  static constexpr unsigned int kBase = 0x6400u;  // 1024.0
-};
-template <>
-struct Magic<__nv_bfloat16> {
-  static constexpr unsigned int kBase = 0x4300u;  // 128.0
-};
 
 // kBase + z in both lanes: subtracting it leaves q - z, exact (z <= 16).
 template <typename T>
 __device__ __forceinline__ unsigned int zero_pair(unsigned int z) {
-  return (Magic<T>::kBase + z) * 0x10001u;
+  return (edge::MagicBase<T>::kBase + z) * 0x10001u;
 }
 
 // One word of the layout -> the 4 A-fragment registers (q - z) of an m16n8k16 step:
@@ -108,7 +94,7 @@ __device__ __forceinline__ unsigned int zero_pair(unsigned int z) {
 // p with z1).
 template <typename T>
 __device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, unsigned int z1, unsigned int (&a)[4]) {
-  constexpr unsigned int bias = Magic<T>::kBase * 0x10001u;
+  constexpr unsigned int bias = edge::MagicBase<T>::kBase * 0x10001u;
   a[0] = edge::sub_pairs<T>(and_or(w, 0x000F000Fu, bias), z0);
   a[1] = edge::sub_pairs<T>(and_or(w >> 4, 0x000F000Fu, bias), z1);
   a[2] = edge::sub_pairs<T>(and_or(w >> 8, 0x000F000Fu, bias), z0);

@@ -61,27 +61,23 @@ constexpr int kUnroll = CFG_INT8_MMA_UNROLL;  // column tiles a register stage, 
 
 // (a & b) ^ c in one instruction.
 __device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, unsigned int c) {
-  unsigned int d;
-  asm("lop3.b32 %0, %1, %2, %3, 0x6A;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-  return d;
+  return edge::lop3<0x6A>(a, b, c);
 }
 
-// Base in both 16-bit lanes (and the high nibbles' offset Base + 8 after the XOR); kExact:
-// the bases are always removed in the lanes; kBias: what kept bases add to 16 S_h + S_l
-// per unit of the activation sum.
+// Base in both 16-bit lanes (edge::MagicBase; the high nibbles' offset Base + 8 after the
+// XOR); kExact: the bases are always removed in the lanes; kBias: what kept bases add to
+// 16 S_h + S_l per unit of the activation sum.
 template <typename T>
 struct Nibbles;
 template <>
-struct Nibbles<__half> {
-  static constexpr unsigned int kBase = 0x6400u;  // 1024.0
+struct Nibbles<__half> : edge::MagicBase<__half> {
   static constexpr bool kExact = true;
   static constexpr float kBias = 0.f;
 };
 template <>
-struct Nibbles<__nv_bfloat16> {
-  static constexpr unsigned int kBase = 0x4300u;  // 128.0
+struct Nibbles<__nv_bfloat16> : edge::MagicBase<__nv_bfloat16> {
   static constexpr bool kExact = false;
-  static constexpr float kBias = 17.f * 128.f + 128.f;
+  static constexpr float kBias = 17.f * 128.f + 128.f;  // 128.0 is the base's value
 };
 
 // A lane pair Base + n less Base: n, exact (kStrip), or kept for the float32 correction.

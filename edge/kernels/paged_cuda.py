@@ -319,7 +319,8 @@ class _DecodePlan:
         occ = nvrtc.max_active_blocks(self.kernel, self.threads, att.launcher.device_index, dynamic_smem=self.smem)
         self.wave = occ * att.sms
         # One full wave of CTAs: every split resident at once, each streaming its range.
-        self.max_splits = max(1, min(tuning.max_splits, self.wave // self.ctas))
+        self.split_cap = tuning.max_splits
+        self.max_splits = self.wave_splits(self.ctas)
         self.min_rows = tuning.min_split_rows
         self.merge_cap = tuning.mergers
         self.graph_min_rows = tuning.graph_min_split_rows
@@ -329,13 +330,17 @@ class _DecodePlan:
             return self.max_splits
         return max(1, min(self.max_splits, -(-kv_len // self.min_rows)))
 
-    def mergers(self, splits: int, tokens: int) -> int:
+    def wave_splits(self, ctas: int) -> int:
+        """Splits of a grid of ``ctas`` CTAs a split that one wave holds, at most the cap."""
+        return max(1, min(self.split_cap, self.wave // ctas))
+
+    def mergers(self, splits: int, tokens: int, ctas: int | None = None) -> int:
         """The kernel's ``mergers``: how many CTAs per group merge the splits, each a
         share, waiting for every split of its group: one below 16 splits, else one per 2
-        splits up to the cap. 0 when the grid is larger than one wave: a waiting merger
-        could then hold the slot a split it waits for needs, so the last CTA to arrive
-        merges alone."""
-        if self.ctas * splits * tokens > self.wave:
+        splits up to the cap. 0 when the grid (``ctas`` a split, default this plan's per
+        token) is larger than one wave: a waiting merger could then hold the slot a split
+        it waits for needs, so the last CTA to arrive merges alone."""
+        if (self.ctas * tokens if ctas is None else ctas) * splits > self.wave:
             return 0
         if splits < 16:
             return 1
@@ -405,6 +410,14 @@ class PagedAttentionCuda:
     def decode_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False) -> tuple[Any, int]:
         """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE) and
         the dynamic shared memory its launches pass."""
+        return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc")
+
+    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int) -> tuple[Any, int]:
+        """The tensor-core kernel of a verify step (several query tokens) and its dynamic
+        shared memory (the decode kernel's)."""
+        return self._tc_kernel(dtype, head_dim, "paged_verify_tc")
+
+    def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str) -> tuple[Any, int]:
         t = self.tuning
         stages = self.tc_stages(dtype, head_dim)
         defines = {
@@ -413,26 +426,10 @@ class PagedAttentionCuda:
             "CFG_TC_MIN_BLOCKS": t.min_blocks(),
             "CFG_TC_STAGES": stages,
         }
-        name = "paged_decode_tc_rope" if rope else "paged_decode_tc"
         kernel = self.launcher.kernel("paged_decode_tc.cu", name, defines)
         smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages)
         nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, smem)
         return kernel, smem
-
-    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
-        """The tensor-core kernel of a verify step (several query tokens; the decode
-        kernel's defines, so the same dynamic shared memory)."""
-        t = self.tuning
-        defines = {
-            **_variant(dtype, head_dim),
-            "CFG_TC_WARPS": t.tc_warps,
-            "CFG_TC_MIN_BLOCKS": t.min_blocks(),
-            "CFG_TC_STAGES": self.tc_stages(dtype, head_dim),
-        }
-        kernel = self.launcher.kernel("paged_decode_tc.cu", "paged_verify_tc", defines)
-        nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, tc_smem_bytes(dtype, head_dim, t.tc_warps,
-                                                                                   defines["CFG_TC_STAGES"]))
-        return kernel
 
     def prefill_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
         return self.launcher.kernel("paged_prefill.cu", "paged_prefill", _variant(dtype, head_dim))
@@ -773,26 +770,23 @@ class PagedAttentionCuda:
         kvh, page = k_pool.shape[2], k_pool.shape[1]
         plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: kernel resources, wave
         ctas = kvh * -(-(t * plan.group) // 16)
-        splits = max(1, min(self.tuning.max_splits, plan.wave // ctas))
-        if ctas * splits > plan.wave:
-            mergers = 0
-        else:
-            mergers = 1 if splits < 16 else max(1, min(splits // 2, plan.merge_cap))
+        splits = plan.wave_splits(ctas)
+        kernel, smem = self.verify_tc_kernel(k_pool.dtype, d)
         ws_ptr = cnt_ptr = 0
         if splits > 1:
             ws, cnt = self._workspace(k_pool.device, splits * t * q_heads * d, ctas)
             ws_ptr, cnt_ptr = ws.data_ptr(), cnt.data_ptr()
         self.launcher.launch(
-            self.verify_tc_kernel(k_pool.dtype, d),
+            kernel,
             (ctas, splits),
             plan.threads,
             (
                 out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), pos_ptr,
                 np.int32(0), np.int32(kvh), np.int32(plan.group), np.int32(plan.log2_page),
-                np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(mergers), np.int32(plan.graph_min_rows),
-                np.int32(t),
+                np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(plan.mergers(splits, 1, ctas)),
+                np.int32(plan.graph_min_rows), np.int32(t),
             ),
-            shmem=plan.smem,
+            shmem=smem,
         )
 
     # -- prefill ------------------------------------------------------------------------
