@@ -64,66 +64,99 @@ __device__ __forceinline__ uint2 staged_pair(const T* at, bool has_tok) {
   return has_tok ? v : make_uint2(0u, 0u);
 }
 
+// One thread's 8-element chunk v of a staged token n: kNorm: T(x * norm_w) in place and
+// x's squares added to ss; kSums: the chunk's 64-column tile sum (the tile's 8 lanes
+// are one warp's, as vecs is a multiple of 8) into sums.
+template <typename T, bool kNorm, bool kSums>
+__device__ __forceinline__ void stage_chunk(T (&val)[8], const T (&nw)[8], float& ss, float* __restrict__ sums, int v,
+                                            int n) {
+  if (kNorm) {
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const float a = to_float(val[i]), b = to_float(val[i + 1]);
+      ss = fmaf(a, a, fmaf(b, b, ss));
+      *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
+    }
+  }
+  if (kSums) {
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
+    const unsigned int group = 0xFFu << (threadIdx.x & 24);
+    sum += __shfl_xor_sync(group, sum, 1);
+    sum += __shfl_xor_sync(group, sum, 2);
+    sum += __shfl_xor_sync(group, sum, 4);
+    if ((threadIdx.x & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
+  }
+}
+
+// A warp's share of token n's sum of squares into red_ss[warp][n].
+__device__ __forceinline__ void stage_sum_squares(float (*red_ss)[kGemvMaxTokens], float ss, int n) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+  if ((threadIdx.x & 31) == 0) red_ss[threadIdx.x >> 5][n] = ss;
+}
+
 // Activations are staged once per CTA in shared memory (a token a row, `in + kGemvPad`
 // elements apart), gathered through perm and, with kNorm, multiplied by the norm weight
 // there: the k16 steps then read their B fragments from shared memory instead of each
 // waiting for a global load (the weights of the next stage are in flight meanwhile).
-// Tokens [0, ntok) of x (rows of `in`) into xs; kNorm: T(x * norm_w), and each warp's
-// share of every token's sum of squares of x into red_ss[warp][token]; kSums (in a
-// multiple of 64): the sum of each 64-column tile's staged values into
-// sums[tile * kGemvMaxTokens + token].
+// Tokens [0, ntok) of x (rows of `in`, 16-byte aligned) into xs; kNorm: T(x * norm_w),
+// and each warp's share of every token's sum of squares of x into red_ss[warp][token];
+// kSums (in a multiple of 64): the sum of each 64-column tile's staged values into
+// sums[tile * kGemvMaxTokens + token]. Without perm every token's row is copied at once
+// by cp.async (one memory latency for all tokens, no registers held), then each thread
+// finishes the very chunks it copied (no barrier between the passes).
 template <typename T, bool kNorm, bool kSums, int kThreads>
 __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
                                              float* __restrict__ sums, const T* __restrict__ x,
                                              const int* __restrict__ perm, const T* __restrict__ norm_w, int in,
                                              int ntok) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int stride = in + kGemvPad;
   const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
-  for (int n = 0; n < ntok; ++n) {
+  alignas(16) T val[8];
+  alignas(16) T nw[8];
+  if (perm == nullptr) {
+#pragma unroll 1
+    for (int n = 0; n < ntok; ++n)
+#pragma unroll 1
+      for (int v = threadIdx.x; v < vecs; v += kThreads)
+        cp_async16(smem_u32(xs + (long long)n * stride + 8 * v), x + (long long)n * in + 8 * v, 16);
+    cp_async_commit();
+    cp_async_wait_all();
+    if constexpr (kNorm || kSums) {
+      for (int n = 0; n < ntok; ++n) {
+        T* xsr = xs + (long long)n * stride;
+        float ss = 0.f;
+#pragma unroll(kNorm ? 1 : 4)  // a pass unrolled around the norm weight's loads costs the GEMV registers
+        for (int v = threadIdx.x; v < vecs; v += kThreads) {
+          *reinterpret_cast<uint4*>(val) = *reinterpret_cast<const uint4*>(xsr + 8 * v);
+          if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+          stage_chunk<T, kNorm, kSums>(val, nw, ss, sums, v, n);
+          if (kNorm) *reinterpret_cast<uint4*>(xsr + 8 * v) = *reinterpret_cast<const uint4*>(val);
+        }
+        if (kNorm) stage_sum_squares(red_ss, ss, n);
+      }
+    }
+    return;
+  }
+  for (int n = 0; n < ntok; ++n) {  // act order: the columns gathered through perm
     const T* xr = x + (long long)n * in;
     float ss = 0.f;
+#pragma unroll 1  // unrolled, the gathers' registers would set the whole GEMV's count
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
-      alignas(16) T val[8];
-      alignas(16) T nw[8];
-      if (perm == nullptr) {
-        *reinterpret_cast<uint4*>(val) = __ldg(reinterpret_cast<const uint4*>(xr + 8 * v));
-        if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
-      } else {
-        const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
-        const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
-        const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
+      const int4 i0 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v));
+      const int4 i1 = __ldg(reinterpret_cast<const int4*>(perm + 8 * v + 4));
+      const int idx[8] = {i0.x, i0.y, i0.z, i0.w, i1.x, i1.y, i1.z, i1.w};
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          val[i] = xr[idx[i]];
-          if (kNorm) nw[i] = norm_w[idx[i]];
-        }
+      for (int i = 0; i < 8; ++i) {
+        val[i] = xr[idx[i]];
+        if (kNorm) nw[i] = norm_w[idx[i]];
       }
-      if (kNorm) {
-#pragma unroll
-        for (int i = 0; i < 8; i += 2) {
-          const float a = to_float(val[i]), b = to_float(val[i + 1]);
-          ss = fmaf(a, a, fmaf(b, b, ss));
-          *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
-        }
-      }
+      stage_chunk<T, kNorm, kSums>(val, nw, ss, sums, v, n);
       *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
-      if (kSums) {  // the 8 lanes of a tile are all here (vecs is a multiple of 8)
-        float sum = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
-        const unsigned int group = 0xFFu << (lane & 24);
-        sum += __shfl_xor_sync(group, sum, 1);
-        sum += __shfl_xor_sync(group, sum, 2);
-        sum += __shfl_xor_sync(group, sum, 4);
-        if ((lane & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
-      }
     }
-    if (kNorm) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-      if (lane == 0) red_ss[warp][n] = ss;
-    }
+    if (kNorm) stage_sum_squares(red_ss, ss, n);
   }
 }
 
