@@ -128,6 +128,54 @@ def test_gemv_matches_oracle(lin, shape, dtype) -> None:
     check(run(lin, x, w), x, w, None, f"{shape} {dtype} no bias")
 
 
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+def test_several_tokens_take_the_resident_ctas_only(dtype, monkeypatch) -> None:
+    """More than one token: the grid is at most the resident CTAs, each staging its
+    tokens once and taking unit after unit (the large shapes give each several); one
+    token keeps a CTA per unit group. Every mode against its reference."""
+    lin = make_linear()
+    grids: list[tuple[int, ...]] = []
+    launch = lin.launcher.launch
+    monkeypatch.setattr(lin.launcher, "launch", lambda k, grid, *a, **kw: (grids.append(grid), launch(k, grid, *a, **kw))[1])
+    g = _gen()
+    hidden, inter = 4096, 12288
+    norm = ((torch.rand(hidden, generator=g, device="cuda") + 0.5).to(dtype), 1e-6)
+    qkv = random_weight(6144, hidden, 128, g)
+    gate_up = random_weight(2 * inter, hidden, 128, g)
+    down = random_weight(hidden, inter, 128, g)
+    head = random_weight(151936, hidden, 128, g)
+    tol = TOL_REF[dtype]
+
+    def close(y, ref, label):
+        assert torch.isfinite(y).all(), label
+        rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel < tol, f"{label}: {rel:.3g}"
+
+    for tokens in (5, 1):
+        x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
+        a = torch.randn(tokens, inter, generator=g, device="cuda").to(dtype)
+        r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+        cases = [
+            ("plain", qkv, False, False, lambda: check(run(lin, x, qkv), x, qkv, None, f"plain t{tokens}")),
+            ("norm+swiglu", gate_up, False, True, lambda: close(
+                run(lin, x, gate_up, norm=norm, swiglu=True), _fused_ref(x, gate_up, norm=norm, swiglu=True),
+                f"norm+swiglu t{tokens}")),
+            ("residual", down, False, False, lambda: close(
+                run(lin, a, down, residual=r0.clone()), _fused_ref(a, down, residual=r0.clone()), f"residual t{tokens}")),
+            ("norm+argmax", head, True, False, lambda: torch.testing.assert_close(
+                lin.argmax(x, head, None, None, norm=norm), torch.argmax(lin.linear(x, head, norm=norm), dim=-1),
+                rtol=0, atol=0)),
+        ]
+        for label, w, two, swiglu, go in cases:
+            grids.clear()
+            go()
+            ctas = lin.plan(w.out_features // 2 if swiglu else w.out_features, two or swiglu, swiglu)[2]
+            if tokens == 1:
+                assert grids[0][0] == ctas, (label, grids[0], ctas)
+            else:
+                assert grids[0][0] < ctas, f"{label}: {grids[0]} CTAs for {ctas} unit groups; the case must loop"
+
+
 @pytest.mark.parametrize("scale_dtype", (torch.float16, torch.bfloat16, torch.float32), ids=str)
 @pytest.mark.parametrize("zero", [True, False], ids=["zero", "symmetric"])
 @pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])

@@ -246,6 +246,30 @@ def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tupl
         return (time.perf_counter() - t0) / reps * 1e3, decoder.path
 
 
+def verify_gpu_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> float | None:
+    """The verify step's GPU time alone: its greedy graph replayed back to back, ``pos``
+    put back on the device before each (a one-element copy), no host round trip between
+    steps. None without graphs."""
+    with _held_verify_step(engine, prompt, k) as (_once, decoder):
+        if decoder.path != "graph" or decoder.bound is None:
+            return None
+        decoder.bound.reserve(k + 1)  # the blocks every replay writes
+        graph = decoder.graphs[(k + 1, True)]
+        saved = decoder.pos.clone()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for timed in (False, True):
+            if timed:
+                start.record()
+            for _ in range(reps):
+                decoder.pos.copy_(saved)
+                graph.replay()
+            if timed:
+                end.record()
+            _sync(engine)
+        decoder.pos.copy_(saved)
+        return start.elapsed_time(end) / reps
+
+
 def run(args: argparse.Namespace) -> dict:
     if args.sms is not None and args.device != "cuda":
         raise SystemExit("--sms needs --device cuda")
@@ -289,7 +313,9 @@ def _measure(args: argparse.Namespace, ctx: Any) -> dict:
     rows = []
     for k in range(1, args.max_k + 1):
         ms, path = verify_step_ms(engine, prompt, k, args.reps)
-        rows.append({"k": k, "tokens": k + 1, "step_ms": ms, "vs_decode": ms / decode_ms, "path": path})
+        gpu_ms = verify_gpu_ms(engine, prompt, k, args.reps)
+        rows.append({"k": k, "tokens": k + 1, "step_ms": ms, "vs_decode": ms / decode_ms, "path": path,
+                     "gpu_ms": gpu_ms, "gpu_vs_decode": None if gpu_ms is None else gpu_ms / decode_ms})
     result["verify"] = rows
     if args.breakdown is not None and engine.device.type == "cuda":
         # Kernels launched without overlap, so each one's time is its own (an overlapped

@@ -216,10 +216,28 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float
   }
 }
 
-// A CTA takes units blockIdx.x and tokens [blockIdx.y * tok_chunk, + tok_chunk) (at
-// most kMaxTokens; the host sizes tok_chunk so their staged rows fit its dynamic shared
-// memory). kDirect stages nothing: each batch loads its B fragments with its weights
-// (for tokens whose rows do not fit the staging; no norm, no act-order permutation).
+// Row tiles of a warp's unit: rb[i] (clamped: a short last unit re-reads a valid block),
+// base[i] its lane's first packed word, rowbase[i] row g of its first group in the scale
+// and zero arrays.
+template <int kTiles, int kEpi>
+__device__ __forceinline__ void unit_rows(const unsigned int* (&base)[kTiles], int (&rowbase)[kTiles],
+                                          const unsigned int* __restrict__ packed, int unit, int out, int row_blocks,
+                                          int kb_count, int groups, int lane) {
+#pragma unroll
+  for (int i = 0; i < kTiles; ++i) {
+    const int b = min(kEpi == kSwiglu ? unit + i * (out >> 4) : unit * kTiles + i, row_blocks - 1);
+    base[i] = packed + (long long)b * kb_count * kTileWords + 4 * lane;
+    rowbase[i] = b * groups * 16 + (lane >> 2);
+  }
+}
+
+// A CTA takes units [blockIdx.x * U, + U) (U = kWarps / split), then the same again
+// gridDim.x * U further on while units remain (a launch of at most the resident CTAs
+// stages its tokens once per CTA, not once per U units), and tokens
+// [blockIdx.y * tok_chunk, + tok_chunk) (at most kMaxTokens; the host sizes tok_chunk so
+// their staged rows fit its dynamic shared memory). kDirect stages nothing: each batch
+// loads its B fragments with its weights (for tokens whose rows do not fit the staging;
+// no norm, no act-order permutation).
 template <typename T, int kTiles, bool kNorm, int kEpi, bool kDirect>
 __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict__ x,
                                           const unsigned int* __restrict__ packed,
@@ -243,33 +261,24 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   // The CTA's warps form kWarps / split groups; each group owns one unit (kTiles row
   // tiles, or a gate tile and its up tile) and its split warps share the unit's columns.
   const int units = kWarps / split;
-  const int kw = warp % split, unit = blockIdx.x * units + warp / split;
+  const int kw = warp % split;
   const int kb_count = in >> 6;
   const int groups = ((kb_count - 1) >> group_shift) + 1;
   // Rows of the weight: kSwiglu's [gate; up] has 2 * out.
   const int rows = kEpi == kSwiglu ? 2 * out : out;
   const int row_blocks = (rows + 15) >> 4;
-  int rb[kTiles];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    const int b = kEpi == kSwiglu ? unit + i * (out >> 4) : unit * kTiles + i;
-    rb[i] = min(b, row_blocks - 1);  // a short last CTA re-reads a valid block
-  }
+  const int total_units = kEpi == kSwiglu ? out >> 4 : (row_blocks + kTiles - 1) / kTiles;
+  int unit0 = blockIdx.x * units;
   const unsigned int* base[kTiles];
   int rowbase[kTiles];
-#pragma unroll
-  for (int i = 0; i < kTiles; ++i) {
-    base[i] = packed + (long long)rb[i] * kb_count * kTileWords + 4 * lane;
-    rowbase[i] = rb[i] * groups * 16 + g;
-  }
+  unit_rows<kTiles, kEpi>(base, rowbase, packed, unit0 + warp / split, out, row_blocks, kb_count, groups, lane);
   // Two register stages: the next batch's weights, scales and zero points are in flight
   // while the current batch is multiplied, so each warp keeps loads outstanding. The
   // first batch is a constant of the step: loaded before the wait, under the previous
   // kernel's tail.
   const int step = split * kUnroll;
   Batch<kTiles, kDirect> st0, st1;
-  int kb0 = kw;
-  load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0, split, kb_count, group_shift, zmask);
+  load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kw, split, kb_count, group_shift, zmask);
   edge::await_inputs();
   if constexpr (!kDirect) {
     edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
@@ -277,28 +286,38 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   }
   const bool has_tok = g < ntok;
   const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + edge::kGemvPad);
-  if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0, split, kb_count, t);
+  if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kw, split, kb_count, t);
 
-  float acc[kTiles][4];
+  for (;;) {
+    float acc[kTiles][4];
 #pragma unroll
-  for (int i = 0; i < kTiles; ++i)
+    for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-    for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
+      for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
 
-  for (; kb0 < kb_count; kb0 += 2 * step) {
-    load_batch<kTiles, kDirect>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
-    if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, split, kb_count, t);
-    mma_batch<T, kTiles, kDirect>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
-    if (kb0 + step >= kb_count) break;
-    load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
-    if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, split, kb_count, t);
-    mma_batch<T, kTiles, kDirect>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
+    for (int kb0 = kw; kb0 < kb_count; kb0 += 2 * step) {
+      load_batch<kTiles, kDirect>(st1, base, scale, zero, rowbase, kb0 + step, split, kb_count, group_shift, zmask);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, split, kb_count, t);
+      mma_batch<T, kTiles, kDirect>(st0, acc, xrow, has_tok, kb0, split, kb_count, t);
+      if (kb0 + step >= kb_count) break;
+      load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kb0 + 2 * step, split, kb_count, group_shift, zmask);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, split, kb_count, t);
+      mma_batch<T, kTiles, kDirect>(st1, acc, xrow, has_tok, kb0 + step, split, kb_count, t);
+    }
+    edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
+    __syncthreads();
+    const int next = unit0 + gridDim.x * units;
+    if (next < total_units) {  // the next units' first weights in flight under this epilogue
+      unit_rows<kTiles, kEpi>(base, rowbase, packed, next + warp / split, out, row_blocks, kb_count, groups, lane);
+      load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kw, split, kb_count, group_shift, zmask);
+      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kw, split, kb_count, t);
+    }
+    edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, unit0, units, split,
+                                                      ntok, n0, best);
+    if (next >= total_units) break;
+    unit0 = next;
+    __syncthreads();  // red is rewritten by the next units
   }
-  edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
-  __syncthreads();
-
-  edge::gemv_epilogue<T, kWarps, kTiles, kNorm, kEpi>(red, red_ss, y, bias, eps, out, in, blockIdx.x * units, units,
-                                                    split, ntok, n0, best);
 }
 
 // ---- prefill GEMM: the packed codes straight into the tile loop ------------------------
