@@ -22,12 +22,14 @@ On the reference backend (the CPU) the same body runs eagerly; ``path`` says whi
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv.paged import PagedSequence
+from edge.step_wait import StepWait
 
 if TYPE_CHECKING:
     from edge.engine import Engine
@@ -94,9 +96,12 @@ class VerifyDecoder:
         self.host_ids = torch.zeros(width, dtype=torch.long, pin_memory=cuda)
         self.host_best = torch.zeros(width, dtype=torch.long, pin_memory=cuda)
         self._host_ids_np = self.host_ids.numpy()  # the step's ids written without a tensor per step
-        # Blocking: the host sleeps until the step is done instead of spinning a core.
+        # Blocking: the host sleeps until the copy is done instead of spinning a core.
         self._staged = torch.cuda.Event(blocking=engine.blocking_waits) if cuda else None
-        self._read = torch.cuda.Event(blocking=engine.blocking_waits) if cuda else None
+        # The readback is on the critical path (the next proposals need it): polled after
+        # sleeping through most of the step (edge/step_wait.py), not a driver wake-up.
+        self._read = torch.cuda.Event() if cuda else None
+        self.waits = StepWait(sleeps=engine.blocking_waits)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # Kernels each captured graph launches per replay, by name.
         self.captured_kernels: dict[tuple[int, bool], dict[str, int]] = {}
@@ -144,6 +149,7 @@ class VerifyDecoder:
             self._graph(t, argmax).replay()
         else:
             self._body(t, argmax)
+        launched = time.perf_counter()
         seq.advance(t)
         self.steps += 1
         if not argmax:
@@ -151,7 +157,7 @@ class VerifyDecoder:
         self.host_best[:t].copy_(self.best[:t], non_blocking=True)
         if self._read is not None:
             self._read.record()
-            self._read.synchronize()
+            self.waits.wait(self._read, launched, t)
         return self.host_best[:t].tolist()
 
     def settle(self, seq: PagedSequence) -> None:
