@@ -4,53 +4,39 @@ Plain decoding keeps a step in flight while the host reads the previous one, so 
 blocking wait (the thread sleeps until the driver wakes it) costs nothing there. A
 speculative verify step is different: the host needs its result to propose the next
 one, so the GPU idles for as long as the wake-up takes, which on a busy host is
-hundreds of microseconds. :class:`StepWait` sleeps through most of the step instead,
-from the durations of earlier steps of the same shape, and polls the event for the
-rest: little CPU, and no wake-up on the critical path.
+hundreds of microseconds. :class:`StepWait` polls the event instead, napping briefly
+between polls: a query also pushes any launch the driver still holds to the GPU (a
+thread asleep in one long sleep left the step unsubmitted), and the naps keep the core
+mostly idle.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
-# Left to polling: this share of the expected step plus a fixed margin for the sleep's
-# own overshoot (a few tens of microseconds on Linux).
-POLL_SHARE = 0.08
-POLL_MARGIN_S = 300e-6
-# Weight of the newest step in the expected duration.
-SMOOTHING = 0.25
+# Between two polls: short against a step (milliseconds), long against a poll (a few
+# microseconds), so the host wakes at most about this late and spends little CPU.
+NAP_S = 50e-6
 
 
 class StepWait:
-    """Waits for events of steps keyed by shape; ``sleeps=False`` polls the whole step
-    (no sleeping at all). ``clock`` and ``sleep`` are injectable for tests."""
+    """Polls an event until done, napping ``nap_s`` between polls (0: a busy poll).
+    ``sleep`` is injectable for tests."""
 
-    def __init__(
-        self,
-        sleeps: bool = True,
-        clock: Callable[[], float] = time.perf_counter,
-        sleep: Callable[[float], None] = time.sleep,
-    ) -> None:
-        self.sleeps = sleeps
-        self._clock = clock
+    def __init__(self, nap_s: float = NAP_S, sleep: Callable[[float], None] = time.sleep) -> None:
+        if nap_s < 0:
+            raise ValueError(f"nap_s must be >= 0, got {nap_s}")
+        self.nap_s = nap_s
         self._sleep = sleep
-        self.expected: dict[Hashable, float] = {}  # seconds from launch to done, by step shape
-        self.slept_s = 0.0  # totals, for tests and diagnostics
-        self.polls = 0
+        self.polls = 0  # queries made, for tests and diagnostics
 
-    def wait(self, event: Any, launched: float, key: Hashable) -> None:
-        """Return once ``event`` (recorded after the step, polled with ``query()``) has
-        completed; ``launched``: the clock when the step was launched."""
-        expected = self.expected.get(key)
-        if self.sleeps and expected is not None:
-            wake = launched + expected * (1.0 - POLL_SHARE) - POLL_MARGIN_S
-            ahead = wake - self._clock()
-            if ahead > 0:
-                self._sleep(ahead)
-                self.slept_s += ahead
-        while not event.query():
+    def wait(self, event: Any) -> None:
+        """Return once ``event`` (recorded after the step, polled with ``query()``) has completed."""
+        while True:
             self.polls += 1
-        took = self._clock() - launched
-        self.expected[key] = took if expected is None else expected + SMOOTHING * (took - expected)
+            if event.query():
+                return
+            if self.nap_s:
+                self._sleep(self.nap_s)

@@ -22,7 +22,6 @@ On the reference backend (the CPU) the same body runs eagerly; ``path`` says whi
 from __future__ import annotations
 
 import logging
-import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -98,10 +97,10 @@ class VerifyDecoder:
         self._host_ids_np = self.host_ids.numpy()  # the step's ids written without a tensor per step
         # Blocking: the host sleeps until the copy is done instead of spinning a core.
         self._staged = torch.cuda.Event(blocking=engine.blocking_waits) if cuda else None
-        # The readback is on the critical path (the next proposals need it): polled after
-        # sleeping through most of the step (edge/step_wait.py), not a driver wake-up.
+        # The readback is on the critical path (the next proposals need it): polled with
+        # short naps (edge/step_wait.py), not a driver wake-up; a busy poll without them.
         self._read = torch.cuda.Event() if cuda else None
-        self.waits = StepWait(sleeps=engine.blocking_waits)
+        self.waits = StepWait() if engine.blocking_waits else StepWait(nap_s=0.0)
         self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         # Kernels each captured graph launches per replay, by name.
         self.captured_kernels: dict[tuple[int, bool], dict[str, int]] = {}
@@ -149,7 +148,6 @@ class VerifyDecoder:
             self._graph(t, argmax).replay()
         else:
             self._body(t, argmax)
-        launched = time.perf_counter()
         seq.advance(t)
         self.steps += 1
         if not argmax:
@@ -157,7 +155,7 @@ class VerifyDecoder:
         self.host_best[:t].copy_(self.best[:t], non_blocking=True)
         if self._read is not None:
             self._read.record()
-            self.waits.wait(self._read, launched, t)
+            self.waits.wait(self._read)
         return self.host_best[:t].tolist()
 
     def settle(self, seq: PagedSequence) -> None:
