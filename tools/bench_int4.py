@@ -114,6 +114,8 @@ def gemv(args: argparse.Namespace) -> dict:
             "tiles1_unroll1": Int4Tuning(tiles=1, unroll=1),
             "tiles1_unroll4": Int4Tuning(tiles=1, unroll=4),
             "skip_math": Int4Tuning(skip_math=True),
+            "warps4_tiles1": Int4Tuning(warps=4, tiles=1),  # the 16-SM default with one row tile a unit
+            "warps4_unroll1": Int4Tuning(warps=4, unroll=1),
         }
     if args.only:
         keep = set(args.only.split(","))
