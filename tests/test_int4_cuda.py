@@ -138,11 +138,12 @@ def test_several_tokens_take_the_resident_ctas_only(dtype, monkeypatch) -> None:
     launch = lin.launcher.launch
     monkeypatch.setattr(lin.launcher, "launch", lambda k, grid, *a, **kw: (grids.append(grid), launch(k, grid, *a, **kw))[1])
     g = _gen()
-    hidden, inter = 4096, 12288
+    # Shapes with more units than any GPU holds CTAs of them (768 and 4748 units).
+    hidden, inter, wide = 4096, 12288, 24576
     norm = ((torch.rand(hidden, generator=g, device="cuda") + 0.5).to(dtype), 1e-6)
-    qkv = random_weight(6144, hidden, 128, g)
+    plain_w = random_weight(wide, hidden, 128, g)
     gate_up = random_weight(2 * inter, hidden, 128, g)
-    down = random_weight(hidden, inter, 128, g)
+    down_w = random_weight(wide, inter, 128, g)
     head = random_weight(151936, hidden, 128, g)
     tol = TOL_REF[dtype]
 
@@ -154,14 +155,14 @@ def test_several_tokens_take_the_resident_ctas_only(dtype, monkeypatch) -> None:
     for tokens in (5, 1):
         x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
         a = torch.randn(tokens, inter, generator=g, device="cuda").to(dtype)
-        r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
+        r0 = torch.randn(tokens, wide, generator=g, device="cuda").to(dtype)
         cases = [
-            ("plain", qkv, False, False, lambda: check(run(lin, x, qkv), x, qkv, None, f"plain t{tokens}")),
+            ("plain", plain_w, False, False, lambda: check(run(lin, x, plain_w), x, plain_w, None, f"plain t{tokens}")),
             ("norm+swiglu", gate_up, False, True, lambda: close(
                 run(lin, x, gate_up, norm=norm, swiglu=True), _fused_ref(x, gate_up, norm=norm, swiglu=True),
                 f"norm+swiglu t{tokens}")),
-            ("residual", down, False, False, lambda: close(
-                run(lin, a, down, residual=r0.clone()), _fused_ref(a, down, residual=r0.clone()), f"residual t{tokens}")),
+            ("residual", down_w, False, False, lambda: close(
+                run(lin, a, down_w, residual=r0.clone()), _fused_ref(a, down_w, residual=r0.clone()), f"residual t{tokens}")),
             ("norm+argmax", head, True, False, lambda: torch.testing.assert_close(
                 lin.argmax(x, head, None, None, norm=norm), torch.argmax(lin.linear(x, head, norm=norm), dim=-1),
                 rtol=0, atol=0)),
