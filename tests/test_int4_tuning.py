@@ -27,3 +27,17 @@ def test_default_tuning_follows_the_sm_count() -> None:
     t = Int4Tuning.for_sms(132)
     assert (t.warps, t.tiles, t.unroll) == (8, 1, 1)
     assert t.defines(torch.float16)["CFG_INT4_UNROLL"] == 1
+
+
+def test_bench_int4_arguments() -> None:
+    """tools/bench_int4.py takes one --tokens for every mode (a gemv step's tokens, a
+    prefill prompt); unset, main gives each mode its default."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_int4
+
+    p = bench_int4.build_parser()
+    assert p.parse_args(["gemv", "--tokens", "5", "--sms", "16", "--sweep"]).tokens == 5
+    assert p.parse_args(["gemv"]).tokens is None and p.parse_args(["prefill"]).tokens is None

@@ -262,17 +262,24 @@ def ttft(args: argparse.Namespace) -> dict:
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=("gemv", "prefill", "load", "ttft"))
     p.add_argument("--preset", default="qwen3-8b")
     p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
     p.add_argument("--sweep", action="store_true", help="also time other warps / unroll tunings")
     p.add_argument("--only", default="", help="gemv: time only these tunings (comma-separated labels) and the default")
-    p.add_argument("--tokens", type=int, default=1, help="gemv: tokens a step (2..8: a speculative verify step's linears)")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=None,
+                   help="gemv: tokens a step (default 1; 2..8: a speculative verify step's linears); prefill: "
+                   "prompt tokens (default 2048)")
     p.add_argument("--prefill-chunk", type=int, default=512, help="ttft: the int4 comparison run's prefill chunk")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.tokens is None:
+        args.tokens = 1 if args.mode == "gemv" else 2048
     out = {"gemv": gemv, "prefill": prefill, "load": load, "ttft": ttft}[args.mode](args)
     print(json.dumps(out))
     return 0
