@@ -10,7 +10,7 @@ import torch
 from edge.kernels.int4_cuda import Int4Tuning
 
 
-@pytest.mark.parametrize("bad", [dict(warps=3), dict(unroll=9), dict(tiles=3), dict(split=3), dict(prefetch=65),
+@pytest.mark.parametrize("bad", [dict(warps=3), dict(unroll=9), dict(direct_unroll=0), dict(tiles=3), dict(split=3), dict(prefetch=65),
                                  dict(stage_bytes=1024), dict(prefill="cublas")])
 def test_bad_knobs_are_refused(bad) -> None:
     with pytest.raises(ValueError):
@@ -18,15 +18,18 @@ def test_bad_knobs_are_refused(bad) -> None:
 
 
 def test_default_tuning_follows_the_sm_count() -> None:
-    """Few SMs (an Orin's 8 or 16): 4-warp CTAs of two row tiles; many SMs: one row tile
-    and one column tile a stage (the measured bests, docs/benchmarks.md)."""
+    """Few SMs (an Orin's 8 or 16): 4-warp CTAs of two row tiles, one column tile a stage
+    in the direct kernels; many SMs: one row tile and one column tile a stage (the
+    measured bests, docs/benchmarks.md)."""
     for sms in (8, 16):
         t = Int4Tuning.for_sms(sms)
         assert (t.warps, t.tiles, t.unroll) == (4, 2, 2)
-        assert t.defines(torch.bfloat16)["CFG_INT4_WARPS"] == 4
+        d = t.defines(torch.bfloat16)
+        assert (d["CFG_INT4_WARPS"], d["CFG_INT4_UNROLL"], d["CFG_INT4_DIRECT_UNROLL"]) == (4, 2, 1)
     t = Int4Tuning.for_sms(132)
     assert (t.warps, t.tiles, t.unroll) == (8, 1, 1)
-    assert t.defines(torch.float16)["CFG_INT4_UNROLL"] == 1
+    d = t.defines(torch.float16)
+    assert (d["CFG_INT4_UNROLL"], d["CFG_INT4_DIRECT_UNROLL"]) == (1, 1)
 
 
 def test_bench_int4_arguments() -> None:

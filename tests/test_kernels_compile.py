@@ -48,7 +48,8 @@ VARIANTS = [
     ("dequant.cu", {}),  # every int4 / int8 prefill expansion
     (
         "int4_gemv.cu",
-        {"CFG_INT4_SCALE": 2, "CFG_INT4_WARPS": 4, "CFG_INT4_UNROLL": 2, "CFG_INT4_MIN_BLOCKS": 0},
+        {"CFG_INT4_SCALE": 2, "CFG_INT4_WARPS": 4, "CFG_INT4_UNROLL": 2, "CFG_INT4_DIRECT_UNROLL": 1,
+         "CFG_INT4_MIN_BLOCKS": 0},
     ),
     ("int4_gemv.cu", {"CFG_INT4_SKIP_MATH": 1}),  # tools/bench_int4.py gemv --sweep
     ("int4_gemv.cu", {"CFG_INT4_PREFETCH": 4}),

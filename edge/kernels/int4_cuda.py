@@ -72,6 +72,7 @@ class Int4Tuning:
 
     warps: int = 8  # warps per CTA, splitting the columns
     unroll: int = 2  # column tiles a register stage (two stages in flight), per warp and row tile
+    direct_unroll: int | None = None  # the same for the direct kernels (None: unroll)
     min_blocks: int = 2  # resident CTAs per SM asked of the register allocator (0: none)
     tiles: int = 2  # row tiles a warp group multiplies at once (1 or 2; SwiGLU and argmax: 2)
     split: int | None = None  # warps sharing one unit's columns; None: chosen per shape
@@ -83,7 +84,8 @@ class Int4Tuning:
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
-        if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or self.min_blocks < 0:
+        direct = self.direct_unroll if self.direct_unroll is not None else self.unroll
+        if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or not 1 <= direct <= 8 or self.min_blocks < 0:
             raise ValueError(f"bad int4 GEMV tuning {self}")
         if self.tiles not in (1, 2):
             raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
@@ -99,14 +101,17 @@ class Int4Tuning:
     @classmethod
     def for_sms(cls, sms: int) -> Int4Tuning:
         """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) smaller
-        CTAs, with many one row tile and one column tile a stage (docs/benchmarks.md)."""
-        return cls(warps=4) if sms <= 32 else cls(tiles=1, unroll=1)
+        CTAs, and one column tile a stage in the direct kernels, whose batches also carry
+        their tokens' activations; with many one row tile and one column tile a stage
+        (docs/benchmarks.md)."""
+        return cls(warps=4, direct_unroll=1) if sms <= 32 else cls(tiles=1, unroll=1)
 
     def defines(self, scale_dtype: torch.dtype) -> dict[str, int]:
         return {
             "CFG_INT4_SCALE": SCALE_CODES[scale_dtype],
             "CFG_INT4_WARPS": self.warps,
             "CFG_INT4_UNROLL": self.unroll,
+            "CFG_INT4_DIRECT_UNROLL": self.unroll if self.direct_unroll is None else self.direct_unroll,
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
             "CFG_INT4_PREFETCH": self.prefetch,
             "CFG_INT4_SKIP_MATH": int(self.skip_math),

@@ -63,6 +63,9 @@ using edge::kSwiglu;
 #ifndef CFG_INT4_UNROLL
 #define CFG_INT4_UNROLL 2
 #endif
+#ifndef CFG_INT4_DIRECT_UNROLL  // the direct kernels' (their B fragments ride in each batch's registers)
+#define CFG_INT4_DIRECT_UNROLL CFG_INT4_UNROLL
+#endif
 #ifndef CFG_INT4_MIN_BLOCKS
 #define CFG_INT4_MIN_BLOCKS 2
 #endif
@@ -74,7 +77,9 @@ using edge::kSwiglu;
 #endif
 constexpr int kWarps = CFG_INT4_WARPS;  // warps per CTA (int4_cuda.py reads the same knob)
 constexpr int kThreads = 32 * kWarps;
-constexpr int kUnroll = CFG_INT4_UNROLL;  // column tiles a stage, per warp and row tile
+// Column tiles a stage, per warp and row tile (kDirect: of the direct kernels).
+template <bool kDirect>
+constexpr int kUnroll = kDirect ? CFG_INT4_DIRECT_UNROLL : CFG_INT4_UNROLL;
 constexpr int kMaxTokens = edge::kGemvMaxTokens;  // the mma's N
 constexpr int kTileWords = 128;            // 16 x 64 codes
 
@@ -103,16 +108,16 @@ __device__ __forceinline__ void dequant_word(unsigned int w, unsigned int z0, un
 
 __device__ __forceinline__ float scale_at(const edge_scale_t* s) { return edge::to_float(s[0]); }
 
-// One batch of a warp: kUnroll column tiles of each of its kTiles row tiles, with the
+// One batch of a warp: kUnroll<kDirect> column tiles of each of its kTiles row tiles, with the
 // group scales (rows g, g + 8) and zero points they need, kept as loaded: converting
 // them here would make the warp wait for those loads before the batch is used. kDirect:
 // the tokens' B fragments of those tiles too (read from global memory, nothing staged).
 template <int kTiles, bool kDirect>
 struct Batch {
-  uint4 w[kUnroll][kTiles];
-  edge_scale_t s0[kUnroll][kTiles], s1[kUnroll][kTiles];
-  unsigned char z0[kUnroll][kTiles], z1[kUnroll][kTiles];
-  uint2 xv[kDirect ? kUnroll : 1][4];
+  uint4 w[kUnroll<kDirect>][kTiles];
+  edge_scale_t s0[kUnroll<kDirect>][kTiles], s1[kUnroll<kDirect>][kTiles];
+  unsigned char z0[kUnroll<kDirect>][kTiles], z1[kUnroll<kDirect>][kTiles];
+  uint2 xv[kDirect ? kUnroll<kDirect> : 1][4];
 };
 
 // Issue the loads of the batch starting at column tile kb0 (tiles kb0 + u * stride):
@@ -125,7 +130,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const unsi
                                            const unsigned char* __restrict__ zero, const int (&rowbase)[kTiles],
                                            int kb0, int stride, int kb_count, int group_shift, int zmask) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kUnroll<kDirect>; ++u) {
     const int kb = min(kb0 + u * stride, kb_count - 1);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) b.w[u][i] = edge::ld_weights(base[i] + kb * kTileWords);
@@ -134,7 +139,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const unsi
   // Bytes in flight without registers: a lane per 128-byte line of a later tile.
   if ((threadIdx.x & 7) == 0) {
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
+    for (int u = 0; u < kUnroll<kDirect>; ++u) {
       const int kb = kb0 + (u + CFG_INT4_PREFETCH) * stride;
       if (kb < kb_count) {
 #pragma unroll
@@ -144,7 +149,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const unsi
   }
 #endif
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kUnroll<kDirect>; ++u) {
     const int gi16 = (min(kb0 + u * stride, kb_count - 1) >> group_shift) * 16;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
@@ -162,7 +167,7 @@ template <int kTiles, bool kDirect, typename T>
 __device__ __forceinline__ void load_x(Batch<kTiles, kDirect>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
                                        int stride, int kb_count, int t) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kUnroll<kDirect>; ++u) {
     const int kb = min(kb0 + u * stride, kb_count - 1);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -179,7 +184,7 @@ template <typename T, int kTiles, bool kDirect>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4], const T* __restrict__ xrow,
                                           bool has_tok, int kb0, int stride, int kb_count, int t) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kUnroll<kDirect>; ++u) {
     const int kb = min(kb0 + u * stride, kb_count - 1);
     const float live = kb0 + u * stride < kb_count ? 1.f : 0.f;
     float part[kTiles][4];
@@ -276,7 +281,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   // while the current batch is multiplied, so each warp keeps loads outstanding. The
   // first batch is a constant of the step: loaded before the wait, under the previous
   // kernel's tail.
-  const int step = split * kUnroll;
+  const int step = split * kUnroll<kDirect>;
   Batch<kTiles, kDirect> st0, st1;
   load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kw, split, kb_count, group_shift, zmask);
   edge::await_inputs();
