@@ -245,16 +245,21 @@ def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order) -> Non
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])
-def test_tokens_beyond_the_staged_rows(act_order, dtype) -> None:
+@pytest.mark.parametrize("few_sms", [False, True], ids=["base", "few_sms_tuning"])
+def test_tokens_beyond_the_staged_rows(act_order, dtype, few_sms) -> None:
     """More tokens than a CTA's shared memory stages: the plain and residual modes read
     them directly (one launch row) unless act order gathers them; the other modes, and
     act order, give each launch row its own tokens (the argmax included). With the small
-    and the default stage."""
+    and the default stage, at the base tuning and an Orin's (4 warps, direct kernels
+    one column tile a stage)."""
+    import dataclasses
+
     from edge.kernels.int4_cuda import Int4Tuning, staged_row_bytes
 
     g = _gen()
     hidden, inter, tokens = 2048, 1536, 7
-    small = make_linear(Int4Tuning(stage_bytes=16 << 10))
+    tuning = Int4Tuning.for_sms(16) if few_sms else Int4Tuning()
+    small = make_linear(dataclasses.replace(tuning, stage_bytes=16 << 10))
     assert (16 << 10) // staged_row_bytes(hidden, dtype) < tokens, "the case must need several rows"
     assert (16 << 10) // staged_row_bytes(inter, dtype) < tokens, "the case must need several rows"
     x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
@@ -264,7 +269,7 @@ def test_tokens_beyond_the_staged_rows(act_order, dtype) -> None:
     down = random_weight(hidden, inter, 128, g, act_order=act_order)
     a = torch.randn(tokens, inter, generator=g, device="cuda").to(dtype)
     r0 = torch.randn(tokens, hidden, generator=g, device="cuda").to(dtype)
-    for lin in (small, make_linear()):
+    for lin in (small, make_linear(tuning)):
         direct = lin is small and not act_order
 
         def ran(fn, mode):
