@@ -13,7 +13,8 @@ take is checked once per weight (:func:`weight_support`) when the backend is pla
   A CTA stages its tokens' activations in :attr:`Int4Tuning.stage_bytes` of shared
   memory; more tokens than fit run in launch rows, except in the plain and residual
   modes without act order, whose ``direct`` kernels read them from global memory in one
-  launch row (the verify step's down projection).
+  launch row (the verify step's down projection). From 2 tokens a launch has at most
+  the resident CTAs, each taking unit after unit, so it stages its tokens once.
 - Prefill chunks (``Int4Tuning.prefill``): ``"dequant"``, each row chunk of the weight
   expanded by a kernel (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`) into one
   bounded buffer (:attr:`Int4Tuning.dequant_chunk` elements) and multiplied by cuBLAS,

@@ -221,9 +221,9 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float
   }
 }
 
-// Row tiles of a warp's unit: rb[i] (clamped: a short last unit re-reads a valid block),
-// base[i] its lane's first packed word, rowbase[i] row g of its first group in the scale
-// and zero arrays.
+// Row tile i of a warp's unit (clamped: a unit past the last re-reads a valid block,
+// which the epilogue does not store): base[i] its lane's first packed word, rowbase[i]
+// row g of its first group in the scale and zero arrays.
 template <int kTiles, int kEpi>
 __device__ __forceinline__ void unit_rows(const unsigned int* (&base)[kTiles], int (&rowbase)[kTiles],
                                           const unsigned int* __restrict__ packed, int unit, int out, int row_blocks,
