@@ -17,7 +17,6 @@ for a self-contained session.
 from __future__ import annotations
 
 import base64
-import contextlib
 import json
 import logging
 import mimetypes
@@ -169,8 +168,10 @@ def run_chat(
     history: list[dict] = []
     system: str | None = None
     images: list[dict] = []  # image_url parts for the next user message
+    held = _InterruptHold()
     while True:
         try:
+            held.release()  # inside the try: a Ctrl-C from here on is one at the prompt
             line = read_line("> ").strip()
         except EOFError:
             print(file=out)
@@ -212,9 +213,9 @@ def run_chat(
                 reply.append(text)
             print(file=out, flush=True)
         except KeyboardInterrupt:
-            with _second_interrupt_ignored():
-                stream.close()  # closes the HTTP stream: the server cancels the request
-                client.cancel(rid)  # and say so at once (barge-in), whatever the transport
+            held.hold()  # a second Ctrl-C (a double press) is dropped until the next prompt
+            stream.close()  # closes the HTTP stream: the server cancels the request
+            client.cancel(rid)  # and say so at once (barge-in), whatever the transport
             print(" [interrupted]", file=out, flush=True)
         except (ServiceError, httpx.HTTPError) as exc:
             stream.close()
@@ -236,18 +237,22 @@ def image_part(path: str) -> dict:
     return {"type": "image_url", "image_url": {"url": url}}
 
 
-@contextlib.contextmanager
-def _second_interrupt_ignored() -> Iterator[None]:
-    """While an interrupted answer is being stopped, another Ctrl-C (a double press) is
-    dropped instead of quitting the chat. Only the main thread can own signals."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
+class _InterruptHold:
+    """Ctrl-C ignored from an interrupted answer until the next prompt: a second press
+    while the answer is being stopped, or just after, must not quit the chat. Only the
+    main thread can own signals; elsewhere this does nothing."""
+
+    def __init__(self) -> None:
+        self._previous: Any = None
+
+    def hold(self) -> None:
+        if self._previous is None and threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def release(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
+            self._previous = None
 
 
 def _set_param(params: dict[str, Any], args: list[str]) -> str:

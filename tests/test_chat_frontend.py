@@ -161,3 +161,52 @@ def test_cancel_retries_a_dropped_connection_once_and_reports_timeouts() -> None
     assert c.cancel_status("req-1") is None and len(calls) == 1
     c, calls = client(404, 404)
     assert c.cancel_status("req-1") == 404 and c.cancel("req-1") is False and len(calls) == 2
+
+
+def test_a_late_second_ctrl_c_is_dropped_until_the_prompt() -> None:
+    """In process, deterministic: the first Ctrl-C stops the answer; a second one that
+    lands while " [interrupted]" is printed (after the cancel, the window that once
+    quit the chat) is dropped, the chat goes on to its prompt, and Ctrl-C behaves
+    normally again there."""
+    import io
+    import os
+    import signal
+
+    from edge.chat_client import run_chat
+
+    class Client:
+        cancelled: list[str] = []
+
+        def stream_chat(self, messages, params, rid):
+            def gen():
+                yield "Once"
+                raise KeyboardInterrupt  # the first Ctrl-C, mid-answer
+            return gen()
+
+        def cancel(self, rid):
+            self.cancelled.append(rid)
+            return True
+
+    class Out(io.StringIO):
+        def write(self, s):
+            if "[interrupted]" in s:
+                os.kill(os.getpid(), signal.SIGINT)  # the second press, late
+            return super().write(s)
+
+    prompts: list[str] = []
+
+    def read_line(prompt: str) -> str:
+        prompts.append(prompt)
+        if len(prompts) == 1:
+            return "Tell me a story"
+        # Back at the prompt: Ctrl-C is live again (it raises here, not in the answer).
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        raise EOFError
+
+    out = Out()
+    try:
+        assert run_chat(Client(), {}, out=out, read_line=read_line) == 0
+    except KeyboardInterrupt:
+        pytest.fail("a late second Ctrl-C quit the chat")
+    assert "Once [interrupted]" in out.getvalue() and len(Client.cancelled) == 1 and len(prompts) == 2
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
