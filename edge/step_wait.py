@@ -3,11 +3,10 @@
 Plain decoding keeps a step in flight while the host reads the previous one, so a
 blocking wait (the thread sleeps until the driver wakes it) costs nothing there. A
 speculative verify step is different: the host needs its result to propose the next
-one, so the GPU idles for as long as the wake-up takes, which on a busy host is
-hundreds of microseconds. :class:`StepWait` polls the event instead, napping briefly
-between polls: a query also pushes any launch the driver still holds to the GPU (a
-thread asleep in one long sleep left the step unsubmitted), and the naps keep the core
-mostly idle.
+one, so the GPU idles for as long as the wake-up takes (docs/speculative.md).
+:class:`StepWait` polls the event instead, napping briefly between polls: a query also
+pushes to the GPU any launch the driver still holds, so one long sleep is no substitute,
+and the naps keep the core mostly idle.
 """
 
 from __future__ import annotations

@@ -403,3 +403,26 @@ def test_launcher_scratch_is_per_stream_grows_and_keeps_what_it_replaced(monkeyp
     for t in threads:
         t.join()
     assert len(made) == 1 and all(g is got[0] for g in got)
+
+
+def test_launcher_asks_the_occupancy_once_per_configuration(monkeypatch):
+    """Resident CTAs an SM holds (the resident-CTA grids of the quantized GEMVs) come from
+    one driver query per (kernel, threads, shared bytes), shared with the overlapped
+    sibling; another launcher asks again."""
+    from edge.kernels.launcher import Launcher
+
+    asked: list[tuple] = []
+
+    def occupancy(kernel, threads, device, default, shmem):
+        asked.append((kernel, threads, shmem))
+        return 3 if shmem else 5
+
+    monkeypatch.setattr(nvrtc, "max_active_blocks", occupancy)
+    monkeypatch.setattr(nvrtc, "overlap_supported", lambda dev: False)
+    launcher, k1, k2 = Launcher(0, sms=16), object(), object()
+    assert launcher.resident_per_sm(k1, 128, 4096) == 3 and launcher.resident_per_sm(k1, 128) == 5
+    assert launcher.overlapped().resident_per_sm(k1, 128, 4096) == 3
+    assert launcher.resident_per_sm(k2, 128, 4096) == 3 and launcher.resident_per_sm(k1, 256, 4096) == 3
+    assert len(asked) == 4
+    Launcher(0, sms=16).resident_per_sm(k1, 128, 4096)
+    assert len(asked) == 5

@@ -171,7 +171,6 @@ class Int4CudaLinear:
         # Symmetric weights' zero point for the GEMV (which reads zero[0] for them).
         self._eights = torch.full((16,), 8, dtype=torch.uint8, device=f"cuda:{launcher.device_index}")
         self._k: dict[tuple[torch.dtype, str], Any] = {}
-        self._resident: dict[tuple[tuple[torch.dtype, str], int], int] = {}  # (kernel, staged bytes) -> CTAs an SM holds
         for sd in scale_dtypes:
             defines = tuning.defines(sd)
             names = ["int4_argmax_take"]
@@ -198,7 +197,6 @@ class Int4CudaLinear:
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int4CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
-        other._resident = self._resident
         other._eights = self._eights
         other._dq = self._dq.with_launcher(launcher)
         return other
@@ -347,10 +345,9 @@ class Int4CudaLinear:
         if direct:
             chunk = tokens
         shmem = 0 if direct else chunk * row
-        name = (w.scale.dtype, f"int4_gemv_{'direct_' if direct else ''}{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")
-        kernel = self._k[name]
+        kernel = self._k[(w.scale.dtype, f"int4_gemv_{'direct_' if direct else ''}{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")]
         if tokens > 1:  # at most the resident CTAs, each staging its tokens once for all the units it takes
-            ctas = min(ctas, self._resident_ctas(name, shmem) * self._sms)
+            ctas = min(ctas, self.launcher.resident_per_sm(kernel, 32 * self.tuning.warps, shmem) * self._sms)
         self.launcher.launch(
             kernel,
             (ctas, -(-tokens // chunk)),
@@ -376,14 +373,6 @@ class Int4CudaLinear:
             ),
             shmem=shmem,
         )
-
-    def _resident_ctas(self, name: tuple[torch.dtype, str], shmem: int) -> int:
-        """CTAs of kernel ``name`` an SM holds with ``shmem`` bytes of staging (cached)."""
-        n = self._resident.get((name, shmem))
-        if n is None:
-            n = self._resident[(name, shmem)] = nvrtc.max_active_blocks(
-                self._k[name], 32 * self.tuning.warps, self.launcher.device_index, 1, shmem)
-        return n
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:
         """Rows ``[16 rb0, 16 rb1)`` into ``out`` (contiguous ``[16 (rb1 - rb0), in]``,

@@ -169,14 +169,13 @@ class Int8CudaLinear:
             for infix in MMA_DIRECT_MODES:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
-        self._resident: dict[tuple[str, int], int] = {}  # (tensor-core kernel, shared bytes) -> CTAs an SM holds
         self._dq = DequantCuda(launcher, int4=False, int8=True)
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int8CudaLinear":
         """The same kernels launched through ``launcher`` (an overlapped sibling)."""
         other = object.__new__(Int8CudaLinear)
         other.launcher, other.ops, other.tuning, other._sms, other._k = launcher, layer_ops, self.tuning, self._sms, self._k
-        other._mma_smem, other._resident = self._mma_smem, self._resident
+        other._mma_smem = self._mma_smem
         other._dq = self._dq.with_launcher(launcher)
         return other
 
@@ -342,13 +341,10 @@ class Int8CudaLinear:
         else:
             name, shmem = f"int8_mma_{infix}{_DTYPE_NAME[x.dtype]}", sums + chunk * row
         kernel = self._k[name]
-        resident = self._resident.get((name, shmem))
-        if resident is None:
-            resident = self._resident[(name, shmem)] = nvrtc.max_active_blocks(
-                kernel, 32 * self.tuning.mma_warps, self.launcher.device_index, 1, shmem)
+        resident = self.launcher.resident_per_sm(kernel, 32 * self.tuning.mma_warps, shmem) * self._sms
         self.launcher.launch(
             kernel,
-            (min(units, resident * self._sms), -(-tokens // chunk)),
+            (min(units, resident), -(-tokens // chunk)),
             32 * self.tuning.mma_warps,
             (
                 *_operands(x, w, bias, norm, y_ptr, outputs),

@@ -34,6 +34,7 @@ class _Shared:
         self.scratch: dict[tuple[str, int], Any] = {}
         self.retired: list[Any] = []  # kept alive: captured graphs may still point at them
         self.counts: Counter[str] = Counter()
+        self.occupancy: dict[tuple[int, int, int], int] = {}  # (id of a kernel, threads, shared bytes) -> CTAs an SM holds
 
 
 class Launcher:
@@ -123,6 +124,16 @@ class Launcher:
 
     def sm_count(self) -> int:
         return self._sms
+
+    def resident_per_sm(self, kernel: Any, threads: int, shmem: int = 0) -> int:
+        """CTAs of ``kernel`` (loaded here) one SM holds at once, launched with
+        ``threads`` threads and ``shmem`` dynamic shared bytes: the driver's occupancy
+        query, once per configuration."""
+        key = (id(kernel), int(threads), int(shmem))
+        n = self._s.occupancy.get(key)
+        if n is None:
+            n = self._s.occupancy[key] = nvrtc.max_active_blocks(kernel, threads, self.device_index, 1, shmem)
+        return n
 
 
 def context_sm_count(device_index: int) -> int:

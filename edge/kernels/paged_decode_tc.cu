@@ -376,42 +376,33 @@ __device__ __forceinline__ void paged_decode_tc(
 #error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
 #endif
 
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_decode_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
-                    edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
-                    const int* __restrict__ table, const int* __restrict__ pos, int host_len,
-                    int kv_heads, int group, int log2_page, float scale_log2,
-                    unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
-                    int min_rows) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, false>(
-      out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers, min_rows, edge::RopeArgs{}, 1);
+// The parameters every entry point starts with (Q: the query operand, q or the step's
+// qkv row) and the same names passed on.
+#define EDGE_TC_PARAMS(Q)                                                                            \
+  edge_t *__restrict__ out, const edge_t *__restrict__ Q, edge_t *__restrict__ k_pool,               \
+      edge_t *__restrict__ v_pool, const int *__restrict__ table, const int *__restrict__ pos,       \
+      int host_len, int kv_heads, int group, int log2_page, float scale_log2,                        \
+      unsigned long long *__restrict__ ws, unsigned int *__restrict__ counters, int mergers, int min_rows
+#define EDGE_TC_ARGS(Q) \
+  out, Q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws, counters, mergers, min_rows
+
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS) paged_decode_tc(EDGE_TC_PARAMS(q)) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, false>(EDGE_TC_ARGS(q),
+                                                                                        edge::RopeArgs{}, 1);
 }
 
 // The speculative verify step: `tokens` query tokens at *pos .. (MULTI above).
 extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_verify_tc(edge_t* __restrict__ out, const edge_t* __restrict__ q,
-                    edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
-                    const int* __restrict__ table, const int* __restrict__ pos, int host_len,
-                    int kv_heads, int group, int log2_page, float scale_log2,
-                    unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
-                    int min_rows, int tokens) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true>(
-      out, q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers, min_rows, edge::RopeArgs{}, tokens);
+    paged_verify_tc(EDGE_TC_PARAMS(q), int tokens) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true>(EDGE_TC_ARGS(q),
+                                                                                       edge::RopeArgs{}, tokens);
 }
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
 extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_decode_tc_rope(edge_t* __restrict__ out, const edge_t* __restrict__ qkv,
-                         edge_t* __restrict__ k_pool, edge_t* __restrict__ v_pool,
-                         const int* __restrict__ table, const int* __restrict__ pos, int host_len,
-                         int kv_heads, int group, int log2_page, float scale_log2,
-                         unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, int mergers,
-                         int min_rows, const edge_t* __restrict__ qk_norm,
-                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
-                         int max_pos, float eps) {
+    paged_decode_tc_rope(EDGE_TC_PARAMS(qkv), const edge_t* __restrict__ qk_norm,
+                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
+                         float eps) {
   edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, false>(
-      out, qkv, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws,
-      counters, mergers, min_rows, edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, 1);
+      EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, 1);
 }
