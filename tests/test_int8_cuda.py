@@ -584,6 +584,36 @@ def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
             assert torch.equal(got, want), (tokens, norm is not None)
 
 
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+def test_tensor_core_kernel_scales_each_bfloat16_token(ic, norm) -> None:
+    """The tensor-core kernel stages bfloat16 tokens in float16, each times a power of two
+    of its own (int8_mma.cu): tokens far outside float16's range both ways, an all-zero
+    one and an ordinary one, in one launch, each within the oracle's bound for that
+    token alone."""
+    g = _gen()
+    rows, inp, group = 1056, 576, 64
+    w = random_weight(rows, inp, group, g)
+    mags = torch.tensor([1e6, 1e-6, 0.0, 1.0, 3e4], device="cuda")
+    x = (torch.randn(len(mags), inp, generator=g, device="cuda") * mags[:, None]).to(torch.bfloat16)
+    kw = {"norm": ((1 + 0.2 * torch.randn(inp, generator=g, device="cuda")).to(torch.bfloat16), EPS)} if norm else {}
+    out = torch.full((len(mags), rows), float("nan"), dtype=torch.bfloat16, device="cuda")
+    y, names = launched(ic, ic.linear, x, w, out=out, **kw)
+    torch.cuda.synchronize()
+    assert by_kind(names) == {f"int8_mma_{'norm_' * norm}": 1}, dict(names)
+    h = torch.nn.functional.rms_norm(x.float(), (inp,), kw["norm"][0].float(), EPS) if norm else x.float()
+    o = oracle(h, w, None)
+    rtol = RTOL_ORACLE[torch.bfloat16]
+    bound = rtol * o.abs() + 1e-5 * o.abs().amax(dim=-1, keepdim=True)
+    if norm:  # x * norm_w staged rounded to bfloat16 (check_fused)
+        bound = bound + 2 * rtol * oracle(h.abs(), Int8Weight(w.weight.abs(), w.scale, w.group_size), None)
+    err = (y.float() - o).abs()
+    assert torch.isfinite(y).all()
+    for n in range(len(mags)):
+        assert (err[n] <= bound[n]).all(), f"token of magnitude {mags[n].item():g}: max error {err[n].max().item():.3g}"
+    if not norm:
+        assert not y[2].any(), "an all-zero token gives zeros"
+
+
 def test_weights_without_whole_tiles_keep_the_per_token_kernel(ic) -> None:
     """A group of 32 (tiles would straddle groups) or rows not in 32-row pairs: 3..4
     tokens run the per-token GEMV, 5..8 are a prefill (expanded weights), and each is

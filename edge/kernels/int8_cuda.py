@@ -328,9 +328,8 @@ class Int8CudaLinear:
         cols = w.in_features
         tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
         units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
-        exact = x.dtype == torch.float16  # float16 removes the bases in the lanes: no tile sums
-        sums = 0 if exact else (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
-        row = (cols + MMA_PAD) * x.element_size()
+        sums = (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
+        row = (cols + MMA_PAD) * 2  # a token staged in float16
         room = self._mma_smem - sums
         chunk = min(tokens, max(room, 0) // row)
         if chunk < tokens and infix in MMA_DIRECT_MODES:

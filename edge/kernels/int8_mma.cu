@@ -16,17 +16,21 @@
 // 4n + t reads token n's 4 consecutive activations there). Inside a step, the mma's k
 // index 2t, 2t + 1 is column byte 0, 2 of the word and 2t + 8, 2t + 9 bytes 1, 3.
 //
-// A signed byte is 16 h + l with h its signed high nibble and l its low nibble. Each
-// nibble goes into a 16-bit lane by one logic op, as Base + l (Base = 1024.0 in float16,
-// 128.0 in bfloat16: both exact for 4-bit l) and Base + 8 + h (XOR-ing the raw high
-// nibble with 8 in the same op), so one tile takes two mma chains, S_l and S_h. In
-// bfloat16 the bases stay in the lanes and
-//   sum q x = 16 S_h + S_l - (17 Base + 128) sum x,
+// Staged tokens (every mode but the direct ones) are float16 in shared memory: a float16
+// lane holds a whole byte exactly, 1024 + (q ^ 0x80) = 1152 + q by one logic op (bytes 0,
+// 2 of a word; a shift more for bytes 1, 3), so one tile is one mma chain S and
+//   sum q x = S - 1152 sum x,
 // with sum x the tile's staged activations summed while staging (float32 keeps the
-// cancellation ~16 bits clear of the result). Float16's 1024 base would cancel 3 bits
-// more than that leaves: there one HSUB2 a pair removes the base exactly and
-// sum q x = 16 S_h + S_l (as in bfloat16 with kDirect, which has no staged sums). The
-// group scale (a group holds whole tiles: group a multiple of 64) multiplies each
+// cancellation ~16 bits clear of the result). Bfloat16 tokens are staged times a power of
+// two per token (largest magnitude into [2^14, 2^15): exact, no overflow) and the sums
+// scaled back before the epilogue; a bfloat16 lane could hold 7 bits of a byte at most.
+//
+// Direct tokens (read from global memory with the weights) keep the model's dtype and
+// split each byte 16 h + l into its nibbles, each into a 16-bit lane by one logic op as
+// Base + l (Base = 1024.0 in float16, 128.0 in bfloat16: both exact for 4-bit l) and
+// Base + 8 + h (XOR-ing the raw high nibble with 8 in the same op); one HSUB2 a pair
+// removes the base exactly, and two mma chains S_l, S_h give sum q x = 16 S_h + S_l.
+// The group scale (a group holds whole tiles: group a multiple of 64) multiplies each
 // tile's sum.
 //
 // A CTA is kWarps warps on one unit of kTiles row tiles at a time (kSwiglu: a gate tile
@@ -64,31 +68,12 @@ __device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, 
   return edge::lop3<0x6A>(a, b, c);
 }
 
-// Base in both 16-bit lanes (edge::MagicBase; the high nibbles' offset Base + 8 after the
-// XOR); kExact: the bases are always removed in the lanes; kBias: what kept bases add to
-// 16 S_h + S_l per unit of the activation sum.
-template <typename T>
-struct Nibbles;
-template <>
-struct Nibbles<__half> : edge::MagicBase<__half> {
-  static constexpr bool kExact = true;
-  static constexpr float kBias = 0.f;
-};
-template <>
-struct Nibbles<__nv_bfloat16> : edge::MagicBase<__nv_bfloat16> {
-  static constexpr bool kExact = false;
-  static constexpr float kBias = 17.f * 128.f + 128.f;  // 128.0 is the base's value
-};
-
-// A lane pair Base + n less Base: n, exact (kStrip), or kept for the float32 correction.
-template <typename T, bool kStrip>
-__device__ __forceinline__ unsigned int strip(unsigned int a, unsigned int base) {
-  if constexpr (kStrip) {
-    return edge::sub_pairs<T>(a, base);
-  } else {
-    return a;
-  }
+// A staged weight word's bytes 0, 2 as float16 1152 + q in both lanes (bytes 1, 3: the word
+// shifted right by 8).
+__device__ __forceinline__ unsigned int byte_pair(unsigned int w) {
+  return and_xor(w, 0x00FF00FFu, 0x64806480u);
 }
+constexpr float kByteBase = 1152.f;
 
 // One batch of a warp: kUnroll adjacent column tiles of each of its kTiles row tiles
 // (rows g and g + 8, so a row's kUnroll x 64 bytes are read by the one warp), with the
@@ -102,19 +87,20 @@ struct Batch {
 };
 
 // The weight loads of the batch starting at column tile kb0, branch-free: a tile past the
-// row's end re-reads the last one (scaled by 0 when multiplied).
+// row's end re-reads the last one (scaled by 0 when multiplied). Row g + 8 is row8 bytes
+// (and sc8 scales) after row g: computed per load, as a pointer a row would cost the
+// kernel registers.
 template <int kTiles, bool kDirect>
 __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const signed char* const (&row_g)[kTiles],
-                                           const signed char* const (&row_g8)[kTiles],
-                                           const float* const (&sc_g)[kTiles], const float* const (&sc_g8)[kTiles],
-                                           int kb0, int kb_count, int group_shift) {
+                                           const float* const (&sc_g)[kTiles], int kb0, int kb_count,
+                                           int group_shift, long long row8, int sc8) {
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       b.lo[u][i] = edge::ld_weights(row_g[i] + kb * 64);
-      b.hi[u][i] = edge::ld_weights(row_g8[i] + kb * 64);
+      b.hi[u][i] = edge::ld_weights(row_g[i] + row8 + kb * 64);
     }
   }
 #pragma unroll
@@ -123,7 +109,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const sign
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       b.s0[u][i] = __ldg(sc_g[i] + gi);
-      b.s1[u][i] = __ldg(sc_g8[i] + gi);
+      b.s1[u][i] = __ldg(sc_g[i] + sc8 + gi);
     }
   }
 }
@@ -146,88 +132,166 @@ __device__ __forceinline__ unsigned int word(const uint4& w, int s) {
   return s == 0 ? w.x : s == 1 ? w.y : s == 2 ? w.z : w.w;
 }
 
-// acc += the batch's products (module comment): per column tile 4 k16 steps of two mma
-// chains (low and high nibbles), then 16 S_h + S_l less the activation sum's share when
-// the bases were kept, times the group scale.
-template <typename T, int kTiles, bool kDirect>
+// acc += the batch's products (module comment), per column tile 4 k16 steps, times the
+// group scale. Staged (S float16, scaled tokens): one chain of whole bytes, less the
+// activation sum's share of their base. Direct (S = T): two chains, low and high nibbles,
+// bases removed in the lanes.
+template <typename S, int kTiles, bool kDirect>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4],
-                                          const T* __restrict__ xrow, const float* __restrict__ sums, bool has_tok,
+                                          const S* __restrict__ xrow, const float* __restrict__ sums, bool has_tok,
                                           int kb0, int kb_count, int t) {
-  constexpr bool kStrip = kDirect || Nibbles<T>::kExact;
-  constexpr unsigned int kLo = Nibbles<T>::kBase * 0x10001u;
-  constexpr unsigned int kHi = (Nibbles<T>::kBase + 8u) * 0x10001u;
+  constexpr unsigned int kLo = edge::MagicBase<S>::kBase * 0x10001u;
+  constexpr unsigned int kHi = (edge::MagicBase<S>::kBase + 8u) * 0x10001u;
 #pragma unroll
   for (int u = 0; u < kUnroll; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
     const float live = kb0 + u < kb_count ? 1.f : 0.f;
-    float pl[kTiles][4], ph[kTiles][4];
+    float pl[kTiles][4], ph[kDirect ? kTiles : 1][4];
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) pl[i][c] = ph[i][c] = 0.f;
+      for (int c = 0; c < 4; ++c) pl[i][c] = ph[kDirect ? i : 0][c] = 0.f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
       // k 2t + 8, 2t + 9 <- columns 1, 3.
-      uint2 xv;
-      if constexpr (kDirect) {
-        xv = b.xv[u][s];
-      } else {
-        xv = *reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s);
-        if (!has_tok) xv = make_uint2(0u, 0u);
-      }
+      const uint2 xv = kDirect ? b.xv[u][s] : edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok);
       const unsigned int b0 = __byte_perm(xv.x, xv.y, 0x5410);
       const unsigned int b1 = __byte_perm(xv.x, xv.y, 0x7632);
 #pragma unroll
       for (int i = 0; i < kTiles; ++i) {
         const unsigned int wg = word(b.lo[u][i], s), wh = word(b.hi[u][i], s);
-        unsigned int a[4];
-        // Low nibbles: a0 / a2 row g (bytes 0, 2 / 1, 3), a1 / a3 row g + 8.
-        a[0] = strip<T, kStrip>(and_xor(wg, 0x000F000Fu, kLo), kLo);
-        a[1] = strip<T, kStrip>(and_xor(wh, 0x000F000Fu, kLo), kLo);
-        a[2] = strip<T, kStrip>(and_xor(wg >> 8, 0x000F000Fu, kLo), kLo);
-        a[3] = strip<T, kStrip>(and_xor(wh >> 8, 0x000F000Fu, kLo), kLo);
-        edge::mma16816<T>(pl[i], a, b0, b1);
-        // High nibbles, XOR 8: Base + 8 + h for the signed nibble h.
-        a[0] = strip<T, kStrip>(and_xor(wg >> 4, 0x000F000Fu, kHi), kHi);
-        a[1] = strip<T, kStrip>(and_xor(wh >> 4, 0x000F000Fu, kHi), kHi);
-        a[2] = strip<T, kStrip>(and_xor(wg >> 12, 0x000F000Fu, kHi), kHi);
-        a[3] = strip<T, kStrip>(and_xor(wh >> 12, 0x000F000Fu, kHi), kHi);
-        edge::mma16816<T>(ph[i], a, b0, b1);
+        unsigned int a[4];  // a0 / a2 row g (bytes 0, 2 / 1, 3), a1 / a3 row g + 8
+        if constexpr (!kDirect) {
+          a[0] = byte_pair(wg);
+          a[1] = byte_pair(wh);
+          a[2] = byte_pair(wg >> 8);
+          a[3] = byte_pair(wh >> 8);
+          edge::mma16816<S>(pl[i], a, b0, b1);
+        } else {
+          a[0] = edge::sub_pairs<S>(and_xor(wg, 0x000F000Fu, kLo), kLo);
+          a[1] = edge::sub_pairs<S>(and_xor(wh, 0x000F000Fu, kLo), kLo);
+          a[2] = edge::sub_pairs<S>(and_xor(wg >> 8, 0x000F000Fu, kLo), kLo);
+          a[3] = edge::sub_pairs<S>(and_xor(wh >> 8, 0x000F000Fu, kLo), kLo);
+          edge::mma16816<S>(pl[i], a, b0, b1);
+          // High nibbles, XOR 8: Base + 8 + h for the signed nibble h.
+          a[0] = edge::sub_pairs<S>(and_xor(wg >> 4, 0x000F000Fu, kHi), kHi);
+          a[1] = edge::sub_pairs<S>(and_xor(wh >> 4, 0x000F000Fu, kHi), kHi);
+          a[2] = edge::sub_pairs<S>(and_xor(wg >> 12, 0x000F000Fu, kHi), kHi);
+          a[3] = edge::sub_pairs<S>(and_xor(wh >> 12, 0x000F000Fu, kHi), kHi);
+          edge::mma16816<S>(ph[i], a, b0, b1);
+        }
       }
     }
     float2 sx = make_float2(0.f, 0.f);
-    if constexpr (!kStrip) sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);  // tokens 2t, 2t + 1
-    constexpr float kBias = kStrip ? 0.f : Nibbles<T>::kBias;
+    if constexpr (!kDirect) sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);  // tokens 2t, 2t + 1
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
-      acc[i][0] = fmaf(s0, fmaf(16.f, ph[i][0], fmaf(-kBias, sx.x, pl[i][0])), acc[i][0]);
-      acc[i][1] = fmaf(s0, fmaf(16.f, ph[i][1], fmaf(-kBias, sx.y, pl[i][1])), acc[i][1]);
-      acc[i][2] = fmaf(s1, fmaf(16.f, ph[i][2], fmaf(-kBias, sx.x, pl[i][2])), acc[i][2]);
-      acc[i][3] = fmaf(s1, fmaf(16.f, ph[i][3], fmaf(-kBias, sx.y, pl[i][3])), acc[i][3]);
+      if constexpr (kDirect) {
+        acc[i][0] = fmaf(s0, fmaf(16.f, ph[kDirect ? i : 0][0], pl[i][0]), acc[i][0]);
+        acc[i][1] = fmaf(s0, fmaf(16.f, ph[kDirect ? i : 0][1], pl[i][1]), acc[i][1]);
+        acc[i][2] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][2], pl[i][2]), acc[i][2]);
+        acc[i][3] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][3], pl[i][3]), acc[i][3]);
+      } else {
+        acc[i][0] = fmaf(s0, fmaf(-kByteBase, sx.x, pl[i][0]), acc[i][0]);
+        acc[i][1] = fmaf(s0, fmaf(-kByteBase, sx.y, pl[i][1]), acc[i][1]);
+        acc[i][2] = fmaf(s1, fmaf(-kByteBase, sx.x, pl[i][2]), acc[i][2]);
+        acc[i][3] = fmaf(s1, fmaf(-kByteBase, sx.y, pl[i][3]), acc[i][3]);
+      }
     }
   }
 }
 
-// The row and scale pointers of unit `unit`'s tiles for lane (g, t). kSwiglu: the gate
-// tile, then the up tile `out` rows further; a row past the end re-reads the last valid
-// row of its half (never written).
+// The row g and scale pointers of unit `unit`'s tiles for lane (g, t). kSwiglu: the gate
+// tile, then the up tile `out` rows further. Out is a multiple of 16 (whole row tiles,
+// int8_cuda.py: mma_support); a tile past the end re-reads the last one of its half (its
+// rows are never written).
 template <int kTiles, int kEpi>
-__device__ __forceinline__ void unit_rows(const signed char* (&row_g)[kTiles], const signed char* (&row_g8)[kTiles],
-                                          const float* (&sc_g)[kTiles], const float* (&sc_g8)[kTiles],
+__device__ __forceinline__ void unit_rows(const signed char* (&row_g)[kTiles], const float* (&sc_g)[kTiles],
                                           const signed char* __restrict__ q, const float* __restrict__ scale,
                                           int unit, int out, int in, int groups, int g, int t) {
 #pragma unroll
   for (int i = 0; i < kTiles; ++i) {
-    const int r0 = (kEpi == kSwiglu ? unit : unit * kTiles + i) * 16;
-    const int half = kEpi == kSwiglu ? i * out : 0;
-    const int ra = min(r0 + g, out - 1) + half, rb = min(r0 + g + 8, out - 1) + half;
+    const int r0 = min((kEpi == kSwiglu ? unit : unit * kTiles + i) * 16, out - 16);
+    const int ra = r0 + g + (kEpi == kSwiglu ? i * out : 0);
     row_g[i] = q + (long long)ra * in + 16 * t;
-    row_g8[i] = q + (long long)rb * in + 16 * t;
     sc_g[i] = scale + (long long)ra * groups;
-    sc_g8[i] = scale + (long long)rb * groups;
   }
+}
+
+// 2^(14 - e) for a largest magnitude m in [2^e, 2^(e + 1)): a token times it lies in
+// float16's normal range with its top in [2^14, 2^15) (bfloat16's 8 bits stay exact).
+__device__ __forceinline__ float half_range(float m) {
+  const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xFFu) - 127;
+  const int k = min(max(14 - e, -126), 126);
+  return __uint_as_float(static_cast<unsigned int>(127 + k) << 23);
+}
+
+template <typename T>
+constexpr bool kIsHalf = false;
+template <>
+constexpr bool kIsHalf<__half> = true;
+
+template <bool kFirst, typename A, typename B>
+struct Pick {
+  using type = A;
+};
+template <typename A, typename B>
+struct Pick<false, A, B> {
+  using type = B;
+};
+
+// The CTA's tokens [0, ntok) of x into xs as float16 (module comment), with the tile sums
+// and unscale[token], what a token's dot products are multiplied by afterwards. Float16
+// tokens are staged as gemv_stage_x stages them; bfloat16 ones so too, then each
+// thread finds the largest magnitude of the chunks it staged, and after a barrier turns
+// them into float16 times its token's power of two. Ends with a barrier.
+template <typename T, bool kNorm>
+__device__ __forceinline__ void stage_half(__half* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
+                                           float (*red_max)[kGemvMaxTokens], float* __restrict__ sums,
+                                           float* __restrict__ unscale, const T* __restrict__ x,
+                                           const T* __restrict__ norm_w, int in, int ntok) {
+  if constexpr (kIsHalf<T>) {
+    edge::gemv_stage_x<__half, kNorm, true, kThreads>(xs, red_ss, sums, x, nullptr, norm_w, in, ntok);
+    if (threadIdx.x < kGemvMaxTokens) unscale[threadIdx.x] = 1.f;
+  } else {
+    T* xt = reinterpret_cast<T*>(xs);
+    edge::gemv_stage_x<T, kNorm, false, kThreads>(xt, red_ss, sums, x, nullptr, norm_w, in, ntok);
+    const int stride = in + kGemvPad, vecs = in >> 3;
+    float f[8];
+    for (int n = 0; n < ntok; ++n) {
+      float m = 0.f;
+      for (int v = threadIdx.x; v < vecs; v += kThreads) {
+        edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
+      }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+      if ((threadIdx.x & 31) == 0) red_max[threadIdx.x >> 5][n] = m;
+    }
+    __syncthreads();
+    for (int n = 0; n < ntok; ++n) {
+      float m = 0.f;
+#pragma unroll
+      for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_max[k][n]);
+      const float up = half_range(m);
+      if (threadIdx.x == 0) unscale[n] = 1.f / up;  // a power of two: exact
+      alignas(16) __half h[8];
+      float ss = 0.f;
+      for (int v = threadIdx.x; v < vecs; v += kThreads) {
+        edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) f[i] *= up;
+        *reinterpret_cast<uint4*>(h) = edge::Vec<__half>::from_float(f);
+        edge::stage_chunk<__half, false, true>(h, h, ss, sums, v, n);
+        *reinterpret_cast<uint4*>(xs + n * stride + 8 * v) = *reinterpret_cast<const uint4*>(h);
+      }
+    }
+    if (threadIdx.x >= ntok && threadIdx.x < kGemvMaxTokens) unscale[threadIdx.x] = 1.f;
+  }
+  __syncthreads();
 }
 
 // A CTA takes units blockIdx.x, + gridDim.x, ... (the host launches at most the resident
@@ -243,13 +307,15 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
   static_assert(!(kDirect && kNorm), "the norm is applied while staging");
-  constexpr bool kStrip = kDirect || Nibbles<T>::kExact;  // no tile sums needed
+  using S = typename Pick<kDirect, T, __half>::type;  // the mma's operand type (module comment)
   __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
   __shared__ float red_ss[kWarps][kGemvMaxTokens];
+  __shared__ float red_max[kIsHalf<T> || kDirect ? 1 : kWarps][kGemvMaxTokens];
+  __shared__ float unscale[kGemvMaxTokens];
   extern __shared__ __align__(16) unsigned char smem_x[];
   const int kb_count = in >> 6;
-  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens] (bf16, staged)
-  T* xs = reinterpret_cast<T*>(smem_x + (kStrip ? 0 : kb_count * kGemvMaxTokens * sizeof(float)));
+  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens], then the staged rows
+  __half* xs = reinterpret_cast<__half*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float));
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -258,25 +324,28 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const int units = kEpi == kSwiglu ? out >> 4 : (out + 16 * kTiles - 1) / (16 * kTiles);
   const int groups = in >> (group_shift + 6);
   const bool has_tok = g < ntok;
-  const T* xrow = kDirect ? x + (long long)(n0 + (has_tok ? g : 0)) * in : xs + (has_tok ? g : 0) * (in + kGemvPad);
+  const S* xrow;
+  if constexpr (kDirect) {
+    xrow = x + (long long)(n0 + (has_tok ? g : 0)) * in;
+  } else {
+    xrow = xs + (has_tok ? g : 0) * (in + kGemvPad);
+  }
   const signed char* row_g[kTiles];
-  const signed char* row_g8[kTiles];
   const float* sc_g[kTiles];
-  const float* sc_g8[kTiles];
+  const long long row8 = 8ll * in;  // row g + 8 (load_batch)
+  const int sc8 = 8 * groups;
   const int step = kWarps * kUnroll;
   Batch<kTiles, kDirect> st0, st1;
   int unit = blockIdx.x;
-  unit_rows<kTiles, kEpi>(row_g, row_g8, sc_g, sc_g8, q, scale, unit, out, in, groups, g, t);
+  unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, unit, out, in, groups, g, t);
   // The first batch's weights are a constant of the step: loaded before the wait, under
   // the previous kernel's tail.
-  load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, warp * kUnroll, kb_count, group_shift);
+  load_batch<kTiles, kDirect>(st0, row_g, sc_g, warp * kUnroll, kb_count, group_shift, row8, sc8);
   edge::await_inputs();
   if constexpr (kDirect) {
     load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
   } else {
-    edge::gemv_stage_x<T, kNorm, !kStrip, kThreads>(xs, red_ss, sums, x + (long long)n0 * in, nullptr, norm_w, in,
-                                                    ntok);
-    __syncthreads();
+    stage_half<T, kNorm>(xs, red_ss, red_max, sums, unscale, x + (long long)n0 * in, norm_w, in, ntok);
   }
   for (;;) {
     int kb0 = warp * kUnroll;
@@ -286,19 +355,29 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
     for (; kb0 < kb_count; kb0 += 2 * step) {
-      load_batch<kTiles, kDirect>(st1, row_g, row_g8, sc_g, sc_g8, kb0 + step, kb_count, group_shift);
+      load_batch<kTiles, kDirect>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
-      mma_batch<T, kTiles, kDirect>(st0, acc, xrow, sums, has_tok, kb0, kb_count, t);
+      mma_batch<S, kTiles, kDirect>(st0, acc, xrow, sums, has_tok, kb0, kb_count, t);
       if (kb0 + step >= kb_count) break;
-      load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, kb0 + 2 * step, kb_count, group_shift);
+      load_batch<kTiles, kDirect>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
-      mma_batch<T, kTiles, kDirect>(st1, acc, xrow, sums, has_tok, kb0 + step, kb_count, t);
+      mma_batch<S, kTiles, kDirect>(st1, acc, xrow, sums, has_tok, kb0 + step, kb_count, t);
     }
     const int next = unit + gridDim.x;
     if (next < units) {  // the next unit's first weights in flight under this one's epilogue
-      unit_rows<kTiles, kEpi>(row_g, row_g8, sc_g, sc_g8, q, scale, next, out, in, groups, g, t);
-      load_batch<kTiles, kDirect>(st0, row_g, row_g8, sc_g, sc_g8, warp * kUnroll, kb_count, group_shift);
+      unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, next, out, in, groups, g, t);
+      load_batch<kTiles, kDirect>(st0, row_g, sc_g, warp * kUnroll, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
+    }
+    if constexpr (!kDirect && !kIsHalf<T>) {  // the tokens' powers of two undone
+      const float u0 = unscale[2 * t], u1 = unscale[2 * t + 1];
+#pragma unroll
+      for (int i = 0; i < kTiles; ++i) {
+        acc[i][0] *= u0;
+        acc[i][1] *= u1;
+        acc[i][2] *= u0;
+        acc[i][3] *= u1;
+      }
     }
     edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
     __syncthreads();
