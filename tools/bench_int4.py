@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -46,62 +45,23 @@ def _weight(out: int, inp: int, g: torch.Generator):
     return pack_weight([Int4Codes(q, scale, zero, 128)], "cuda")
 
 
-def _time_graph(fn, reps: int = 20) -> float:
-    """Median seconds of one ``fn()`` replayed from a CUDA graph (warmed up first)."""
-    stream = torch.cuda.current_stream()
-    if stream == torch.cuda.default_stream():  # graphs are captured on a side stream
-        stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    times = []
-    with torch.cuda.stream(stream):  # replays run on the current stream: time that one
-        for _ in range(reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(stream)
-            graph.replay()
-            b.record(stream)
-            b.synchronize()
-            times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times[2:])
-
-
 def gemv(args: argparse.Namespace) -> dict:
-    from edge.config import ModelConfig
     from edge.kernels import reference
     from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning
     from edge.kernels.launcher import Launcher
-    from edge.random_model import model_config
 
+    from bench_linears import model_layers, time_step
     from orin_shape import restrict_sms
     from tools.bench_decode import copy_bandwidth, read_bandwidth
 
     green = restrict_sms(args.sms) if args.sms else None
     bw = copy_bandwidth()
     read_bw = read_bandwidth()
-    cfg = ModelConfig.from_dict(model_config(preset=args.preset))
-    h, inter = cfg.hidden_size, cfg.intermediate_size
-    g = torch.Generator(device="cuda").manual_seed(0)
-    layers = [
-        {
-            "qkv": _weight(cfg.q_size + 2 * cfg.kv_size, h, g),
-            "o": _weight(h, cfg.q_size, g),
-            "gate_up": _weight(2 * inter, h, g),
-            "down": _weight(h, inter, g),
-        }
-        for _ in range(cfg.num_layers)
-    ]
-    n = args.tokens
-    x = torch.randn(n, h, generator=g, device="cuda").to(torch.bfloat16)
-    a = torch.randn(n, cfg.q_size, generator=g, device="cuda").to(torch.bfloat16)
-    ln = (torch.rand(h, generator=g, device="cuda") + 0.5).to(torch.bfloat16)
+    cfg, layers = model_layers(args.preset, _weight)
     result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
                     "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                    "green_context": green is not None, "tokens": n, "copy_GBps": bw / 1e9, "read_GBps": read_bw / 1e9}
+                    "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
+                    "read_GBps": read_bw / 1e9}
     tunings = {"default": Int4Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())}
     if args.sweep:
         tunings |= {
@@ -122,33 +82,7 @@ def gemv(args: argparse.Namespace) -> dict:
         tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
     for label, tuning in tunings.items():
         lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
-        resid = torch.zeros(n, h, dtype=torch.bfloat16, device="cuda")
-
-        def run(kinds=("qkv", "o", "gate_up", "down")):
-            def step() -> None:
-                for lw in layers:
-                    if "qkv" in kinds:
-                        lin.linear(x, lw["qkv"], norm=(ln, 1e-6))
-                    if "o" in kinds:
-                        lin.linear(a, lw["o"], residual=resid)
-                    if "gate_up" in kinds:
-                        act = lin.linear(x, lw["gate_up"], norm=(ln, 1e-6), swiglu=True)
-                    else:
-                        act = None
-                    if "down" in kinds:
-                        lin.linear(act if act is not None else torch.zeros(n, inter, dtype=x.dtype, device="cuda"),
-                                   lw["down"], residual=resid)
-            return step
-
-        total = sum(w.nbytes() for lw in layers for w in lw.values())
-        t = _time_graph(run())
-        row = {"step_us": t * 1e6, "bytes": total, "GBps": total / t / 1e9, "fraction_of_copy": total / t / bw,
-               "fraction_of_read": total / t / read_bw}
-        for kind in ("qkv", "o", "gate_up", "down"):
-            nb = sum(lw[kind].nbytes() for lw in layers)
-            tk = _time_graph(run((kind,)))
-            row[f"{kind}_fraction"] = nb / tk / bw
-        result[label] = row
+        result[label] = time_step(lin, cfg, layers, args.tokens, lambda w: w.nbytes(), bw, read_bw)
     return result
 
 
@@ -171,6 +105,7 @@ def prefill(args: argparse.Namespace) -> dict:
     gemm = Int4CudaLinear(launcher, reference, Int4Tuning(prefill="gemm"))
     shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h),
               "down": (h, inter)}
+    from bench_linears import time_graph
     from tools.bench_decode import copy_bandwidth
 
     result: dict = {"mode": "prefill", "device": torch.cuda.get_device_name(), "tokens": args.tokens,
@@ -181,10 +116,10 @@ def prefill(args: argparse.Namespace) -> dict:
         wb = torch.randn(out, inp, generator=g, device="cuda").to(torch.bfloat16)
         x = torch.randn(args.tokens, inp, generator=g, device="cuda").to(torch.bfloat16)
         buf = torch.empty(out, inp, dtype=torch.bfloat16, device="cuda")
-        a = _time_graph(lambda: lin.linear(x, w4))
-        b = _time_graph(lambda: F.linear(x, wb))
-        d = _time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
-        m = _time_graph(lambda: gemm.linear(x, w4))
+        a = time_graph(lambda: lin.linear(x, w4))
+        b = time_graph(lambda: F.linear(x, wb))
+        d = time_graph(lambda: lin.dequantize_blocks(w4, 0, w4.packed.shape[0], buf))
+        m = time_graph(lambda: gemm.linear(x, w4))
         moved = w4.nbytes() + buf.numel() * buf.element_size()
         result[name] = {"dequant_cublas_us": a * 1e6, "int4_gemm_us": m * 1e6, "bf16_us": b * 1e6,
                         "dequant_us": d * 1e6, "dequant_GBps": moved / d / 1e9}

@@ -1,0 +1,98 @@
+#!/usr/bin/env python3
+"""Int8 (W8A16) linear benchmark: the linears of a whole model step (GPU), against the
+device's copy and read bandwidths measured in the same process.
+
+    python tools/bench_int8.py [--sms N] [--tokens T] [--sweep | --only a,b]
+
+Builds every layer's int8 projections of the preset (random codes, group 128, float32
+scales), captures one CUDA graph of the step's linears (qkv with the input norm folded
+in, o and down with the residual add, gate_up with norm + SwiGLU) for ``--tokens``
+tokens (1: decode, the CUDA-core GEMV; 2..8: a speculative verify step, the tensor-core
+kernel) and times its replays, then each projection kind alone. ``--sms N`` first makes
+a CUDA green context of N SMs current (16: an AGX Orin's SM count). ``--sweep`` also
+times other tensor-core tunings (:class:`edge.kernels.int8_cuda.Int8Tuning`). Prints
+one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+if importlib.util.find_spec("edge") is None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+
+def _weight(out: int, inp: int, g: torch.Generator):
+    from edge.quant import Int8Weight
+
+    q = torch.randint(-127, 128, (out, inp), generator=g, device="cuda", dtype=torch.int8)
+    scale = (torch.rand(out, inp // 128, generator=g, device="cuda") + 0.5) * 1e-3
+    return Int8Weight(q, scale, 128)
+
+
+def _nbytes(w) -> int:
+    return w.weight.numel() + 4 * w.scale.numel()
+
+
+def gemv(args: argparse.Namespace) -> dict:
+    from edge.kernels import reference
+    from edge.kernels.int8_cuda import Int8CudaLinear, Int8Tuning
+    from edge.kernels.launcher import Launcher
+
+    from bench_linears import model_layers, time_step
+    from orin_shape import restrict_sms
+    from tools.bench_decode import copy_bandwidth, read_bandwidth
+
+    green = restrict_sms(args.sms) if args.sms else None
+    bw = copy_bandwidth()
+    read_bw = read_bandwidth()
+    cfg, layers = model_layers(args.preset, _weight)
+    result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
+                    "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
+                    "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
+                    "read_GBps": read_bw / 1e9}
+    base = Int8Tuning()
+    tunings = {"default": base}
+    if args.sweep or args.only:
+        tunings |= {
+            "stage160": dataclasses.replace(base, mma_stage_bytes=160 << 10),  # the down projection's 5 tokens staged
+            "warps4": dataclasses.replace(base, mma_warps=4),
+            "warps16_stage160": dataclasses.replace(base, mma_warps=16, mma_stage_bytes=160 << 10),
+            "unroll1": dataclasses.replace(base, mma_unroll=1),
+            "unroll4": dataclasses.replace(base, mma_unroll=4),
+            "warps4_unroll4": dataclasses.replace(base, mma_warps=4, mma_unroll=4),
+        }
+    if args.only:
+        keep = set(args.only.split(","))
+        tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
+    for label, tuning in tunings.items():
+        lin = Int8CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
+        result[label] = time_step(lin, cfg, layers, args.tokens, _nbytes, bw, read_bw)
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--preset", default="qwen3-8b")
+    p.add_argument("--sms", type=int, default=None, help="restrict to N SMs (green context) first")
+    p.add_argument("--tokens", type=int, default=5, help="tokens a step (1: decode; 2..8: a verify step)")
+    p.add_argument("--sweep", action="store_true", help="also time other tensor-core tunings")
+    p.add_argument("--only", default="", help="time only these tunings (comma-separated labels) and the default")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    print(json.dumps(gemv(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
