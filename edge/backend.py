@@ -227,8 +227,8 @@ def _cuda_backend(
     dev = nvrtc.device_index(device, "the CUDA kernels")
     nvrtc.check_available(dev)
     decode_tuning = decode_tuning or DecodeTuning()
-    int8_tuning = int8_tuning or Int8Tuning()
     launcher = Launcher(dev, sms=sms)
+    int8_tuning = int8_tuning or Int8Tuning.for_sms(launcher.sm_count())
     int4_tuning = int4_tuning or Int4Tuning.for_sms(launcher.sm_count())
     notes: list[str] = []
     fused = fused_cuda.FusedCuda(launcher)

@@ -73,7 +73,8 @@ _seed = [4321]
 @pytest.fixture(scope="module")
 def int8_linear() -> Callable[..., Int8CudaLinear]:
     """Builds (once per tuning) the int8 linear of a backend on one launcher, with the
-    torch reference as its layer ops."""
+    torch reference as its layer ops; unset knobs are the GPU's default
+    (:meth:`Int8Tuning.for_sms`, so a few-SM run tests the few-SM tuning)."""
     from edge.kernels.launcher import Launcher
     from edge.kernels.nvrtc import KernelsUnavailable
 
@@ -81,7 +82,7 @@ def int8_linear() -> Callable[..., Int8CudaLinear]:
     made: dict[Int8Tuning, Int8CudaLinear] = {}
 
     def make(**tuning: Any) -> Int8CudaLinear:
-        t = Int8Tuning(**tuning)
+        t = dataclasses.replace(Int8Tuning.for_sms(launcher.sm_count()), **tuning)
         if t not in made:
             try:
                 made[t] = Int8CudaLinear(launcher, reference, t)
@@ -546,14 +547,17 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 ]
 
 
+@pytest.mark.parametrize("unroll", [1, 2])
 @pytest.mark.parametrize("tokens", [2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
-def test_tensor_core_kernel_for_a_few_tokens(ic, case, dtype, tokens) -> None:
+def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, unroll) -> None:
     """2..8 tokens (the speculative verify step) run on the tensor-core kernel
-    (int8_mma.cu), one launch for all of them, every mode, against the float32 oracle
-    and the reference composition. More than 3 tokens of a 12288-column input do not fit
-    a CTA's staging (96 KiB): the plain and residual modes read them directly."""
+    (int8_mma.cu), one launch for all of them, every mode, both column-tile stages in
+    use (1: few SMs, 2: many), against the float32 oracle and the reference
+    composition. More than 3 tokens of a 12288-column input do not fit a CTA's staging
+    (96 KiB): the plain and residual modes read them directly."""
+    ic = int8_linear(mma_unroll=unroll)
     mode, rows, inp, group = case
     direct = inp == 12288 and tokens > 3 and mode in ("plain", "residual")
     for bias in (False, True):

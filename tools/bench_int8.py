@@ -58,16 +58,16 @@ def gemv(args: argparse.Namespace) -> dict:
                     "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
                     "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
                     "read_GBps": read_bw / 1e9}
-    base = Int8Tuning()
+    base = Int8Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())
     tunings = {"default": base}
     if args.sweep or args.only:
         tunings |= {
             "stage160": dataclasses.replace(base, mma_stage_bytes=160 << 10),  # the down projection's 5 tokens staged
             "warps4": dataclasses.replace(base, mma_warps=4),
-            "warps16_stage160": dataclasses.replace(base, mma_warps=16, mma_stage_bytes=160 << 10),
             "unroll1": dataclasses.replace(base, mma_unroll=1),
+            "unroll2": dataclasses.replace(base, mma_unroll=2),
             "unroll4": dataclasses.replace(base, mma_unroll=4),
-            "warps4_unroll4": dataclasses.replace(base, mma_warps=4, mma_unroll=4),
+            "warps4_unroll1": dataclasses.replace(base, mma_warps=4, mma_unroll=1),
         }
     if args.only:
         keep = set(args.only.split(","))

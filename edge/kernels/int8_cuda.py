@@ -98,6 +98,12 @@ class Int8Tuning:
         if self.mma_stage_bytes < 16 << 10:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
 
+    @classmethod
+    def for_sms(cls, sms: int) -> Int8Tuning:
+        """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) one column
+        tile a tensor-core stage (docs/benchmarks.md)."""
+        return cls(mma_unroll=1) if sms <= 32 else cls()
+
     def defines(self) -> dict[str, int]:
         return {
             "CFG_INT8_WARPS": self.warps,
@@ -328,7 +334,7 @@ class Int8CudaLinear:
         cols = w.in_features
         tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
         units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
-        sums = (cols // 64) * MAX_MMA_TOKENS * 4  # the tiles' activation sums, before the staged rows
+        sums = (cols // 64) * MAX_MMA_TOKENS * 8  # each tile's scale and activation sum, before the staged rows
         row = (cols + MMA_PAD) * 2  # a token staged in float16
         room = self._mma_smem - sums
         chunk = min(tokens, max(room, 0) // row)

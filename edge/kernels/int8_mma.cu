@@ -18,12 +18,13 @@
 //
 // Staged tokens (every mode but the direct ones) are float16 in shared memory: a float16
 // lane holds a whole byte exactly, 1024 + (q ^ 0x80) = 1152 + q by one logic op (bytes 0,
-// 2 of a word; a shift more for bytes 1, 3), so one tile is one mma chain S and
-//   sum q x = S - 1152 sum x,
-// with sum x the tile's staged activations summed while staging (float32 keeps the
-// cancellation ~16 bits clear of the result). Bfloat16 tokens are staged times a power of
-// two per token (largest magnitude into [2^14, 2^15): exact, no overflow) and the sums
-// scaled back before the epilogue; a bfloat16 lane could hold 7 bits of a byte at most.
+// 2 of a word; a shift more for bytes 1, 3), so one tile is one mma chain S. Each token's
+// 64 columns of a tile are staged times a power of two f of their own (their largest
+// magnitude into [2^14, 2^15): exact for bfloat16's 8 bits and float16's 11, never
+// overflowing), and with the tile's sum x of the staged values
+//   sum q x = (S - 1152 sum x) / f,
+// float32 keeping the cancellation ~16 bits clear of the result. (A bfloat16 lane could
+// hold 7 bits of a byte at most: two chains.)
 //
 // Direct tokens (read from global memory with the weights) keep the model's dtype and
 // split each byte 16 h + l into its nibbles, each into a 16-bit lane by one logic op as
@@ -138,7 +139,7 @@ __device__ __forceinline__ unsigned int word(const uint4& w, int s) {
 // bases removed in the lanes.
 template <typename S, int kTiles, bool kDirect>
 __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4],
-                                          const S* __restrict__ xrow, const float* __restrict__ sums, bool has_tok,
+                                          const S* __restrict__ xrow, const float2* __restrict__ tiles, bool has_tok,
                                           int kb0, int kb_count, int t) {
   constexpr unsigned int kLo = edge::MagicBase<S>::kBase * 0x10001u;
   constexpr unsigned int kHi = (edge::MagicBase<S>::kBase + 8u) * 0x10001u;
@@ -183,8 +184,8 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float
         }
       }
     }
-    float2 sx = make_float2(0.f, 0.f);
-    if constexpr (!kDirect) sx = *reinterpret_cast<const float2*>(sums + kb * kGemvMaxTokens + 2 * t);  // tokens 2t, 2t + 1
+    float4 fc = make_float4(0.f, 0.f, 0.f, 0.f);  // tokens 2t, 2t + 1: (1 / f, 1152 / f sum x) each
+    if constexpr (!kDirect) fc = *reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
@@ -194,10 +195,10 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float
         acc[i][2] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][2], pl[i][2]), acc[i][2]);
         acc[i][3] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][3], pl[i][3]), acc[i][3]);
       } else {
-        acc[i][0] = fmaf(s0, fmaf(-kByteBase, sx.x, pl[i][0]), acc[i][0]);
-        acc[i][1] = fmaf(s0, fmaf(-kByteBase, sx.y, pl[i][1]), acc[i][1]);
-        acc[i][2] = fmaf(s1, fmaf(-kByteBase, sx.x, pl[i][2]), acc[i][2]);
-        acc[i][3] = fmaf(s1, fmaf(-kByteBase, sx.y, pl[i][3]), acc[i][3]);
+        acc[i][0] = fmaf(s0, fmaf(fc.x, pl[i][0], -fc.y), acc[i][0]);
+        acc[i][1] = fmaf(s0, fmaf(fc.z, pl[i][1], -fc.w), acc[i][1]);
+        acc[i][2] = fmaf(s1, fmaf(fc.x, pl[i][2], -fc.y), acc[i][2]);
+        acc[i][3] = fmaf(s1, fmaf(fc.z, pl[i][3], -fc.w), acc[i][3]);
       }
     }
   }
@@ -220,18 +221,13 @@ __device__ __forceinline__ void unit_rows(const signed char* (&row_g)[kTiles], c
   }
 }
 
-// 2^(14 - e) for a largest magnitude m in [2^e, 2^(e + 1)): a token times it lies in
-// float16's normal range with its top in [2^14, 2^15) (bfloat16's 8 bits stay exact).
+// 2^(14 - e) for a largest magnitude m in [2^e, 2^(e + 1)): values times it lie in
+// float16's range with the largest in [2^14, 2^15).
 __device__ __forceinline__ float half_range(float m) {
   const int e = static_cast<int>((__float_as_uint(m) >> 23) & 0xFFu) - 127;
   const int k = min(max(14 - e, -126), 126);
   return __uint_as_float(static_cast<unsigned int>(127 + k) << 23);
 }
-
-template <typename T>
-constexpr bool kIsHalf = false;
-template <>
-constexpr bool kIsHalf<__half> = true;
 
 template <bool kFirst, typename A, typename B>
 struct Pick {
@@ -242,54 +238,53 @@ struct Pick<false, A, B> {
   using type = B;
 };
 
-// The CTA's tokens [0, ntok) of x into xs as float16 (module comment), with the tile sums
-// and unscale[token], what a token's dot products are multiplied by afterwards. Float16
-// tokens are staged as gemv_stage_x stages them; bfloat16 ones so too, then each
-// thread finds the largest magnitude of the chunks it staged, and after a barrier turns
-// them into float16 times its token's power of two. Ends with a barrier.
+// The CTA's tokens [0, ntok) of x into xs for the byte chain (module comment): copied
+// (gemv_stage_x), then in one pass over the chunks each thread copied, kNorm: T(x *
+// norm_w) and x's squares into red_ss; each tile's power of two f (its 8 lanes' largest
+// magnitude), the values times f in float16, and tiles[tile][token] = (1 / f, 1152 / f
+// sum of the staged values).
 template <typename T, bool kNorm>
-__device__ __forceinline__ void stage_half(__half* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
-                                           float (*red_max)[kGemvMaxTokens], float* __restrict__ sums,
-                                           float* __restrict__ unscale, const T* __restrict__ x,
-                                           const T* __restrict__ norm_w, int in, int ntok) {
-  if constexpr (kIsHalf<T>) {
-    edge::gemv_stage_x<__half, kNorm, true, kThreads>(xs, red_ss, sums, x, nullptr, norm_w, in, ntok);
-    if (threadIdx.x < kGemvMaxTokens) unscale[threadIdx.x] = 1.f;
-  } else {
-    T* xt = reinterpret_cast<T*>(xs);
-    edge::gemv_stage_x<T, kNorm, false, kThreads>(xt, red_ss, sums, x, nullptr, norm_w, in, ntok);
-    const int stride = in + kGemvPad, vecs = in >> 3;
-    float f[8];
-    for (int n = 0; n < ntok; ++n) {
-      float m = 0.f;
-      for (int v = threadIdx.x; v < vecs; v += kThreads) {
-        edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
+__device__ __forceinline__ void stage_bytes(__half* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
+                                            float2* __restrict__ tiles, const T* __restrict__ x,
+                                            const T* __restrict__ norm_w, int in, int ntok) {
+  T* xt = reinterpret_cast<T*>(xs);
+  edge::gemv_stage_x<T, false, false, kThreads>(xt, red_ss, nullptr, x, nullptr, nullptr, in, ntok);
+  const int stride = in + kGemvPad, vecs = in >> 3;
+  const unsigned int group = 0xFFu << (threadIdx.x & 24);  // the 8 lanes of a 64-column tile
+  for (int n = 0; n < ntok; ++n) {
+    float ss = 0.f;
+#pragma unroll 1
+    for (int v = threadIdx.x; v < vecs; v += kThreads) {
+      float f[8];
+      edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
+      if constexpr (kNorm) {
+        float nw[8];
+        edge::Vec<T>::to_float(__ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v)), nw);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
+        for (int i = 0; i < 8; ++i) {
+          ss = fmaf(f[i], f[i], ss);
+          f[i] = edge::round_to<T>(f[i] * nw[i]);
+        }
       }
+      float m = 0.f, sum = 0.f;
 #pragma unroll
-      for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-      if ((threadIdx.x & 31) == 0) red_max[threadIdx.x >> 5][n] = m;
-    }
-    __syncthreads();
-    for (int n = 0; n < ntok; ++n) {
-      float m = 0.f;
-#pragma unroll
-      for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_max[k][n]);
+      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
+      m = fmaxf(m, __shfl_xor_sync(group, m, 1));
+      m = fmaxf(m, __shfl_xor_sync(group, m, 2));
+      m = fmaxf(m, __shfl_xor_sync(group, m, 4));
       const float up = half_range(m);
-      if (threadIdx.x == 0) unscale[n] = 1.f / up;  // a power of two: exact
-      alignas(16) __half h[8];
-      float ss = 0.f;
-      for (int v = threadIdx.x; v < vecs; v += kThreads) {
-        edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) f[i] *= up;
-        *reinterpret_cast<uint4*>(h) = edge::Vec<__half>::from_float(f);
-        edge::stage_chunk<__half, false, true>(h, h, ss, sums, v, n);
-        *reinterpret_cast<uint4*>(xs + n * stride + 8 * v) = *reinterpret_cast<const uint4*>(h);
+      for (int i = 0; i < 8; ++i) {
+        f[i] *= up;
+        sum += f[i];
       }
+      sum += __shfl_xor_sync(group, sum, 1);
+      sum += __shfl_xor_sync(group, sum, 2);
+      sum += __shfl_xor_sync(group, sum, 4);
+      if ((threadIdx.x & 7) == 0) tiles[(v >> 3) * kGemvMaxTokens + n] = make_float2(1.f / up, kByteBase / up * sum);
+      *reinterpret_cast<uint4*>(xs + n * stride + 8 * v) = edge::Vec<__half>::from_float(f);
     }
-    if (threadIdx.x >= ntok && threadIdx.x < kGemvMaxTokens) unscale[threadIdx.x] = 1.f;
+    if constexpr (kNorm) edge::stage_sum_squares(red_ss, ss, n);
   }
   __syncthreads();
 }
@@ -310,12 +305,10 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   using S = typename Pick<kDirect, T, __half>::type;  // the mma's operand type (module comment)
   __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
   __shared__ float red_ss[kWarps][kGemvMaxTokens];
-  __shared__ float red_max[kIsHalf<T> || kDirect ? 1 : kWarps][kGemvMaxTokens];
-  __shared__ float unscale[kGemvMaxTokens];
   extern __shared__ __align__(16) unsigned char smem_x[];
   const int kb_count = in >> 6;
-  float* sums = reinterpret_cast<float*>(smem_x);  // [kb_count][kGemvMaxTokens], then the staged rows
-  __half* xs = reinterpret_cast<__half*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float));
+  float2* tiles = reinterpret_cast<float2*>(smem_x);  // [kb_count][kGemvMaxTokens], then the staged rows
+  __half* xs = reinterpret_cast<__half*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float2));
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -345,7 +338,7 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   if constexpr (kDirect) {
     load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
   } else {
-    stage_half<T, kNorm>(xs, red_ss, red_max, sums, unscale, x + (long long)n0 * in, norm_w, in, ntok);
+    stage_bytes<T, kNorm>(xs, red_ss, tiles, x + (long long)n0 * in, norm_w, in, ntok);
   }
   for (;;) {
     int kb0 = warp * kUnroll;
@@ -357,27 +350,17 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
     for (; kb0 < kb_count; kb0 += 2 * step) {
       load_batch<kTiles, kDirect>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
-      mma_batch<S, kTiles, kDirect>(st0, acc, xrow, sums, has_tok, kb0, kb_count, t);
+      mma_batch<S, kTiles, kDirect>(st0, acc, xrow, tiles, has_tok, kb0, kb_count, t);
       if (kb0 + step >= kb_count) break;
       load_batch<kTiles, kDirect>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
-      mma_batch<S, kTiles, kDirect>(st1, acc, xrow, sums, has_tok, kb0 + step, kb_count, t);
+      mma_batch<S, kTiles, kDirect>(st1, acc, xrow, tiles, has_tok, kb0 + step, kb_count, t);
     }
     const int next = unit + gridDim.x;
     if (next < units) {  // the next unit's first weights in flight under this one's epilogue
       unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, next, out, in, groups, g, t);
       load_batch<kTiles, kDirect>(st0, row_g, sc_g, warp * kUnroll, kb_count, group_shift, row8, sc8);
       if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
-    }
-    if constexpr (!kDirect && !kIsHalf<T>) {  // the tokens' powers of two undone
-      const float u0 = unscale[2 * t], u1 = unscale[2 * t + 1];
-#pragma unroll
-      for (int i = 0; i < kTiles; ++i) {
-        acc[i][0] *= u0;
-        acc[i][1] *= u1;
-        acc[i][2] *= u0;
-        acc[i][3] *= u1;
-      }
     }
     edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
     __syncthreads();

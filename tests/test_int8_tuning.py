@@ -1,0 +1,29 @@
+"""The int8 linears' tuning per GPU size and the int8 benchmark's arguments (CPU)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from edge.kernels.int8_cuda import Int8Tuning
+
+
+def test_few_sms_take_one_column_tile_a_stage() -> None:
+    """An Orin's 8 or 16 SMs get one column tile a tensor-core stage, a full GPU two; the
+    rest of the tuning is the default either way, and the kernels see it as a define."""
+    for sms in (8, 16, 32):
+        t = Int8Tuning.for_sms(sms)
+        assert t.mma_unroll == 1 and t.mma_defines()["CFG_INT8_MMA_UNROLL"] == 1
+        assert t == Int8Tuning(mma_unroll=1)
+    assert Int8Tuning.for_sms(132) == Int8Tuning() and Int8Tuning().mma_unroll == 2
+
+
+def test_bench_int8_arguments() -> None:
+    """tools/bench_int8.py: a verify step's 5 tokens unless told, the SM count, the sweep."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    import bench_int8
+
+    p = bench_int8.build_parser()
+    a = p.parse_args(["--sms", "16", "--sweep"])
+    assert (a.tokens, a.sms, a.sweep) == (5, 16, True)
+    assert p.parse_args(["--tokens", "1", "--only", "unroll2"]).only == "unroll2"
