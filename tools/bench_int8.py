@@ -68,6 +68,7 @@ def gemv(args: argparse.Namespace) -> dict:
             "unroll2": dataclasses.replace(base, mma_unroll=2),
             "unroll4": dataclasses.replace(base, mma_unroll=4),
             "warps4_unroll1": dataclasses.replace(base, mma_warps=4, mma_unroll=1),
+            "direct": dataclasses.replace(base, mma_direct=True),  # o (and down) never staged
         }
     if args.only:
         keep = set(args.only.split(","))

@@ -89,9 +89,9 @@ for s in "$@"; do
               (EDGE_TEST_SMS=16 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int4_cuda.py > $OUT/tests-int4-16.log 2>&1) &
               (EDGE_TEST_SMS=8 timeout ${SUITE_LIMIT:-480} python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_int8_cuda.py > $OUT/tests-int8-8.log 2>&1) &
               wait; tail -n 1 $OUT/tests-int8-16.log $OUT/tests-int4-16.log $OUT/tests-int8-8.log" ;;
-        spec-*)  # spec-<quantize>[-<sms>]: the speculative benchmark with a per-kernel breakdown at k = 4
-            q=${s#spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
-            step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 > $OUT/$s.json" ;;
+        spec-*|sspec-*)  # [s]spec-<quantize>[-<sms>]: the speculative benchmark with a per-kernel breakdown at k = 4 (sspec: serial launches)
+            q=${s#*spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
+            step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 $([ "${s%%-*}" = sspec ] && echo --serial-launches) > $OUT/$s.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
         int8-gemv) for n in 16 132; do step int8-gemv-$n sh -c "python3 tools/bench_int8.py --sweep --tokens ${TOKENS:-5} $([ $n = 132 ] || echo --sms $n) > $OUT/int8-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;

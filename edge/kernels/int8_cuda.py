@@ -87,6 +87,7 @@ class Int8Tuning:
     mma_warps: int = 8  # int8_mma.cu: warps a CTA, splitting its row tile's columns
     mma_unroll: int = 2  # int8_mma.cu: column tiles a register stage (two stages in flight)
     mma_stage_bytes: int = 96 << 10  # shared memory a tensor-core CTA may stage tokens in (more: a launch row each)
+    mma_direct: bool = False  # plain / residual modes read their tokens directly even where they fit the staging
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
@@ -338,7 +339,7 @@ class Int8CudaLinear:
         row = (cols + MMA_PAD) * 2  # a token staged in float16
         room = self._mma_smem - sums
         chunk = min(tokens, max(room, 0) // row)
-        if chunk < tokens and infix in MMA_DIRECT_MODES:
+        if (chunk < tokens or self.tuning.mma_direct) and infix in MMA_DIRECT_MODES:
             name, chunk, shmem = f"int8_mma_direct_{infix}{_DTYPE_NAME[x.dtype]}", tokens, 0
         elif chunk < 1:
             raise UnplannedArguments(f"int8 tensor-core GEMV: a staged row of {row} B and {sums} B of sums exceed "
