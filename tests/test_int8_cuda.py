@@ -176,11 +176,15 @@ def check(
     assert rel < TOL_REF[x.dtype], f"{label}: relative error vs reference {rel:.3g}"
 
 
-def kernel_of(x: torch.Tensor, w: Int8Weight) -> str:
+def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None) -> str:
     """The kernel a decode input runs on: 2..8 tokens of a weight of whole 64-column
-    tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV."""
+    tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV. Given
+    ``ic``, the plain mode's: its tensor-core launch reads the tokens directly when
+    ``ic``'s tuning says so."""
     tokens = x.numel() // w.in_features
-    return "int8_mma_" if MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None else "int8_gemv_"
+    if not (MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
+        return "int8_gemv_"
+    return "int8_mma_direct_" if ic is not None and ic.tuning.mma_direct else "int8_mma_"
 
 
 def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
@@ -194,7 +198,7 @@ def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None)
     y, names = launched(ic, ic.linear, x, w, bias, out=out)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr()
-    assert by_kind(names) == {kernel_of(x, w): 1}, names
+    assert by_kind(names) == {kernel_of(x, w, ic): 1}, names
     if rows_per_warp is not None:
         assert next(iter(names)).endswith(f"_r{rows_per_warp}"), names
     return y
@@ -547,19 +551,21 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 ]
 
 
-@pytest.mark.parametrize("unroll", [1, 2])
+@pytest.mark.parametrize("tuning", [{"mma_unroll": 1, "mma_direct": True}, {"mma_unroll": 2, "mma_direct": False}],
+                         ids=["unroll1-direct", "unroll2-staged"])
 @pytest.mark.parametrize("tokens", [2, 3, 5, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
-def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, unroll) -> None:
+def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, tuning) -> None:
     """2..8 tokens (the speculative verify step) run on the tensor-core kernel
-    (int8_mma.cu), one launch for all of them, every mode, both column-tile stages in
-    use (1: few SMs, 2: many), against the float32 oracle and the reference
-    composition. More than 3 tokens of a 12288-column input do not fit a CTA's staging
-    (96 KiB): the plain and residual modes read them directly."""
-    ic = int8_linear(mma_unroll=unroll)
+    (int8_mma.cu), one launch for all of them, every mode, both column-tile stages (1:
+    few SMs, 2: many) and both ways of the plain and residual modes (read directly, the
+    default; staged), against the float32 oracle and the reference composition. More
+    than 3 tokens of a 12288-column input do not fit a CTA's staging (96 KiB): those
+    modes read them directly either way."""
+    ic = int8_linear(**tuning)
     mode, rows, inp, group = case
-    direct = inp == 12288 and tokens > 3 and mode in ("plain", "residual")
+    direct = (tuning["mma_direct"] or (inp == 12288 and tokens > 3)) and mode in ("plain", "residual")
     for bias in (False, True):
         c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, tokens, bias)
         name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
@@ -583,17 +589,19 @@ def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
             want = torch.argmax(logits, dim=-1)
             got, names = launched(ic, ic.argmax, x, w, norm=norm)
             mode = "norm_" if norm is not None else ""
-            assert by_kind(lnames) == {f"int8_mma_{mode}": 1}, dict(lnames)
+            plain = "int8_mma_direct_" if norm is None and ic.tuning.mma_direct else f"int8_mma_{mode}"
+            assert by_kind(lnames) == {plain: 1}, dict(lnames)
             assert by_kind(names) == {f"int8_mma_{mode}argmax_": 1, "int8_argmax_take": 1}, dict(names)
             assert torch.equal(got, want), (tokens, norm is not None)
 
 
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
-def test_tensor_core_kernel_scales_each_bfloat16_token(ic, norm) -> None:
-    """The tensor-core kernel stages bfloat16 tokens in float16, each times a power of two
-    of its own (int8_mma.cu): tokens far outside float16's range both ways, an all-zero
-    one and an ordinary one, in one launch, each within the oracle's bound for that
-    token alone."""
+def test_tensor_core_kernel_scales_each_bfloat16_token(int8_linear, norm) -> None:
+    """The tensor-core kernel stages bfloat16 tokens in float16, each 64-column tile of a
+    token times a power of two of its own (int8_mma.cu): tokens far outside float16's
+    range both ways, an all-zero one and an ordinary one, in one launch, each within the
+    oracle's bound for that token alone."""
+    ic = int8_linear(mma_direct=False)  # the plain mode staged too
     g = _gen()
     rows, inp, group = 1056, 576, 64
     w = random_weight(rows, inp, group, g)

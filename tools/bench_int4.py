@@ -25,6 +25,7 @@ one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import sys
@@ -76,6 +77,7 @@ def gemv(args: argparse.Namespace) -> dict:
             "skip_math": Int4Tuning(skip_math=True),
             "warps4_tiles1": Int4Tuning(warps=4, tiles=1),  # the 16-SM default with one row tile a unit
             "warps4_unroll1": Int4Tuning(warps=4, unroll=1),
+            "direct": dataclasses.replace(tunings["default"], direct=True),  # o (and down) never staged
         }
     if args.only:
         keep = set(args.only.split(","))

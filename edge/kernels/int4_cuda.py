@@ -81,6 +81,7 @@ class Int4Tuning:
     prefill: str = "dequant"  # prefill chunks: "dequant" (+ cuBLAS) or "gemm" (int4 tiles on mma.sync)
     dequant_chunk: int = 1 << 26  # weight elements dequantized at once for prefill
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
+    direct: bool = False  # plain / residual modes of 2+ tokens read them directly even where they fit the staging
     prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
@@ -341,7 +342,7 @@ class Int4CudaLinear:
         if self.tuning.stage_bytes < row:
             raise UnplannedArguments(f"int4 GEMV: a staged row of {row} B exceeds the {self.tuning.stage_bytes} B a CTA stages")
         chunk = min(tokens, MAX_GEMV_TOKENS, self.tuning.stage_bytes // row)  # tokens a CTA stages
-        direct = chunk < tokens and infix in DIRECT_MODES and w.perm is None  # one launch row instead
+        direct = (chunk < tokens or (self.tuning.direct and tokens > 1)) and infix in DIRECT_MODES and w.perm is None
         if direct:
             chunk = tokens
         shmem = 0 if direct else chunk * row

@@ -6,9 +6,10 @@ in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token,
 :data:`MAX_GEMV_TOKENS` where the tensor-core kernel does not apply), the tensor-core
 kernel of ``int8_mma.cu`` for :data:`MIN_MMA_TOKENS` to :data:`MAX_MMA_TOKENS` tokens (the speculative
 verify step: every weight byte read once for all of them; weights whose group size and
-input width are multiples of 64, :func:`mma_support`; no more CTAs than are resident, each
-staging its tokens once for all the row tiles it takes, or, for the plain and residual
-modes of tokens too wide to stage, the ``direct`` kernels); a prefill chunk expands the weight by a kernel
+input width are multiples of 64, :func:`mma_support`; no more CTAs than are resident; the
+norm modes stage their tokens once per CTA for all the row tiles it takes, the plain and
+residual modes read them with each batch, the ``direct`` kernels, unless the tuning
+stages them where they fit); a prefill chunk expands the weight by a kernel
 (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
 and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.
@@ -63,7 +64,8 @@ MIN_MMA_TOKENS = 2  # from 2 tokens one read of the weights beats a per-token GE
 MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
 MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
 # Tensor-core modes with a direct variant (B fragments from global memory, nothing
-# staged): taken when the tokens' rows do not fit one CTA's staging (the down projection).
+# staged): taken by default (Int8Tuning.mma_direct) and where the tokens' rows do not
+# fit one CTA's staging (the down projection).
 MMA_DIRECT_MODES = ("", "residual_")
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
@@ -87,7 +89,10 @@ class Int8Tuning:
     mma_warps: int = 8  # int8_mma.cu: warps a CTA, splitting its row tile's columns
     mma_unroll: int = 2  # int8_mma.cu: column tiles a register stage (two stages in flight)
     mma_stage_bytes: int = 96 << 10  # shared memory a tensor-core CTA may stage tokens in (more: a launch row each)
-    mma_direct: bool = False  # plain / residual modes read their tokens directly even where they fit the staging
+    # Plain / residual modes read their tokens directly even where they fit the staging:
+    # a CTA of these takes few units, and staging them cost more than reading them with
+    # each batch (docs/benchmarks.md).
+    mma_direct: bool = True
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
