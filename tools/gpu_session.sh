@@ -93,6 +93,7 @@ for s in "$@"; do
             q=${s#*spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
             step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 $([ "${s%%-*}" = sspec ] && echo --serial-launches) > $OUT/$s.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
+        int4-direct) for n in 16 132; do step int4-direct-$n sh -c "python3 tools/bench_int4.py gemv --tokens 5 --only default,direct $([ $n = 132 ] || echo --sms $n) > $OUT/int4-direct-$n.json"; done ;;
         int8-gemv) for n in 16 132; do step int8-gemv-$n sh -c "python3 tools/bench_int8.py --sweep --tokens ${TOKENS:-5} $([ $n = 132 ] || echo --sms $n) > $OUT/int8-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;
         bench-16-int4) step bench-8b-int4-16sms sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 > $OUT/decode-8b-int4-16sms.json" ;;
