@@ -64,7 +64,7 @@ def gemv(args: argparse.Namespace) -> dict:
                     "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
                     "read_GBps": read_bw / 1e9}
     tunings = {"default": Int4Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())}
-    if args.sweep:
+    if args.sweep or args.only:
         tunings |= {
             "base": Int4Tuning(),
             "split8": Int4Tuning(split=8),
