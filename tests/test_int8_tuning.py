@@ -9,13 +9,17 @@ from edge.kernels.int8_cuda import Int8Tuning
 
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
-    """An Orin's 8 or 16 SMs get one column tile a tensor-core stage, a full GPU two; the
-    rest of the tuning is the default either way, and the kernels see it as a define."""
+    """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
+    norm mode), a full GPU two everywhere; the rest of the tuning is the default either
+    way, and the kernels see it as defines."""
     for sms in (8, 16, 32):
         t = Int8Tuning.for_sms(sms)
-        assert t.mma_unroll == 1 and t.mma_defines()["CFG_INT8_MMA_UNROLL"] == 1
-        assert t == Int8Tuning(mma_unroll=1)
-    assert Int8Tuning.for_sms(132) == Int8Tuning() and Int8Tuning().mma_unroll == 2
+        d = t.mma_defines()
+        assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
+        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4)
+    assert Int8Tuning.for_sms(132) == Int8Tuning()
+    d = Int8Tuning().mma_defines()
+    assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (2, 2)
 
 
 def test_bench_int8_arguments() -> None:

@@ -68,7 +68,10 @@ def gemv(args: argparse.Namespace) -> dict:
             "unroll2": dataclasses.replace(base, mma_unroll=2),
             "unroll4": dataclasses.replace(base, mma_unroll=4),
             "warps4_unroll1": dataclasses.replace(base, mma_warps=4, mma_unroll=1),
-            "direct": dataclasses.replace(base, mma_direct=True),  # o (and down) never staged
+            "staged": dataclasses.replace(base, mma_direct=False),  # o staged where it fits
+            "norm_unroll1": dataclasses.replace(base, mma_norm_unroll=1),
+            "norm_unroll2": dataclasses.replace(base, mma_norm_unroll=2),
+            "norm_unroll4": dataclasses.replace(base, mma_norm_unroll=4),
         }
     if args.only:
         keep = set(args.only.split(","))

@@ -88,6 +88,7 @@ class Int8Tuning:
     dequant_chunk: int = DEQUANT_CHUNK_ELEMENTS  # weight elements expanded at once for prefill
     mma_warps: int = 8  # int8_mma.cu: warps a CTA, splitting its row tile's columns
     mma_unroll: int = 2  # int8_mma.cu: column tiles a register stage (two stages in flight)
+    mma_norm_unroll: int | None = None  # the same for the one-tile norm mode (qkv); None: mma_unroll
     mma_stage_bytes: int = 96 << 10  # shared memory a tensor-core CTA may stage tokens in (more: a launch row each)
     # Plain / residual modes read their tokens directly even where they fit the staging:
     # a CTA of these takes few units, and staging them cost more than reading them with
@@ -99,7 +100,8 @@ class Int8Tuning:
             raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
-        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4:
+        norm_unroll = self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
+        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4 or not 1 <= norm_unroll <= 4:
             raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} warps, unroll {self.mma_unroll}")
         if self.mma_stage_bytes < 16 << 10:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
@@ -107,8 +109,8 @@ class Int8Tuning:
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
         """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) one column
-        tile a tensor-core stage (docs/benchmarks.md)."""
-        return cls(mma_unroll=1) if sms <= 32 else cls()
+        tile a tensor-core stage, four in the one-tile norm mode (docs/benchmarks.md)."""
+        return cls(mma_unroll=1, mma_norm_unroll=4) if sms <= 32 else cls()
 
     def defines(self) -> dict[str, int]:
         return {
@@ -120,7 +122,9 @@ class Int8Tuning:
         }
 
     def mma_defines(self) -> dict[str, int]:
-        return {"CFG_INT8_MMA_WARPS": self.mma_warps, "CFG_INT8_MMA_UNROLL": self.mma_unroll}
+        norm_unroll = self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
+        return {"CFG_INT8_MMA_WARPS": self.mma_warps, "CFG_INT8_MMA_UNROLL": self.mma_unroll,
+                "CFG_INT8_MMA_NORM_UNROLL": norm_unroll}
 
 
 def weight_support(w: Int8Weight, dtype: torch.dtype) -> str | None:

@@ -36,7 +36,7 @@
 //
 // A CTA is kWarps warps on one unit of kTiles row tiles at a time (kSwiglu: a gate tile
 // and its up tile), the warps splitting its column tiles, kUnroll adjacent tiles a warp
-// (whole 128-byte lines of a row); the partial sums meet in shared memory and
+// (kNormUnroll in the one-tile norm mode; whole 128-byte lines of a row); the partial sums meet in shared memory and
 // gemv_epilogue.cuh finishes each output (bias, RMSNorm scale, residual, SwiGLU, argmax)
 // once. Activations are staged once per CTA (gemv_epilogue.cuh: kNorm folds the norm
 // weight in) and serve every unit the CTA takes; the host sizes the tokens a CTA stages
@@ -62,7 +62,11 @@ using edge::kSwiglu;
 #endif
 constexpr int kWarps = CFG_INT8_MMA_WARPS;  // warps a CTA: its unit's column split (int8_cuda.py reads it)
 constexpr int kThreads = 32 * kWarps;
+#ifndef CFG_INT8_MMA_NORM_UNROLL
+#define CFG_INT8_MMA_NORM_UNROLL CFG_INT8_MMA_UNROLL
+#endif
 constexpr int kUnroll = CFG_INT8_MMA_UNROLL;  // column tiles a register stage, per warp and row tile
+constexpr int kNormUnroll = CFG_INT8_MMA_NORM_UNROLL;  // the same for the one-tile norm mode (the qkv projection)
 
 // (a & b) ^ c in one instruction.
 __device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, unsigned int c) {
@@ -76,27 +80,27 @@ __device__ __forceinline__ unsigned int byte_pair(unsigned int w) {
 }
 constexpr float kByteBase = 1152.f;
 
-// One batch of a warp: kUnroll adjacent column tiles of each of its kTiles row tiles
-// (rows g and g + 8, so a row's kUnroll x 64 bytes are read by the one warp), with the
+// One batch of a warp: kU adjacent column tiles of each of its kTiles row tiles
+// (rows g and g + 8, so a row's kU x 64 bytes are read by the one warp), with the
 // group scales of those rows; kDirect: the tokens' B fragments too (read from global
 // memory, nothing staged).
-template <int kTiles, bool kDirect>
+template <int kTiles, bool kDirect, int kU>
 struct Batch {
-  uint4 lo[kUnroll][kTiles], hi[kUnroll][kTiles];  // rows g, g + 8
-  float s0[kUnroll][kTiles], s1[kUnroll][kTiles];
-  uint2 xv[kDirect ? kUnroll : 1][4];
+  uint4 lo[kU][kTiles], hi[kU][kTiles];  // rows g, g + 8
+  float s0[kU][kTiles], s1[kU][kTiles];
+  uint2 xv[kDirect ? kU : 1][4];
 };
 
 // The weight loads of the batch starting at column tile kb0, branch-free: a tile past the
 // row's end re-reads the last one (scaled by 0 when multiplied). Row g + 8 is row8 bytes
 // (and sc8 scales) after row g: computed per load, as a pointer a row would cost the
 // kernel registers.
-template <int kTiles, bool kDirect>
-__device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const signed char* const (&row_g)[kTiles],
+template <int kTiles, bool kDirect, int kU>
+__device__ __forceinline__ void load_batch(Batch<kTiles, kDirect, kU>& b, const signed char* const (&row_g)[kTiles],
                                            const float* const (&sc_g)[kTiles], int kb0, int kb_count,
                                            int group_shift, long long row8, int sc8) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
@@ -105,7 +109,7 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const sign
     }
   }
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const int gi = min(kb0 + u, kb_count - 1) >> group_shift;
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
@@ -117,11 +121,11 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect>& b, const sign
 
 // kDirect: the batch's B fragments from token g's row of x (zeros past the tokens),
 // columns 16t + 4s .. + 3 of each tile (below).
-template <int kTiles, bool kDirect, typename T>
-__device__ __forceinline__ void load_x(Batch<kTiles, kDirect>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
+template <int kTiles, bool kDirect, int kU, typename T>
+__device__ __forceinline__ void load_x(Batch<kTiles, kDirect, kU>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
                                        int kb_count, int t) {
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
@@ -137,14 +141,14 @@ __device__ __forceinline__ unsigned int word(const uint4& w, int s) {
 // group scale. Staged (S float16, scaled tokens): one chain of whole bytes, less the
 // activation sum's share of their base. Direct (S = T): two chains, low and high nibbles,
 // bases removed in the lanes.
-template <typename S, int kTiles, bool kDirect>
-__device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect>& b, float (&acc)[kTiles][4],
+template <typename S, int kTiles, bool kDirect, int kU>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, float (&acc)[kTiles][4],
                                           const S* __restrict__ xrow, const float2* __restrict__ tiles, bool has_tok,
                                           int kb0, int kb_count, int t) {
   constexpr unsigned int kLo = edge::MagicBase<S>::kBase * 0x10001u;
   constexpr unsigned int kHi = (edge::MagicBase<S>::kBase + 8u) * 0x10001u;
 #pragma unroll
-  for (int u = 0; u < kUnroll; ++u) {
+  for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
     const float live = kb0 + u < kb_count ? 1.f : 0.f;
     float pl[kTiles][4], ph[kDirect ? kTiles : 1][4];
@@ -327,40 +331,41 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const float* sc_g[kTiles];
   const long long row8 = 8ll * in;  // row g + 8 (load_batch)
   const int sc8 = 8 * groups;
-  const int step = kWarps * kUnroll;
-  Batch<kTiles, kDirect> st0, st1;
+  constexpr int kU = kTiles == 1 && kNorm ? kNormUnroll : kUnroll;
+  const int step = kWarps * kU;
+  Batch<kTiles, kDirect, kU> st0, st1;
   int unit = blockIdx.x;
   unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, unit, out, in, groups, g, t);
   // The first batch's weights are a constant of the step: loaded before the wait, under
   // the previous kernel's tail.
-  load_batch<kTiles, kDirect>(st0, row_g, sc_g, warp * kUnroll, kb_count, group_shift, row8, sc8);
+  load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
   edge::await_inputs();
   if constexpr (kDirect) {
-    load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
+    load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, warp * kU, kb_count, t);
   } else {
     stage_bytes<T, kNorm>(xs, red_ss, tiles, x + (long long)n0 * in, norm_w, in, ntok);
   }
   for (;;) {
-    int kb0 = warp * kUnroll;
+    int kb0 = warp * kU;
     float acc[kTiles][4];
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
     for (; kb0 < kb_count; kb0 += 2 * step) {
-      load_batch<kTiles, kDirect>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
-      mma_batch<S, kTiles, kDirect>(st0, acc, xrow, tiles, has_tok, kb0, kb_count, t);
+      load_batch<kTiles, kDirect, kU>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
+      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
+      mma_batch<S, kTiles, kDirect, kU>(st0, acc, xrow, tiles, has_tok, kb0, kb_count, t);
       if (kb0 + step >= kb_count) break;
-      load_batch<kTiles, kDirect>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
-      mma_batch<S, kTiles, kDirect>(st1, acc, xrow, tiles, has_tok, kb0 + step, kb_count, t);
+      load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
+      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
+      mma_batch<S, kTiles, kDirect, kU>(st1, acc, xrow, tiles, has_tok, kb0 + step, kb_count, t);
     }
     const int next = unit + gridDim.x;
     if (next < units) {  // the next unit's first weights in flight under this one's epilogue
       unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, next, out, in, groups, g, t);
-      load_batch<kTiles, kDirect>(st0, row_g, sc_g, warp * kUnroll, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, T>(st0, xrow, has_tok, warp * kUnroll, kb_count, t);
+      load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
+      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, warp * kU, kb_count, t);
     }
     edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
     __syncthreads();
