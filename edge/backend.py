@@ -177,7 +177,7 @@ def select_backend(
     weights: Iterable[Any] = (),
     *,
     kernels: str = "auto",
-    overlap_launches: bool = True,
+    overlap_launches: bool | None = None,
     decode_tuning: DecodeTuning | None = None,
     int8_tuning: Int8Tuning | None = None,
     int4_tuning: Int4Tuning | None = None,
@@ -215,7 +215,7 @@ def _cuda_backend(
     device: torch.device,
     dtype: torch.dtype,
     weights: list[Any],
-    overlap_launches: bool,
+    overlap_launches: bool | None,
     decode_tuning: DecodeTuning | None,
     int8_tuning: Int8Tuning | None,
     int4_tuning: Int4Tuning | None,
@@ -294,6 +294,8 @@ def _cuda_backend(
         i4 = int4_cuda.Int4CudaLinear(launcher, None, int4_tuning, scale_dtypes)
     eager = step(launcher, fused, att, i8, i4)
     graph = None
+    if overlap_launches is None:  # int4 decode measured slower overlapped on sm_90 (docs/benchmarks.md)
+        overlap_launches = not int4
     if att is not None:
         glauncher = launcher.overlapped() if overlap_launches else launcher
         graph = eager if glauncher is launcher else step(glauncher, fused.with_launcher(glauncher), att, i8, i4)

@@ -389,8 +389,8 @@ def test_unplanned_arguments_raise(lin) -> None:
 
 def test_int4_engine_on_the_gpu_tracks_the_reference(tmp_path) -> None:
     """A random model quantized to int4 while loading: the CUDA engine (GEMV decode with
-    the fused plan, dequantize + cuBLAS prefill, graphs) against the same weights on the
-    torch reference."""
+    the fused plan, dequantize + cuBLAS prefill, graphs, launches serialised by default)
+    against the same weights on the torch reference."""
     from edge.engine import Engine
     from edge.sampling import SamplingParams
     from tests.conftest import build_hf_model
@@ -400,6 +400,7 @@ def test_int4_engine_on_the_gpu_tracks_the_reference(tmp_path) -> None:
     ref = Engine.from_pretrained(tmp_path, device="cuda", dtype="bfloat16", quantize="int4", quant_group_size=64,
                                  kernels="reference")
     assert cuda.info()["backend"]["linears"]["int4"] == "int4 GEMV (decode, tensor cores), dequantize + cuBLAS (prefill)"
+    assert not cuda.backend.overlap_launches, "int4 graphs launch serialised unless asked (docs/benchmarks.md)"
     ids = list(range(3, 60))
     a, b = cuda.score(ids), ref.score(ids)
     assert ((a - b).norm() / b.norm()).item() < 2e-2
