@@ -199,6 +199,10 @@ def test_greedy_speculation_through_graphs_matches_plain_graph_decode(dtype: str
     # Nothing was captured while serving; the greedy readbacks went through the step wait.
     assert [_graph_count(e) for e in (target, twin, stranger)] == captured
     assert any(d.waits.polls > 0 for d in target._verifiers.values())
+    # Quantized verify graphs are captured from the serialised kernels, float ones from the
+    # decode graph's (overlapped where the GPU has it).
+    want = target.backend.eager if quantize else target.backend.graph
+    assert all(d.kernels is want for d in target._verifiers.values())
     for d in (twin, stranger):
         assert d.kv.pool.num_free == d.kv.pool.num_blocks
 

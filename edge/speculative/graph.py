@@ -79,7 +79,10 @@ class VerifyDecoder:
         self.cache = engine.kv
         self.graphed = engine.cuda_graph
         self.path = "graph" if self.graphed else "eager"
-        self.kernels = engine.backend.graph if self.graphed else engine.backend.eager
+        # Quantized models' verify graphs launch serialised: on sm_90 their overlapped
+        # launches measured slower and unsteady between captures (docs/speculative.md).
+        overlap = self.graphed and not engine.model.int8_projections
+        self.kernels = engine.backend.graph if overlap else engine.backend.eager
         self.attention = self.kernels.attention
         self.max_proposals = max_proposals
         cfg, dev = engine.cfg, engine.device
