@@ -46,46 +46,34 @@ def _weight(out: int, inp: int, g: torch.Generator):
     return pack_weight([Int4Codes(q, scale, zero, 128)], "cuda")
 
 
+def _tunings(sms: int) -> dict:
+    from edge.kernels.int4_cuda import Int4Tuning
+
+    default = Int4Tuning.for_sms(sms)
+    return {
+        "default": default,
+        "base": Int4Tuning(),
+        "split8": Int4Tuning(split=8),
+        "unroll1": Int4Tuning(unroll=1),
+        "warps4": Int4Tuning(warps=4),
+        "tiles1": Int4Tuning(tiles=1),
+        "prefetch4": Int4Tuning(prefetch=4),
+        "tiles1_unroll1": Int4Tuning(tiles=1, unroll=1),
+        "tiles1_unroll4": Int4Tuning(tiles=1, unroll=4),
+        "skip_math": Int4Tuning(skip_math=True),
+        "warps4_tiles1": Int4Tuning(warps=4, tiles=1),  # the 16-SM default with one row tile a unit
+        "warps4_unroll1": Int4Tuning(warps=4, unroll=1),
+        "direct": dataclasses.replace(default, direct=True),  # o (and down) never staged
+    }
+
+
 def gemv(args: argparse.Namespace) -> dict:
     from edge.kernels import reference
-    from edge.kernels.int4_cuda import Int4CudaLinear, Int4Tuning
-    from edge.kernels.launcher import Launcher
+    from edge.kernels.int4_cuda import Int4CudaLinear
 
-    from bench_linears import model_layers, time_step
-    from orin_shape import restrict_sms
-    from tools.bench_decode import copy_bandwidth, read_bandwidth
+    from bench_linears import sweep
 
-    green = restrict_sms(args.sms) if args.sms else None
-    bw = copy_bandwidth()
-    read_bw = read_bandwidth()
-    cfg, layers = model_layers(args.preset, _weight)
-    result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
-                    "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                    "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
-                    "read_GBps": read_bw / 1e9}
-    tunings = {"default": Int4Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())}
-    if args.sweep or args.only:
-        tunings |= {
-            "base": Int4Tuning(),
-            "split8": Int4Tuning(split=8),
-            "unroll1": Int4Tuning(unroll=1),
-            "warps4": Int4Tuning(warps=4),
-            "tiles1": Int4Tuning(tiles=1),
-            "prefetch4": Int4Tuning(prefetch=4),
-            "tiles1_unroll1": Int4Tuning(tiles=1, unroll=1),
-            "tiles1_unroll4": Int4Tuning(tiles=1, unroll=4),
-            "skip_math": Int4Tuning(skip_math=True),
-            "warps4_tiles1": Int4Tuning(warps=4, tiles=1),  # the 16-SM default with one row tile a unit
-            "warps4_unroll1": Int4Tuning(warps=4, unroll=1),
-            "direct": dataclasses.replace(tunings["default"], direct=True),  # o (and down) never staged
-        }
-    if args.only:
-        keep = set(args.only.split(","))
-        tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
-    for label, tuning in tunings.items():
-        lin = Int4CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
-        result[label] = time_step(lin, cfg, layers, args.tokens, lambda w: w.nbytes(), bw, read_bw)
-    return result
+    return sweep(args, _weight, lambda w: w.nbytes(), _tunings, lambda launcher, t: Int4CudaLinear(launcher, reference, t))
 
 
 def prefill(args: argparse.Namespace) -> dict:

@@ -41,45 +41,32 @@ def _nbytes(w) -> int:
     return w.weight.numel() + 4 * w.scale.numel()
 
 
+def _tunings(sms: int) -> dict:
+    from edge.kernels.int8_cuda import Int8Tuning
+
+    base = Int8Tuning.for_sms(sms)
+    return {
+        "default": base,
+        "stage160": dataclasses.replace(base, mma_stage_bytes=160 << 10),  # the down projection's 5 tokens staged
+        "warps4": dataclasses.replace(base, mma_warps=4),
+        "unroll1": dataclasses.replace(base, mma_unroll=1),
+        "unroll2": dataclasses.replace(base, mma_unroll=2),
+        "unroll4": dataclasses.replace(base, mma_unroll=4),
+        "warps4_unroll1": dataclasses.replace(base, mma_warps=4, mma_unroll=1),
+        "staged": dataclasses.replace(base, mma_direct=False),  # o staged where it fits
+        "norm_unroll1": dataclasses.replace(base, mma_norm_unroll=1),
+        "norm_unroll2": dataclasses.replace(base, mma_norm_unroll=2),
+        "norm_unroll4": dataclasses.replace(base, mma_norm_unroll=4),
+    }
+
+
 def gemv(args: argparse.Namespace) -> dict:
     from edge.kernels import reference
-    from edge.kernels.int8_cuda import Int8CudaLinear, Int8Tuning
-    from edge.kernels.launcher import Launcher
+    from edge.kernels.int8_cuda import Int8CudaLinear
 
-    from bench_linears import model_layers, time_step
-    from orin_shape import restrict_sms
-    from tools.bench_decode import copy_bandwidth, read_bandwidth
+    from bench_linears import sweep
 
-    green = restrict_sms(args.sms) if args.sms else None
-    bw = copy_bandwidth()
-    read_bw = read_bandwidth()
-    cfg, layers = model_layers(args.preset, _weight)
-    result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
-                    "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
-                    "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
-                    "read_GBps": read_bw / 1e9}
-    base = Int8Tuning.for_sms(Launcher(torch.cuda.current_device()).sm_count())
-    tunings = {"default": base}
-    if args.sweep or args.only:
-        tunings |= {
-            "stage160": dataclasses.replace(base, mma_stage_bytes=160 << 10),  # the down projection's 5 tokens staged
-            "warps4": dataclasses.replace(base, mma_warps=4),
-            "unroll1": dataclasses.replace(base, mma_unroll=1),
-            "unroll2": dataclasses.replace(base, mma_unroll=2),
-            "unroll4": dataclasses.replace(base, mma_unroll=4),
-            "warps4_unroll1": dataclasses.replace(base, mma_warps=4, mma_unroll=1),
-            "staged": dataclasses.replace(base, mma_direct=False),  # o staged where it fits
-            "norm_unroll1": dataclasses.replace(base, mma_norm_unroll=1),
-            "norm_unroll2": dataclasses.replace(base, mma_norm_unroll=2),
-            "norm_unroll4": dataclasses.replace(base, mma_norm_unroll=4),
-        }
-    if args.only:
-        keep = set(args.only.split(","))
-        tunings = {k: v for k, v in tunings.items() if k in keep or k == "default"}
-    for label, tuning in tunings.items():
-        lin = Int8CudaLinear(Launcher(torch.cuda.current_device()), reference, tuning)
-        result[label] = time_step(lin, cfg, layers, args.tokens, _nbytes, bw, read_bw)
-    return result
+    return sweep(args, _weight, _nbytes, _tunings, lambda launcher, t: Int8CudaLinear(launcher, reference, t))
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -6,6 +6,7 @@ same process."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Any, Callable
 
@@ -84,3 +85,32 @@ def time_step(lin: Any, cfg: Any, layers: list[dict[str, Any]], tokens: int, nby
         row[f"{kind}_fraction"] = nb / tk / copy_bw
         row[f"{kind}_us"] = tk * 1e6
     return row
+
+
+def sweep(args: argparse.Namespace, make: Callable[[int, int, torch.Generator], Any], nbytes: Callable[[Any], int],
+          tunings: Callable[[int], dict[str, Any]], linear: Callable[[Any, Any], Any]) -> dict:
+    """The whole benchmark of a format: ``--sms`` confines the process first (a green
+    context), the copy and read bandwidths, the preset's layers made by ``make``, then
+    :func:`time_step` for the tuning "default" and, with ``--sweep`` or ``--only``, the
+    others of ``tunings(sm_count)`` (``--only``: those named); ``linear(launcher, tuning)``
+    builds the format's backend linear."""
+    from edge.kernels.launcher import Launcher
+
+    from orin_shape import restrict_sms
+    from tools.bench_decode import copy_bandwidth, read_bandwidth
+
+    green = restrict_sms(args.sms) if args.sms else None
+    bw = copy_bandwidth()
+    read_bw = read_bandwidth()
+    cfg, layers = model_layers(args.preset, make)
+    result: dict = {"mode": "gemv", "device": torch.cuda.get_device_name(), "preset": args.preset,
+                    "sms": args.sms or torch.cuda.get_device_properties(0).multi_processor_count,
+                    "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
+                    "read_GBps": read_bw / 1e9}
+    every = tunings(Launcher(torch.cuda.current_device()).sm_count())
+    keep = {"default"} | (set(args.only.split(",")) if args.only else set(every) if args.sweep else set())
+    for label, tuning in every.items():
+        if label in keep:
+            lin = linear(Launcher(torch.cuda.current_device()), tuning)
+            result[label] = time_step(lin, cfg, layers, args.tokens, nbytes, bw, read_bw)
+    return result
