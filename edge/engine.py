@@ -99,8 +99,9 @@ class Engine:
         The engine plans its own backend (edge/backend.py) from ``kernels`` ("auto":
         the CUDA kernels on a GPU, which must then load; "reference": the torch
         reference), ``overlap_launches`` (captured decode steps start each kernel while
-        the previous one finishes, sm_90+; None: on, except for int4 weights), the tunings and ``sms`` (the SM count plans
-        fill; default: the current context's). ``model`` itself is not changed: the
+        the previous one finishes, sm_90+; None: on, except for int4 weights), the
+        tunings and ``sms`` (the SM count plans fill; default: the current context's).
+        ``model`` itself is not changed: the
         engine runs ``model.with_backend(...)``. ``backend`` gives a planned backend
         instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
         is done (False: spins a CPU core, which Orin's few cores cannot spare).

@@ -73,7 +73,8 @@ def gemv(args: argparse.Namespace) -> dict:
 
     from bench_linears import sweep
 
-    return sweep(args, _weight, lambda w: w.nbytes(), _tunings, lambda launcher, t: Int4CudaLinear(launcher, reference, t))
+    return sweep(args, _weight, lambda w: w.nbytes(), _tunings,
+                 lambda launcher, t: Int4CudaLinear(launcher, reference, t))
 
 
 def prefill(args: argparse.Namespace) -> dict:

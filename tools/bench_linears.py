@@ -47,7 +47,8 @@ def model_layers(preset: str, make: Callable[[int, int, torch.Generator], Any]) 
     cfg = ModelConfig.from_dict(model_config(preset=preset))
     h, inter = cfg.hidden_size, cfg.intermediate_size
     g = torch.Generator(device="cuda").manual_seed(0)
-    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h), "down": (h, inter)}
+    shapes = {"qkv": (cfg.q_size + 2 * cfg.kv_size, h), "o": (h, cfg.q_size), "gate_up": (2 * inter, h),
+              "down": (h, inter)}
     return cfg, [{k: make(*shapes[k], g) for k in KINDS} for _ in range(cfg.num_layers)]
 
 

@@ -36,11 +36,12 @@
 //
 // A CTA is kWarps warps on one unit of kTiles row tiles at a time (kSwiglu: a gate tile
 // and its up tile), the warps splitting its column tiles, kUnroll adjacent tiles a warp
-// (kNormUnroll in the one-tile norm mode; whole 128-byte lines of a row); the partial sums meet in shared memory and
-// gemv_epilogue.cuh finishes each output (bias, RMSNorm scale, residual, SwiGLU, argmax)
-// once. Activations are staged once per CTA (gemv_epilogue.cuh: kNorm folds the norm
-// weight in) and serve every unit the CTA takes; the host sizes the tokens a CTA stages
-// to its shared memory, and launches no more CTAs than are resident.
+// (kNormUnroll in the one-tile norm mode; whole 128-byte lines of a row); the partial
+// sums meet in shared memory and gemv_epilogue.cuh finishes each output (bias, RMSNorm
+// scale, residual, SwiGLU, argmax) once. Activations are staged once per CTA
+// (stage_bytes: kNorm folds the norm weight in) and serve every unit the CTA takes; the
+// host sizes the tokens a CTA stages to its shared memory, and launches no more CTAs
+// than are resident.
 //
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87, sm_90).
 #include "gemv_epilogue.cuh"
