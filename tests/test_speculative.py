@@ -187,6 +187,68 @@ def test_draft_proposer_rolls_its_own_kv_back(twin: Engine) -> None:
     assert twin.kv.pool.num_free == twin.kv.pool.num_blocks
 
 
+class _RingDecoder:
+    """A slot decoder stand-in for the draft's graph path: step i's token is 100 + i,
+    known only once read; records launches and reads, and fails the launch after
+    ``room`` steps as a full KV pool does."""
+
+    RING = 4
+
+    def __init__(self, room: int = 99) -> None:
+        self.events: list[str] = []
+        self.room = room
+        self.launched = self.read_upto = 0
+        self.most_inflight = 0
+
+    def bind(self, seq, sampler, token) -> None:
+        self.events.append("bind")
+
+    def launch(self, seq, greedy: bool) -> int:
+        from edge.kv import KVOutOfMemory
+
+        if self.launched == self.room:
+            raise KVOutOfMemory("full")
+        self.launched += 1
+        self.most_inflight = max(self.most_inflight, self.launched - self.read_upto)
+        self.events.append("L")
+        return (self.launched - 1) % self.RING
+
+    def read(self, slot: int) -> int:
+        assert slot == self.read_upto % self.RING, "read in launch order"
+        self.read_upto += 1
+        self.events.append("R")
+        return 100 + self.read_upto - 1
+
+
+def test_draft_graph_steps_launch_ahead_of_their_reads(twin: Engine) -> None:
+    """The draft's graph steps take their token from the previous one on the device, so
+    up to the ring's depth are launched before the first is read (none past k); the
+    tokens, and the fed ones, come out in order; a full pool stops the launches, the
+    steps in flight are still read, and the proposals so far are returned."""
+    from edge.kv import KVOutOfMemory
+
+    draft = DraftModel(twin)
+    for k, room, want_events in (
+        (4, 99, ["bind", "L", "L", "L", "R", "R", "R"]),
+        (7, 99, ["bind", "L", "L", "L", "L", "R", "L", "R", "L", "R", "R", "R", "R"]),
+    ):
+        dec = _RingDecoder(room)
+        draft.decoder = dec
+        out, fed_before = [7], len(draft.fed)
+        draft._decode_graph(torch.tensor([7]), k, out)
+        assert out == [7, *range(100, 100 + k - 1)] and dec.events == want_events, (k, dec.events)
+        assert draft.fed[fed_before:] == out[:-1]  # each step's input, in order
+        assert dec.most_inflight == min(k - 1, dec.RING)
+    dec = _RingDecoder(room=2)
+    draft.decoder = dec
+    out = [7]
+    with pytest.raises(KVOutOfMemory):
+        draft._decode_graph(torch.tensor([7]), 6, out)
+    assert out == [7, 100, 101] and dec.events == ["bind", "L", "L", "R", "R"]
+    draft.decoder = None
+    draft.close()
+
+
 # -- sampled: the accept/reject rule -----------------------------------------------------------
 
 VOCAB = 6

@@ -22,6 +22,7 @@ rule handles exactly for sampled requests too.
 from __future__ import annotations
 
 import logging
+from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -127,18 +128,33 @@ class DraftModel:
         return out
 
     def _decode_graph(self, token: torch.Tensor, k: int, out: list[int]) -> None:
-        """The proposals after the first through the slot's decode graph, one replay and
-        one read each (no step launched ahead: a proposal past k would be wasted)."""
+        """The proposals after the first through the slot's decode graph, one replay each.
+        Each step takes its token from the last on the device, so up to the ring's depth
+        of them are launched before the first is read (none past k: it would be wasted);
+        a KV pool too full for the next launch ends the proposals after those in flight."""
         decoder = self.decoder
         assert decoder is not None
         decoder.bind(self.seq, self.sampler, token)  # pos = the fed length, on the device
+        inflight: deque[int] = deque()
+        full: KVOutOfMemory | None = None
+        to_launch = k - len(out)
         try:
-            while len(out) < k:
-                ring = decoder.launch(self.seq, greedy=True)  # KVOutOfMemory: nothing launched
-                self.fed.append(out[-1])
-                out.append(decoder.read(ring))
+            while to_launch or inflight:
+                while to_launch and full is None and len(inflight) < decoder.RING:
+                    try:
+                        inflight.append(decoder.launch(self.seq, greedy=True))  # KVOutOfMemory: nothing launched
+                    except KVOutOfMemory as exc:
+                        full = exc
+                    else:
+                        to_launch -= 1
+                if not inflight:
+                    break
+                self.fed.append(out[-1])  # the token the step being read took in
+                out.append(decoder.read(inflight.popleft()))
         finally:
             self.engine.settle(self.seq)
+        if full is not None:
+            raise full
 
     def close(self) -> None:
         self.engine.end_sequence(self.seq)
