@@ -31,3 +31,26 @@ def test_bench_int8_arguments() -> None:
     a = p.parse_args(["--sms", "16", "--sweep"])
     assert (a.tokens, a.sms, a.sweep) == (5, 16, True)
     assert p.parse_args(["--tokens", "1", "--only", "unroll2"]).only == "unroll2"
+
+
+def test_bench_tunings_chosen() -> None:
+    """tools/bench_linears.py: the default alone, every tuning with --sweep, the named ones
+    with --only (--sweep or not); a misspelt name stops the run instead of timing nothing."""
+    import argparse
+
+    import pytest
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
+    from bench_linears import chosen
+
+    labels = ["default", "a", "b", "c"]
+
+    def args(sweep: bool = False, only: str = "") -> argparse.Namespace:
+        return argparse.Namespace(sweep=sweep, only=only)
+
+    assert chosen(args(), labels) == ["default"]
+    assert chosen(args(sweep=True), labels) == labels
+    assert chosen(args(only="c,a"), labels) == ["default", "a", "c"]
+    assert chosen(args(sweep=True, only="b"), labels) == ["default", "b"]
+    with pytest.raises(SystemExit, match="unknown tunings"):
+        chosen(args(only="d"), labels)

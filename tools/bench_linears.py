@@ -109,9 +109,20 @@ def sweep(args: argparse.Namespace, make: Callable[[int, int, torch.Generator], 
                     "green_context": green is not None, "tokens": args.tokens, "copy_GBps": bw / 1e9,
                     "read_GBps": read_bw / 1e9}
     every = tunings(Launcher(torch.cuda.current_device()).sm_count())
-    keep = {"default"} | (set(args.only.split(",")) if args.only else set(every) if args.sweep else set())
-    for label, tuning in every.items():
-        if label in keep:
-            lin = linear(Launcher(torch.cuda.current_device()), tuning)
-            result[label] = time_step(lin, cfg, layers, args.tokens, nbytes, bw, read_bw)
+    for label in chosen(args, every):
+        lin = linear(Launcher(torch.cuda.current_device()), every[label])
+        result[label] = time_step(lin, cfg, layers, args.tokens, nbytes, bw, read_bw)
     return result
+
+
+def chosen(args: argparse.Namespace, labels: Any) -> list[str]:
+    """The tunings to time, in ``labels``' order: "default", then every other with
+    ``--sweep``, or those ``--only`` names (with or without ``--sweep``). An unknown name
+    is an error, not a silent skip."""
+    labels = list(labels)
+    only = [x for x in args.only.split(",") if x] if args.only else []
+    unknown = sorted(set(only) - set(labels))
+    if unknown:
+        raise SystemExit(f"unknown tunings {unknown}; known: {labels}")
+    keep = {"default"} | (set(only) if only else set(labels) if args.sweep else set())
+    return [x for x in labels if x in keep]
