@@ -152,11 +152,11 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, f
   for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
     const float live = kb0 + u < kb_count ? 1.f : 0.f;
-    float pl[kTiles][4], ph[kDirect ? kTiles : 1][4];
+    float pl[kTiles][4], ph[kTiles][4];  // ph: the direct path's high nibbles
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
-      for (int c = 0; c < 4; ++c) pl[i][c] = ph[kDirect ? i : 0][c] = 0.f;
+      for (int c = 0; c < 4; ++c) pl[i][c] = ph[i][c] = 0.f;
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
@@ -195,10 +195,10 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, f
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
       if constexpr (kDirect) {
-        acc[i][0] = fmaf(s0, fmaf(16.f, ph[kDirect ? i : 0][0], pl[i][0]), acc[i][0]);
-        acc[i][1] = fmaf(s0, fmaf(16.f, ph[kDirect ? i : 0][1], pl[i][1]), acc[i][1]);
-        acc[i][2] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][2], pl[i][2]), acc[i][2]);
-        acc[i][3] = fmaf(s1, fmaf(16.f, ph[kDirect ? i : 0][3], pl[i][3]), acc[i][3]);
+        acc[i][0] = fmaf(s0, fmaf(16.f, ph[i][0], pl[i][0]), acc[i][0]);
+        acc[i][1] = fmaf(s0, fmaf(16.f, ph[i][1], pl[i][1]), acc[i][1]);
+        acc[i][2] = fmaf(s1, fmaf(16.f, ph[i][2], pl[i][2]), acc[i][2]);
+        acc[i][3] = fmaf(s1, fmaf(16.f, ph[i][3], pl[i][3]), acc[i][3]);
       } else {
         acc[i][0] = fmaf(s0, fmaf(fc.x, pl[i][0], -fc.y), acc[i][0]);
         acc[i][1] = fmaf(s0, fmaf(fc.z, pl[i][1], -fc.w), acc[i][1]);
