@@ -102,8 +102,9 @@ class Engine:
         the previous one finishes, sm_90+; None: on, except for int4 weights), the
         tunings and ``sms`` (the SM count plans fill; default: the current context's).
         ``model`` itself is not changed: the engine runs ``model.with_backend(...)``.
-        ``backend`` gives a planned backend instead (tests). ``blocking_waits``: reading a decoded token sleeps until the GPU
-        is done (False: spins a CPU core, which Orin's few cores cannot spare).
+        ``backend`` gives a planned backend instead (tests). ``blocking_waits``: reading a
+        decoded token sleeps until the GPU is done (False: spins a CPU core, which Orin's
+        few cores cannot spare).
         ``prefill_chunk``: the most tokens one prefill forward takes (default:
         :func:`edge.budget.default_prefill_chunk`, longer where quantized linears expand
         their weights once per forward).

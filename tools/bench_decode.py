@@ -136,6 +136,14 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     return engine, raw
 
 
+def serial_engine(engine: Engine, args: argparse.Namespace, streams: Any = None) -> Engine:
+    """An engine over ``engine``'s weights and pool size whose launches do not overlap."""
+    return Engine(
+        engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
+        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False, stream_factory=streams,
+    )
+
+
 def _quantize(args: argparse.Namespace) -> str | None:
     q = getattr(args, "quantize", "none")
     return None if q in (None, "none") else q
@@ -371,10 +379,7 @@ def run(args: argparse.Namespace) -> dict:
     read_bw = read_bandwidth()
     streams = stream_factory(green) if green is not None else None
     engine, raw = build_engine(args, streams)
-    serial = Engine(
-        engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False, stream_factory=streams,
-    )
+    serial = serial_engine(engine, args, streams)
     prompt = prompt_ids(engine, args.context, seed=0)
     n = args.decode_tokens
     result: dict = {

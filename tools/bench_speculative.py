@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench_decode import build_engine
+from bench_decode import build_engine, serial_engine
 from edge.engine import Engine
 from edge.sampling import SamplerState, SamplingParams
 from edge.speculative.decoding import SpeculativeDecoder
@@ -273,15 +273,6 @@ def verify_gpu_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> float
         return start.elapsed_time(end) / reps
 
 
-def _serial_engine(engine: Engine, args: argparse.Namespace, ctx: Any) -> Engine:
-    """An engine over ``engine``'s weights whose launches do not overlap."""
-    return Engine(
-        engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False,
-        stream_factory=stream_factory(ctx) if ctx is not None else None,
-    )
-
-
 def run(args: argparse.Namespace) -> dict:
     if args.sms is not None and args.device != "cuda":
         raise SystemExit("--sms needs --device cuda")
@@ -303,7 +294,7 @@ def _measure(args: argparse.Namespace, ctx: Any) -> dict:
         raise SystemExit(f"--max-seq-len {args.max_seq_len} cannot hold --context + 3 x --tokens")
     engine, _ = build_engine(args, stream_factory(ctx) if ctx is not None else None)
     if args.serial_launches and engine.device.type == "cuda":
-        engine = _serial_engine(engine, args, ctx)
+        engine = serial_engine(engine, args, stream_factory(ctx) if ctx is not None else None)
     captured = engine.capture_graphs(slots=(0,), speculative_tokens=args.max_k)
     result: dict[str, Any] = {
         "mode": "speculative",
@@ -335,7 +326,7 @@ def _measure(args: argparse.Namespace, ctx: Any) -> dict:
     if args.breakdown is not None and engine.device.type == "cuda":
         # Kernels launched without overlap, so each one's time is its own (an overlapped
         # launch starts early and waits, which the profiler charges to it).
-        serial = _serial_engine(engine, args, ctx)
+        serial = serial_engine(engine, args, stream_factory(ctx) if ctx is not None else None)
         k = min(args.breakdown, args.max_k)
         serial.capture_graphs(slots=(0,), speculative_tokens=k)
         result["breakdown"] = breakdown(serial, prompt, k, 10) | {"launches": "serial (no overlap)"}

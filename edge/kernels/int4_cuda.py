@@ -86,8 +86,8 @@ class Int4Tuning:
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
-        direct = self.direct_unroll if self.direct_unroll is not None else self.unroll
-        if self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or not 1 <= direct <= 8 or self.min_blocks < 0:
+        if (self.warps not in (1, 2, 4, 8, 16) or not 1 <= self.unroll <= 8 or not 1 <= self.direct_stage_unroll <= 8
+                or self.min_blocks < 0):
             raise ValueError(f"bad int4 GEMV tuning {self}")
         if self.tiles not in (1, 2):
             raise ValueError(f"tiles must be 1 or 2, got {self.tiles}")
@@ -99,6 +99,11 @@ class Int4Tuning:
             raise ValueError(f"stage_bytes must be at least 16 KiB, got {self.stage_bytes}")
         if self.prefill not in PREFILL:
             raise ValueError(f"prefill must be one of {PREFILL}, got {self.prefill!r}")
+
+    @property
+    def direct_stage_unroll(self) -> int:
+        """The direct kernels' column tiles a stage (direct_unroll, else unroll)."""
+        return self.unroll if self.direct_unroll is None else self.direct_unroll
 
     @classmethod
     def for_sms(cls, sms: int) -> Int4Tuning:
@@ -113,7 +118,7 @@ class Int4Tuning:
             "CFG_INT4_SCALE": SCALE_CODES[scale_dtype],
             "CFG_INT4_WARPS": self.warps,
             "CFG_INT4_UNROLL": self.unroll,
-            "CFG_INT4_DIRECT_UNROLL": self.unroll if self.direct_unroll is None else self.direct_unroll,
+            "CFG_INT4_DIRECT_UNROLL": self.direct_stage_unroll,
             "CFG_INT4_MIN_BLOCKS": self.min_blocks,
             "CFG_INT4_PREFETCH": self.prefetch,
             "CFG_INT4_SKIP_MATH": int(self.skip_math),

@@ -100,11 +100,15 @@ class Int8Tuning:
             raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
-        norm_unroll = self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
-        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4 or not 1 <= norm_unroll <= 4:
+        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4 or not 1 <= self.norm_unroll <= 4:
             raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} warps, unroll {self.mma_unroll}")
         if self.mma_stage_bytes < 16 << 10:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
+
+    @property
+    def norm_unroll(self) -> int:
+        """The one-tile norm mode's column tiles a stage (mma_norm_unroll, else mma_unroll)."""
+        return self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
 
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
@@ -122,9 +126,8 @@ class Int8Tuning:
         }
 
     def mma_defines(self) -> dict[str, int]:
-        norm_unroll = self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
         return {"CFG_INT8_MMA_WARPS": self.mma_warps, "CFG_INT8_MMA_UNROLL": self.mma_unroll,
-                "CFG_INT8_MMA_NORM_UNROLL": norm_unroll}
+                "CFG_INT8_MMA_NORM_UNROLL": self.norm_unroll}
 
 
 def weight_support(w: Int8Weight, dtype: torch.dtype) -> str | None:

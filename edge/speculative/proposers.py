@@ -136,21 +136,23 @@ class DraftModel:
         assert decoder is not None
         decoder.bind(self.seq, self.sampler, token)  # pos = the fed length, on the device
         inflight: deque[int] = deque()
+
+        def take() -> None:
+            self.fed.append(out[-1])  # the token the step being read took in
+            out.append(decoder.read(inflight.popleft()))
+
         full: KVOutOfMemory | None = None
-        to_launch = k - len(out)
         try:
-            while to_launch or inflight:
-                while to_launch and full is None and len(inflight) < decoder.RING:
-                    try:
-                        inflight.append(decoder.launch(self.seq, greedy=True))  # KVOutOfMemory: nothing launched
-                    except KVOutOfMemory as exc:
-                        full = exc
-                    else:
-                        to_launch -= 1
-                if not inflight:
+            for _ in range(k - len(out)):
+                if len(inflight) == decoder.RING:
+                    take()
+                try:
+                    inflight.append(decoder.launch(self.seq, greedy=True))  # KVOutOfMemory: nothing launched
+                except KVOutOfMemory as exc:
+                    full = exc
                     break
-                self.fed.append(out[-1])  # the token the step being read took in
-                out.append(decoder.read(inflight.popleft()))
+            while inflight:
+                take()
         finally:
             self.engine.settle(self.seq)
         if full is not None:
