@@ -64,29 +64,15 @@ __device__ __forceinline__ uint2 staged_pair(const T* at, bool has_tok) {
   return has_tok ? v : make_uint2(0u, 0u);
 }
 
-// One thread's 8-element chunk v of a staged token n: kNorm: T(x * norm_w) in place and
-// x's squares added to ss; kSums: the chunk's 64-column tile sum (the tile's 8 lanes
-// are one warp's, as vecs is a multiple of 8) into sums.
-template <typename T, bool kNorm, bool kSums>
-__device__ __forceinline__ void stage_chunk(T (&val)[8], const T (&nw)[8], float& ss, float* __restrict__ sums, int v,
-                                            int n) {
-  if (kNorm) {
+// One thread's 8-element chunk of a staged token: T(x * norm_w) in place and x's squares
+// added to ss.
+template <typename T>
+__device__ __forceinline__ void stage_norm_chunk(T (&val)[8], const T (&nw)[8], float& ss) {
 #pragma unroll
-    for (int i = 0; i < 8; i += 2) {
-      const float a = to_float(val[i]), b = to_float(val[i + 1]);
-      ss = fmaf(a, a, fmaf(b, b, ss));
-      *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
-    }
-  }
-  if (kSums) {
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) sum += to_float(val[i]);
-    const unsigned int group = 0xFFu << (threadIdx.x & 24);
-    sum += __shfl_xor_sync(group, sum, 1);
-    sum += __shfl_xor_sync(group, sum, 2);
-    sum += __shfl_xor_sync(group, sum, 4);
-    if ((threadIdx.x & 7) == 0) sums[(v >> 3) * kGemvMaxTokens + n] = sum;
+  for (int i = 0; i < 8; i += 2) {
+    const float a = to_float(val[i]), b = to_float(val[i + 1]);
+    ss = fmaf(a, a, fmaf(b, b, ss));
+    *reinterpret_cast<unsigned int*>(val + i) = pack2<T>(a * to_float(nw[i]), b * to_float(nw[i + 1]));
   }
 }
 
@@ -102,16 +88,14 @@ __device__ __forceinline__ void stage_sum_squares(float (*red_ss)[kGemvMaxTokens
 // there: the k16 steps then read their B fragments from shared memory instead of each
 // waiting for a global load (the weights of the next stage are in flight meanwhile).
 // Tokens [0, ntok) of x (rows of `in`, 16-byte aligned) into xs; kNorm: T(x * norm_w),
-// and each warp's share of every token's sum of squares of x into red_ss[warp][token];
-// kSums (in a multiple of 64): the sum of each 64-column tile's staged values into
-// sums[tile * kGemvMaxTokens + token]. Without perm every token's row is copied at once
+// and each warp's share of every token's sum of squares of x into red_ss[warp][token].
+// Without perm every token's row is copied at once
 // by cp.async (one memory latency for all tokens, no registers held), then each thread
 // finishes the very chunks it copied (no barrier between the passes).
-template <typename T, bool kNorm, bool kSums, int kThreads>
+template <typename T, bool kNorm, int kThreads>
 __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
-                                             float* __restrict__ sums, const T* __restrict__ x,
-                                             const int* __restrict__ perm, const T* __restrict__ norm_w, int in,
-                                             int ntok) {
+                                             const T* __restrict__ x, const int* __restrict__ perm,
+                                             const T* __restrict__ norm_w, int in, int ntok) {
   const int stride = in + kGemvPad;
   const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
   alignas(16) T val[8];
@@ -124,18 +108,18 @@ __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)
         cp_async16(smem_u32(xs + (long long)n * stride + 8 * v), x + (long long)n * in + 8 * v, 16);
     cp_async_commit();
     cp_async_wait_all();
-    if constexpr (kNorm || kSums) {
+    if constexpr (kNorm) {
       for (int n = 0; n < ntok; ++n) {
         T* xsr = xs + (long long)n * stride;
         float ss = 0.f;
-#pragma unroll(kNorm ? 1 : 4)  // a pass unrolled around the norm weight's loads costs the GEMV registers
+#pragma unroll 1  // a pass unrolled around the norm weight's loads costs the GEMV registers
         for (int v = threadIdx.x; v < vecs; v += kThreads) {
           *reinterpret_cast<uint4*>(val) = *reinterpret_cast<const uint4*>(xsr + 8 * v);
-          if (kNorm) *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
-          stage_chunk<T, kNorm, kSums>(val, nw, ss, sums, v, n);
-          if (kNorm) *reinterpret_cast<uint4*>(xsr + 8 * v) = *reinterpret_cast<const uint4*>(val);
+          *reinterpret_cast<uint4*>(nw) = __ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v));
+          stage_norm_chunk<T>(val, nw, ss);
+          *reinterpret_cast<uint4*>(xsr + 8 * v) = *reinterpret_cast<const uint4*>(val);
         }
-        if (kNorm) stage_sum_squares(red_ss, ss, n);
+        stage_sum_squares(red_ss, ss, n);
       }
     }
     return;
@@ -153,7 +137,7 @@ __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)
         val[i] = xr[idx[i]];
         if (kNorm) nw[i] = norm_w[idx[i]];
       }
-      stage_chunk<T, kNorm, kSums>(val, nw, ss, sums, v, n);
+      if (kNorm) stage_norm_chunk<T>(val, nw, ss);
       *reinterpret_cast<uint4*>(xs + (long long)n * stride + 8 * v) = *reinterpret_cast<const uint4*>(val);
     }
     if (kNorm) stage_sum_squares(red_ss, ss, n);

@@ -286,7 +286,7 @@ __device__ __forceinline__ void int4_gemv(T* __restrict__ y, const T* __restrict
   load_batch<kTiles, kDirect>(st0, base, scale, zero, rowbase, kw, split, kb_count, group_shift, zmask);
   edge::await_inputs();
   if constexpr (!kDirect) {
-    edge::gemv_stage_x<T, kNorm, false, kThreads>(xs, red_ss, nullptr, x + (long long)n0 * in, perm, norm_w, in, ntok);
+    edge::gemv_stage_x<T, kNorm, kThreads>(xs, red_ss, x + (long long)n0 * in, perm, norm_w, in, ntok);
     __syncthreads();
   }
   const bool has_tok = g < ntok;

@@ -253,7 +253,7 @@ __device__ __forceinline__ void stage_bytes(__half* __restrict__ xs, float (*red
                                             float2* __restrict__ tiles, const T* __restrict__ x,
                                             const T* __restrict__ norm_w, int in, int ntok) {
   T* xt = reinterpret_cast<T*>(xs);
-  edge::gemv_stage_x<T, false, false, kThreads>(xt, red_ss, nullptr, x, nullptr, nullptr, in, ntok);
+  edge::gemv_stage_x<T, false, kThreads>(xt, red_ss, x, nullptr, nullptr, in, ntok);
   const int stride = in + kGemvPad, vecs = in >> 3;
   const unsigned int group = 0xFFu << (threadIdx.x & 24);  // the 8 lanes of a 64-column tile
   for (int n = 0; n < ntok; ++n) {
