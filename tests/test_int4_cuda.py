@@ -216,7 +216,16 @@ def _fused_ref(x, w, bias=None, **kw):
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("tokens", [1, 4])
 @pytest.mark.parametrize("act_order", [False, True], ids=["runs", "act_order"])
-def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order) -> None:
+@pytest.mark.parametrize("many_sms", [False, True], ids=["base", "many_sms_tuning"])
+def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order, many_sms) -> None:
+    """Every fused mode against the composition, at the base tuning and at a many-SM
+    GPU's default (one row tile, one-token launches of at most the resident CTAs, each
+    taking unit after unit)."""
+    from edge.kernels.int4_cuda import Int4Tuning
+
+    if many_sms:
+        lin = make_linear(Int4Tuning.for_sms(132))
+        assert lin.tuning.resident_grid
     g = _gen()
     hidden, inter = 2048, 1536
     x = (torch.randn(tokens, hidden, generator=g, device="cuda") * 3).to(dtype)
@@ -241,6 +250,8 @@ def test_fused_modes_match_the_composition(lin, dtype, tokens, act_order) -> Non
     y = run(lin, a, down, residual=r1)
     assert y.data_ptr() == r1.data_ptr()
     close(r1, _fused_ref(a, down, residual=r0.clone()), "residual")
+    ids = lin.argmax(x, qkv, norm=norm)
+    assert torch.equal(ids, torch.argmax(run(lin, x, qkv, norm=norm), dim=-1)), "argmax"
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))

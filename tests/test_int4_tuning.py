@@ -19,15 +19,16 @@ def test_bad_knobs_are_refused(bad) -> None:
 
 def test_default_tuning_follows_the_sm_count() -> None:
     """Few SMs (an Orin's 8 or 16): 4-warp CTAs of two row tiles, one column tile a stage
-    in the direct kernels; many SMs: one row tile and one column tile a stage (the
-    measured bests, docs/benchmarks.md)."""
+    in the direct kernels; many SMs: one row tile and one column tile a stage, one-token
+    launches of at most the resident CTAs (the measured bests, docs/benchmarks.md)."""
     for sms in (8, 16):
         t = Int4Tuning.for_sms(sms)
         assert (t.warps, t.tiles, t.unroll) == (4, 2, 2)
         d = t.defines(torch.bfloat16)
         assert (d["CFG_INT4_WARPS"], d["CFG_INT4_UNROLL"], d["CFG_INT4_DIRECT_UNROLL"]) == (4, 2, 1)
+    assert not Int4Tuning.for_sms(16).resident_grid
     t = Int4Tuning.for_sms(132)
-    assert (t.warps, t.tiles, t.unroll) == (8, 1, 1)
+    assert (t.warps, t.tiles, t.unroll, t.resident_grid) == (8, 1, 1, True)
     d = t.defines(torch.float16)
     assert (d["CFG_INT4_UNROLL"], d["CFG_INT4_DIRECT_UNROLL"]) == (1, 1)
 

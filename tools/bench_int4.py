@@ -64,6 +64,8 @@ def _tunings(sms: int) -> dict:
         "warps4_tiles1": Int4Tuning(warps=4, tiles=1),  # the 16-SM default with one row tile a unit
         "warps4_unroll1": Int4Tuning(warps=4, unroll=1),
         "direct": dataclasses.replace(default, direct=True),  # o (and down) never staged
+        "resident": dataclasses.replace(default, resident_grid=True),  # one-token launches of resident CTAs only
+        "spread": dataclasses.replace(default, resident_grid=False),  # one-token launches of a CTA per units group
     }
 
 

@@ -93,6 +93,10 @@ for s in "$@"; do
             q=${s#*spec-}; n=${q#*-}; q=${q%%-*}; [ "$n" = "$q" ] && n=""
             step "$s" sh -c "$B speculative --preset qwen3-8b --quantize $q ${n:+--sms $n} --breakdown 4 $([ "${s%%-*}" = sspec ] && echo --serial-launches) > $OUT/$s.json" ;;
         int4-gemv) for n in 16 132; do step int4-gemv-$n sh -c "python3 tools/bench_int4.py gemv --sweep $([ $n = 132 ] || echo --sms $n) > $OUT/int4-gemv-$n.json"; done ;;
+        ncu-int4)  # Nsight Compute on one int4 decode GEMV (gate_up, down; default tuning and loads only) at 16 SMs and all
+            for n in 16 0; do for k in gate_up down; do for t in default skip_math; do
+                step ncu-int4-$k-$t-$n sh -c "ncu --clock-control none --kernel-name regex:int4_gemv --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables python3 tools/ncu_linear.py --format int4 --kind $k --tuning $t $([ $n = 0 ] || echo --sms $n) > $OUT/ncu-int4-$k-$t-$n.txt 2>&1; tail -n 3 $OUT/ncu-int4-$k-$t-$n.txt"
+            done; done; done ;;
         int4-direct) for n in 16 132; do step int4-direct-$n sh -c "python3 tools/bench_int4.py gemv --tokens 5 --only default,direct $([ $n = 132 ] || echo --sms $n) > $OUT/int4-direct-$n.json"; done ;;
         int8-gemv) for n in 16 132; do step int8-gemv-$n sh -c "python3 tools/bench_int8.py --sweep --tokens ${TOKENS:-5} $([ $n = 132 ] || echo --sms $n) > $OUT/int8-gemv-$n.json"; done ;;
         bench-8b-int4) step bench-8b-int4 sh -c "$B decode --preset qwen3-8b --quantize int4 --decode-tokens 128 --repeats 2 --ttft-lengths 512,2048 > $OUT/decode-8b-int4.json" ;;

@@ -83,6 +83,7 @@ class Int4Tuning:
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
     direct: bool = False  # plain / residual modes of 2+ tokens read them directly even where they fit the staging
     prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
+    resident_grid: bool = False  # one-token launches too at most the resident CTAs (each taking unit after unit)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
     def __post_init__(self) -> None:
@@ -109,9 +110,9 @@ class Int4Tuning:
     def for_sms(cls, sms: int) -> Int4Tuning:
         """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) smaller
         CTAs, and one column tile a stage in the direct kernels, whose batches also carry
-        their tokens' activations; with many one row tile and one column tile a stage
-        (docs/benchmarks.md)."""
-        return cls(warps=4, direct_unroll=1) if sms <= 32 else cls(tiles=1, unroll=1)
+        their tokens' activations; with many one row tile and one column tile a stage,
+        and one-token launches of at most the resident CTAs (docs/benchmarks.md)."""
+        return cls(warps=4, direct_unroll=1) if sms <= 32 else cls(tiles=1, unroll=1, resident_grid=True)
 
     def defines(self, scale_dtype: torch.dtype) -> dict[str, int]:
         return {
@@ -352,7 +353,7 @@ class Int4CudaLinear:
             chunk = tokens
         shmem = 0 if direct else chunk * row
         kernel = self._k[(w.scale.dtype, f"int4_gemv_{'direct_' if direct else ''}{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")]
-        if tokens > 1:  # at most the resident CTAs, each staging its tokens once for all the units it takes
+        if tokens > 1 or self.tuning.resident_grid:  # at most the resident CTAs, each staging its tokens once for all the units it takes
             ctas = min(ctas, self.launcher.resident_per_sm(kernel, 32 * self.tuning.warps, shmem) * self._sms)
         self.launcher.launch(
             kernel,
