@@ -7,6 +7,8 @@ On one engine, at one context length:
 - ``verify``: one verify step of k proposals (k + 1 tokens, the slot's verify graph,
   argmax on the device, its ids read back: a verify step cannot be pipelined, the next
   proposals need its result) for k = 1..``--max-k``, and its cost relative to ``decode``;
+  also its GPU time alone (``gpu_ms``) and the step with the readback polled without
+  naps (``busy_poll_ms``), which split the host's round trip;
 - ``perfect_proposer``: end-to-end greedy tok/s when the proposals are the model's own
   greedy continuation (computed first by plain decoding): every proposal stands, the
   upper bound of any proposer at that k; the output is checked identical to plain decoding;
@@ -236,17 +238,31 @@ def _held_verify_step(engine: Engine, prompt: list[int], k: int) -> Iterator[tup
         seq.release()
 
 
-def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> tuple[float, str]:
+def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int, busy: bool = False) -> tuple[float, str]:
     """One verify step of k proposals at ``len(prompt)`` (replay and read back), the
-    context held fixed by rolling every step back; and the path that ran."""
+    context held fixed by rolling every step back; and the path that ran. ``busy``: the
+    readback polled without naps (what the naps cost the round trip)."""
+    from edge.step_wait import StepWait
+
     with _held_verify_step(engine, prompt, k) as (once, decoder):
+        waits = decoder.waits
+        if busy:
+            decoder.waits = StepWait(nap_s=0.0)
+        try:
+            return _timed_steps(engine, once, reps), decoder.path
+        finally:
+            decoder.waits = waits
+
+
+def _timed_steps(engine: Engine, once: Callable[[], None], reps: int) -> float:
+    """Milliseconds of one ``once()``, warm, over ``reps`` back to back."""
+    once()
+    _sync(engine)
+    t0 = time.perf_counter()
+    for _ in range(reps):
         once()
-        _sync(engine)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            once()
-        _sync(engine)
-        return (time.perf_counter() - t0) / reps * 1e3, decoder.path
+    _sync(engine)
+    return (time.perf_counter() - t0) / reps * 1e3
 
 
 def verify_gpu_ms(engine: Engine, prompt: list[int], k: int, reps: int) -> float | None:
@@ -320,8 +336,10 @@ def _measure(args: argparse.Namespace, ctx: Any) -> dict:
     for k in range(1, args.max_k + 1):
         ms, path = verify_step_ms(engine, prompt, k, args.reps)
         gpu_ms = verify_gpu_ms(engine, prompt, k, args.reps)
+        busy_ms, _ = verify_step_ms(engine, prompt, k, args.reps, busy=True)
         rows.append({"k": k, "tokens": k + 1, "step_ms": ms, "vs_decode": ms / decode_ms, "path": path,
-                     "gpu_ms": gpu_ms, "gpu_vs_decode": None if gpu_ms is None else gpu_ms / decode_ms})
+                     "gpu_ms": gpu_ms, "gpu_vs_decode": None if gpu_ms is None else gpu_ms / decode_ms,
+                     "busy_poll_ms": busy_ms})
     result["verify"] = rows
     if args.breakdown is not None and engine.device.type == "cuda":
         # Kernels launched without overlap, so each one's time is its own (an overlapped
