@@ -10,7 +10,7 @@ import torch
 from edge.kernels.int4_cuda import Int4Tuning
 
 
-@pytest.mark.parametrize("bad", [dict(warps=3), dict(unroll=9), dict(direct_unroll=0), dict(tiles=3), dict(split=3), dict(prefetch=65),
+@pytest.mark.parametrize("bad", [dict(warps=3), dict(unroll=9), dict(direct_unroll=0), dict(tiles=3), dict(split=3), dict(prefetch=65), dict(carveout=101),
                                  dict(stage_bytes=1024), dict(prefill="cublas")])
 def test_bad_knobs_are_refused(bad) -> None:
     with pytest.raises(ValueError):

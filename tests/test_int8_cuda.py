@@ -553,7 +553,7 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 
 @pytest.mark.parametrize("tuning", [{"mma_unroll": 1, "mma_direct": True}, {"mma_unroll": 2, "mma_direct": False}],
                          ids=["unroll1-direct", "unroll2-staged"])
-@pytest.mark.parametrize("tokens", [2, 3, 5, 8])
+@pytest.mark.parametrize("tokens", [2, 3, 5, 7, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
 def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, tuning) -> None:
@@ -571,6 +571,20 @@ def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, t
         name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
         assert name.startswith("int8_mma_direct_" if direct else "int8_mma_"), name
         assert direct or not name.startswith("int8_mma_direct_"), name
+
+
+@pytest.mark.parametrize("carveout", [72, 100])
+def test_tensor_core_kernels_prefer_the_tuned_carveout(int8_linear, carveout) -> None:
+    """Every tensor-core kernel is loaded with the shared-memory carveout its tuning asks
+    (the default leaves L1 room for the loads in flight), as the driver reports it."""
+    from edge.kernels.nvrtc import function_attribute
+
+    ic = int8_linear(mma_carveout=carveout)
+    mma = [n for n in ic._k if n.startswith("int8_mma_")]
+    assert mma, "no tensor-core kernels loaded"
+    for name in mma:
+        got = function_attribute(ic._k[name], ic.launcher.device_index, "PREFERRED_SHARED_MEMORY_CARVEOUT")
+        assert got == carveout, (name, got)
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))

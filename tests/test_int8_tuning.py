@@ -22,6 +22,18 @@ def test_few_sms_take_one_column_tile_a_stage() -> None:
     assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (2, 2)
 
 
+def test_carveout_is_a_percentage() -> None:
+    """The tensor-core kernels' preferred carveout: 72 % unless told, None (the driver's
+    choice) or 0..100."""
+    import pytest
+
+    assert Int8Tuning().mma_carveout == 72 and Int8Tuning.for_sms(16).mma_carveout == 72
+    assert Int8Tuning(mma_carveout=None).mma_carveout is None
+    for bad in (-1, 101):
+        with pytest.raises(ValueError):
+            Int8Tuning(mma_carveout=bad)
+
+
 def test_bench_int8_arguments() -> None:
     """tools/bench_int8.py: a verify step's 5 tokens unless told, the SM count, the sweep."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))

@@ -66,6 +66,8 @@ def _tunings(sms: int) -> dict:
         "direct": dataclasses.replace(default, direct=True),  # o (and down) never staged
         "resident": dataclasses.replace(default, resident_grid=True),  # one-token launches of resident CTAs only
         "spread": dataclasses.replace(default, resident_grid=False),  # one-token launches of a CTA per units group
+        "carveout100": dataclasses.replace(default, carveout=100),  # the largest shared-memory carveout
+        "carveout72": dataclasses.replace(default, carveout=72),
     }
 
 

@@ -57,6 +57,9 @@ def _tunings(sms: int) -> dict:
         "norm_unroll1": dataclasses.replace(base, mma_norm_unroll=1),
         "norm_unroll2": dataclasses.replace(base, mma_norm_unroll=2),
         "norm_unroll4": dataclasses.replace(base, mma_norm_unroll=4),
+        "carveout_driver": dataclasses.replace(base, mma_carveout=None),  # the driver picks the carveout
+        "carveout100": dataclasses.replace(base, mma_carveout=100),
+        "carveout50": dataclasses.replace(base, mma_carveout=50),
     }
 
 

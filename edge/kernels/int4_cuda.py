@@ -83,6 +83,7 @@ class Int4Tuning:
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
     direct: bool = False  # plain / residual modes of 2+ tokens read them directly even where they fit the staging
     prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
+    carveout: int | None = None  # shared memory preferred, percent of an SM's most (None: the driver's choice)
     resident_grid: bool = False  # one-token launches too at most the resident CTAs (each taking unit after unit)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
@@ -96,6 +97,8 @@ class Int4Tuning:
             raise ValueError(f"split must divide warps ({self.warps}), got {self.split}")
         if not 0 <= self.prefetch <= 64:
             raise ValueError(f"prefetch must be 0..64 tiles, got {self.prefetch}")
+        if self.carveout is not None and not 0 <= self.carveout <= 100:
+            raise ValueError(f"carveout is a percentage, got {self.carveout}")
         if self.stage_bytes < 16 << 10:
             raise ValueError(f"stage_bytes must be at least 16 KiB, got {self.stage_bytes}")
         if self.prefill not in PREFILL:
@@ -192,7 +195,7 @@ class Int4CudaLinear:
             for name in names:
                 self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
                 if name.startswith("int4_gemv_"):
-                    nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes)
+                    nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes, carveout=tuning.carveout)
         self._dq = DequantCuda(launcher, int4=True, int8=False)
 
     @property

@@ -94,6 +94,12 @@ class Int8Tuning:
     # a CTA of these takes few units, and staging them cost more than reading them with
     # each batch (docs/benchmarks.md).
     mma_direct: bool = True
+    # Shared memory the tensor-core kernels prefer, in percent of the most an SM can give
+    # (None: the driver's choice, which fits as many CTAs as possible): three 7-token CTAs
+    # (70 KB each) took the largest carveout and left L1 too small for the weight loads in
+    # flight; 72 % holds two of them and leaves ~92 KB of L1 on an H100 / H200
+    # (docs/benchmarks.md, sixth session).
+    mma_carveout: int | None = 72
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
@@ -104,6 +110,8 @@ class Int8Tuning:
             raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} warps, unroll {self.mma_unroll}")
         if self.mma_stage_bytes < 16 << 10:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
+        if self.mma_carveout is not None and not 0 <= self.mma_carveout <= 100:
+            raise ValueError(f"mma_carveout is a percentage, got {self.mma_carveout}")
 
     @property
     def norm_unroll(self) -> int:
@@ -184,7 +192,7 @@ class Int8CudaLinear:
             for infix in (*(m[0] for m in MODES.values()), *ARGMAX_MODES.values()):  # the same modes
                 name = f"int8_mma_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
-                nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem)
+                nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
             for infix in MMA_DIRECT_MODES:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())

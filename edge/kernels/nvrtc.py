@@ -519,28 +519,58 @@ def shared_memory(device_index: int) -> tuple[int, int, int]:
     return values[0], values[1], values[2]
 
 
-def allow_dynamic_smem(kernel: Any, device_index: int, nbytes: int) -> None:
+def allow_dynamic_smem(kernel: Any, device_index: int, nbytes: int, *, carveout: int | None = None) -> None:
     """Let ``kernel`` launch with ``nbytes`` of dynamic shared memory on the device (above
-    48 KB a kernel must opt in). KernelCompileError when the device cannot give that."""
+    48 KB a kernel must opt in). KernelCompileError when the device cannot give that.
+    ``carveout``: the shared memory the kernel prefers, in percent of the most an SM can
+    give (the rest stays L1, which also holds the kernel's loads in flight); None leaves
+    it to the driver, which takes as much as fits the most CTAs."""
     _, optin, _ = shared_memory(device_index)
     if nbytes > optin:
         raise KernelCompileError(
             f"kernel needs {nbytes} B of shared memory, the device allows {optin} B per block"
         )
-    driver = _driver_module()
-    attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    attrs = _driver_module().CUfunction_attribute
+    _set_function_attribute(kernel, device_index, attrs.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, nbytes)
+    if carveout is not None:
+        if not 0 <= carveout <= 100:
+            raise ValueError(f"carveout is a percentage, got {carveout}")
+        _set_function_attribute(kernel, device_index, attrs.CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                carveout)
+
+
+def _handle(kernel: Any) -> Any:
     handle = getattr(kernel, "handle", None)
-    if handle is None:  # cuda.core < 0.3
-        handle = kernel._handle
+    return kernel._handle if handle is None else handle  # cuda.core < 0.3: _handle
+
+
+def _set_function_attribute(kernel: Any, device_index: int, attr: Any, value: int) -> None:
+    driver = _driver_module()
+    handle = _handle(kernel)
     # cuda.core loads through the library API (CUkernel, per device) where the driver has
     # it, else through modules (CUfunction).
     if isinstance(handle, driver.CUkernel):
         err, dev = driver.cuDeviceGet(device_index)
-        (err,) = driver.cuKernelSetAttribute(attr, int(nbytes), handle, dev)
+        (err,) = driver.cuKernelSetAttribute(attr, int(value), handle, dev)
     else:
-        (err,) = driver.cuFuncSetAttribute(handle, attr, int(nbytes))
+        (err,) = driver.cuFuncSetAttribute(handle, attr, int(value))
     if int(err) != 0:
-        raise KernelCompileError(f"could not allow {nbytes} B of dynamic shared memory: {err}")
+        raise KernelCompileError(f"could not set {attr} to {value}: {err}")
+
+
+def function_attribute(kernel: Any, device_index: int, name: str) -> int:
+    """A loaded kernel's ``CU_FUNC_ATTRIBUTE_<name>`` on the device (as the driver reports it)."""
+    driver = _driver_module()
+    attr = getattr(driver.CUfunction_attribute, f"CU_FUNC_ATTRIBUTE_{name}")
+    handle = _handle(kernel)
+    if isinstance(handle, driver.CUkernel):
+        err, dev = driver.cuDeviceGet(device_index)
+        err, value = driver.cuKernelGetAttribute(attr, handle, dev)
+    else:
+        err, value = driver.cuFuncGetAttribute(attr, handle)
+    if int(err) != 0:
+        raise KernelsUnavailable(f"could not read {attr}: {err}")
+    return int(value)
 
 
 def kernel_resources(kernel: Any) -> dict[str, int]:
