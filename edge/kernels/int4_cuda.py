@@ -83,7 +83,7 @@ class Int4Tuning:
     stage_bytes: int = 96 << 10  # shared memory a CTA may stage activations in (more tokens: a launch row each)
     direct: bool = False  # plain / residual modes of 2+ tokens read them directly even where they fit the staging
     prefetch: int = 0  # tiles of a warp's stream ahead of its loads fetched into L2 (0: none)
-    carveout: int | None = None  # shared memory preferred, percent of an SM's most (None: the driver's choice)
+    carveout: int | None = None  # shared memory the GEMVs prefer, % of the most an SM gives (None: the driver's)
     resident_grid: bool = False  # one-token launches too at most the resident CTAs (each taking unit after unit)
     skip_math: bool = False  # benchmark only: stream the weights without the products (wrong results)
 
@@ -356,7 +356,8 @@ class Int4CudaLinear:
             chunk = tokens
         shmem = 0 if direct else chunk * row
         kernel = self._k[(w.scale.dtype, f"int4_gemv_{'direct_' if direct else ''}{infix}{_DTYPE_NAME[x.dtype]}_t{tiles}")]
-        if tokens > 1 or self.tuning.resident_grid:  # at most the resident CTAs, each staging its tokens once for all the units it takes
+        # At most the resident CTAs, each staging its tokens once for all the units it takes.
+        if tokens > 1 or self.tuning.resident_grid:
             ctas = min(ctas, self.launcher.resident_per_sm(kernel, 32 * self.tuning.warps, shmem) * self._sms)
         self.launcher.launch(
             kernel,

@@ -651,6 +651,7 @@ __all__ = [
     "cuda_include_dirs",
     "current_stream_handle",
     "device_arch",
+    "function_attribute",
     "kernel_resources",
     "launch_config",
     "load_kernel",
