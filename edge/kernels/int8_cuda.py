@@ -95,10 +95,8 @@ class Int8Tuning:
     # each batch (docs/benchmarks.md).
     mma_direct: bool = True
     # Shared memory the tensor-core kernels prefer, in percent of the most an SM can give
-    # (None: the driver's choice, which fits as many CTAs as possible): three 7-token CTAs
-    # (70 KB each) took the largest carveout and left L1 too small for the weight loads in
-    # flight; 72 % holds two of them and leaves ~92 KB of L1 on an H100 / H200
-    # (docs/benchmarks.md, sixth session).
+    # (None: the driver's choice): the driver fills SMs with staging CTAs up to the largest
+    # carveout, which leaves L1 too small for the weight loads in flight (docs/benchmarks.md).
     mma_carveout: int | None = 72
 
     def __post_init__(self) -> None:
