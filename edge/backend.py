@@ -72,8 +72,10 @@ class AttentionOps:
     # (dtype, head_dim, q_heads, kv_heads, page) -> decode kwargs that make eager launches
     # identical to the graph's; None for the reference.
     graph_decode_options: Callable[..., dict[str, int]] | None = None
-    # The speculative verify step: T query tokens at a device-resident position.
+    # The speculative verify step: T query tokens at a device-resident position (from q,
+    # or from the qkv rows with the q/k norms, RoPE and the K/V store).
     verify_attention: Callable[..., torch.Tensor] = reference.verify_attention
+    verify_attention_rope: Callable[..., torch.Tensor] = reference.verify_attention_rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +269,7 @@ def _cuda_backend(
             attention = AttentionOps(
                 att.name, att.write_kv, att.decode_attention, att.decode_attention_rope, att.prefill_attention,
                 device_position=True, graph_decode_options=att.graph_decode_options,
-                verify_attention=att.verify_attention,
+                verify_attention=att.verify_attention, verify_attention_rope=att.verify_attention_rope,
             )
         impls: dict[str, Any] = {"float": FloatLinear(layer)}
         if i8 is not None:

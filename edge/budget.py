@@ -627,6 +627,8 @@ class _ScratchKV:
         return PagedKV(self.k[layer], self.v[layer], self.table)
 
     def attend_rope(self, layer: int, qkv, rope):  # noqa: ANN001, ANN201
+        if qkv.shape[0] != 1:
+            return None  # prefill chunks: qk_norm_rope, then attend
         out = self.ops.decode_attention_rope(
             qkv, rope, self.k[layer], self.v[layer], self.table, self.length + 1, self.scale
         )

@@ -211,9 +211,9 @@ class Model:
         h, norm = (x, (self.layers[0]["ln1"], eps)) if fused else (ops.rms_norm(x, self.layers[0]["ln1"], eps), None)
         for i, lw in enumerate(self.layers):
             qkv = linear(h, lw["qkv"], lw["qkv_b"], norm=norm)
-            # A decode token: the paged cache's attention takes the q/k norms, RoPE and
-            # the K/V store into its own launch.
-            attn = kv.attend_rope(i, qkv, ropes[i]) if t == 1 else None
+            # A decode token (or a verify step): the paged cache's attention takes the q/k
+            # norms, RoPE and the K/V store into its own launch.
+            attn = kv.attend_rope(i, qkv, ropes[i])
             if attn is None:
                 # Qwen3's per-head q/k norms (when present) and RoPE in one op, which
                 # also stores k and v in a paged cache (one launch fewer per layer); a

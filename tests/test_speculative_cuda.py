@@ -1,8 +1,10 @@
 """Speculative decoding on the GPU (skipped without one).
 
 - ``verify_attention`` (the multi-token decode kernel at a device-resident position)
-  against the torch reference: fresh inputs, NaN-poisoned pools past the length and
-  poisoned outputs, eager and replayed from one CUDA graph at other positions.
+  and ``verify_attention_rope`` (the same from the qkv rows, with the q/k norms, RoPE
+  and the K/V store in the launch) against the torch reference: fresh inputs,
+  NaN-poisoned pools past the length and poisoned outputs, eager and replayed from one
+  CUDA graph at other positions; the kernel that ran is asserted.
 - Greedy speculative decoding through the verify graphs (prompt lookup and draft models,
   k = 1..8, bf16, int8 and float32) gives exactly the tokens of plain graph decoding,
   with no capture while serving and the graph path reported; sampled runs repeat with a
@@ -31,6 +33,7 @@ from edge.random_model import iter_random_tensors, model_config
 from edge.sampling import SamplingParams
 from edge.scheduler import Scheduler
 from edge.speculative.params import SpeculativeParams
+from tests.test_kernels_cuda import rope_tables
 
 pytestmark = pytest.mark.cuda
 
@@ -109,6 +112,106 @@ def test_verify_attention_replays_from_a_graph_at_any_position() -> None:
         out.fill_(float("nan"))
         graph.replay()
         want = reference.verify_attention(q, k_pool, v_pool, table, pos, d**-0.5)
+        torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def _rope_ops(dtype: torch.dtype, head_dim: int):
+    """The attention with CUDA layer ops: the unfused path launches their qk_norm_rope."""
+    from edge.kernels.fused_cuda import FusedCuda
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.paged_cuda import PagedAttentionCuda
+
+    launcher = Launcher(torch.cuda.current_device())
+    return PagedAttentionCuda(launcher, FusedCuda(launcher), dtypes=(dtype,), head_dims=(head_dim,))
+
+
+def _rope_case(dtype, heads, kv_heads, d, qk_norm, g):
+    cos, sin = rope_tables(MAX_SEQ, d, dtype)
+    norm = (torch.randn(heads + kv_heads, d, generator=g) * 0.2 + 1).to(dtype).cuda() if qk_norm else None
+    rope = reference.Rope(norm, cos, sin, heads, kv_heads, 1e-6)
+    rope32 = reference.Rope(None if norm is None else norm.float(), cos.float(), sin.float(), heads, kv_heads, 1e-6)
+    return rope, rope32
+
+
+@pytest.mark.parametrize(
+    "dtype,heads,kv_heads,d,qk_norm",
+    [
+        (torch.bfloat16, 32, 8, 128, True),
+        (torch.float16, 16, 8, 64, False),
+        (torch.bfloat16, 14, 2, 64, True),
+        (torch.float32, 8, 2, 64, True),
+    ],
+)
+def test_verify_attention_rope_matches_the_reference(dtype, heads, kv_heads, d, qk_norm) -> None:
+    """The step's T keys and values start NaN in the pools and must be written (normalised,
+    rotated; values as projected), every other row stays as it was; the output matches
+    the float32 composition of qk_norm_rope and verify_attention. New rows land in a
+    split's first stages, later ones (start 900 with long splits), across page and split
+    edges; group 7 straddles head tiles."""
+    ops = _rope_ops(dtype, d)
+    g = torch.Generator().manual_seed(2)
+    page, scale = 16, d**-0.5
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    rope, rope32 = _rope_case(dtype, heads, kv_heads, d, qk_norm, g)
+    fused_max = ops.verify_rope_tokens()
+    for tokens in (1, 2, 5, 9, fused_max, fused_max + 1):
+        for start in (0, 7, 120, 250, 900):
+            k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, page, start, g)
+            qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype).cuda()
+            pos = torch.tensor([start], dtype=torch.int32, device="cuda")
+            out = torch.full((tokens, heads, d), float("nan"), dtype=dtype, device="cuda")
+            k_before, v_before = k_pool.clone(), v_pool.clone()
+            before = Counter(ops.launcher.counts)
+            got = ops.verify_attention_rope(qkv, rope, k_pool, v_pool, table, pos, scale, out=out)
+            ran = Counter(ops.launcher.counts) - before
+            if dtype != torch.float32 and tokens <= fused_max:
+                assert dict(ran) == {"paged_verify_tc_rope": 1}, (tokens, dict(ran))
+            else:
+                attention = "paged_decode_g" if dtype == torch.float32 else "paged_verify_tc"
+                names = sorted(ran)
+                assert len(names) == 2 and sum(ran.values()) == 2, (tokens, dict(ran))
+                assert any(n.startswith("qk_norm_rope") for n in names), (tokens, dict(ran))
+                assert any(n.startswith(attention) for n in names), (tokens, dict(ran))
+            assert got.data_ptr() == out.data_ptr()
+            k32, v32 = k_before.float(), v_before.float()
+            want = reference.verify_attention_rope(qkv.float(), rope32, k32, v32, table, pos, scale)
+            info = (tokens, start)
+            assert torch.isfinite(got).all(), info
+            torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol, msg=str(info))
+            slots = reference.slot_indices(table, start, tokens, page)
+            kf, vf = k_pool.view(-1, kv_heads, d), v_pool.view(-1, kv_heads, d)
+            torch.testing.assert_close(kf[slots].float(), k32.view(-1, kv_heads, d)[slots], atol=tol, rtol=tol)
+            width = (heads + kv_heads) * d
+            assert torch.equal(vf[slots], qkv[:, width:].reshape(tokens, kv_heads, d)), info
+            k_before.view(-1, kv_heads, d)[slots] = kf[slots]
+            v_before.view(-1, kv_heads, d)[slots] = vf[slots]
+            torch.testing.assert_close(k_pool, k_before, rtol=0, atol=0, equal_nan=True)
+            torch.testing.assert_close(v_pool, v_before, rtol=0, atol=0, equal_nan=True)
+
+
+def test_verify_attention_rope_replays_from_a_graph_at_any_position() -> None:
+    dtype, heads, kv_heads, d, tokens = torch.bfloat16, 32, 8, 128, 5
+    ops = _rope_ops(dtype, d)
+    g = torch.Generator().manual_seed(3)
+    rope, rope32 = _rope_case(dtype, heads, kv_heads, d, True, g)
+    k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, 16, MAX_SEQ, g)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype).cuda()
+    pos = torch.tensor([3], dtype=torch.int32, device="cuda")
+    out = torch.full((tokens, heads, d), float("nan"), dtype=dtype, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.verify_attention_rope(qkv, rope, k_pool, v_pool, table, pos, d**-0.5, out=out)  # workspaces first
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        ops.verify_attention_rope(qkv, rope, k_pool, v_pool, table, pos, d**-0.5, out=out)
+    for start in (0, 31, 250, 690, 1000):
+        k32, v32 = k_pool.float(), v_pool.float()
+        pos.fill_(start)
+        out.fill_(float("nan"))
+        graph.replay()
+        want = reference.verify_attention_rope(qkv.float(), rope32, k32, v32, table, pos, d**-0.5)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 

@@ -330,17 +330,19 @@ class _DecodePlan:
             return self.max_splits
         return max(1, min(self.max_splits, -(-kv_len // self.min_rows)))
 
-    def wave_splits(self, ctas: int) -> int:
-        """Splits of a grid of ``ctas`` CTAs a split that one wave holds, at most the cap."""
-        return max(1, min(self.split_cap, self.wave // ctas))
+    def wave_splits(self, ctas: int, wave: int | None = None) -> int:
+        """Splits of a grid of ``ctas`` CTAs a split that one wave (default this plan's
+        kernel's) holds, at most the cap."""
+        return max(1, min(self.split_cap, (self.wave if wave is None else wave) // ctas))
 
-    def mergers(self, splits: int, tokens: int, ctas: int | None = None) -> int:
+    def mergers(self, splits: int, tokens: int, ctas: int | None = None, wave: int | None = None) -> int:
         """The kernel's ``mergers``: how many CTAs per group merge the splits, each a
         share, waiting for every split of its group: one below 16 splits, else one per 2
         splits up to the cap. 0 when the grid (``ctas`` a split, default this plan's per
-        token) is larger than one wave: a waiting merger could then hold the slot a split
-        it waits for needs, so the last CTA to arrive merges alone."""
-        if (self.ctas * tokens if ctas is None else ctas) * splits > self.wave:
+        token) is larger than one wave (default this plan's kernel's): a waiting merger
+        could then hold the slot a split it waits for needs, so the last CTA to arrive
+        merges alone."""
+        if (self.ctas * tokens if ctas is None else ctas) * splits > (self.wave if wave is None else wave):
             return 0
         if splits < 16:
             return 1
@@ -369,6 +371,7 @@ class PagedAttentionCuda:
         self.sms = int(sms) if sms is not None else launcher.sm_count()
         self._smem = nvrtc.shared_memory(launcher.device_index)
         self._plans: dict[tuple, _DecodePlan] = {}
+        self._verify_waves: dict[tuple, int] = {}  # (dtype, head_dim, rope) -> resident verify CTAs
         self.kv_kernel = launcher.kernel("kv_write.cu", "kv_write")
         self.dtypes = tuple(dtypes)
         for dtype in self.dtypes:
@@ -412,10 +415,16 @@ class PagedAttentionCuda:
         the dynamic shared memory its launches pass."""
         return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc")
 
-    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int) -> tuple[Any, int]:
-        """The tensor-core kernel of a verify step (several query tokens) and its dynamic
-        shared memory (the decode kernel's)."""
-        return self._tc_kernel(dtype, head_dim, "paged_verify_tc")
+    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False) -> tuple[Any, int]:
+        """The tensor-core kernel of a verify step (several query tokens; ``rope``: from the
+        qkv rows, with the step's q/k norms, RoPE and K/V store) and its dynamic shared
+        memory (the decode kernel's)."""
+        return self._tc_kernel(dtype, head_dim, "paged_verify_tc_rope" if rope else "paged_verify_tc")
+
+    def verify_rope_tokens(self) -> int:
+        """The most tokens one fused verify launch takes (a warp holds two of the step's
+        K/V rows); more go through ``qk_norm_rope`` and :meth:`verify_attention`."""
+        return 2 * self.tuning.tc_warps
 
     def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str) -> tuple[Any, int]:
         t = self.tuning
@@ -762,16 +771,79 @@ class PagedAttentionCuda:
         )
         return out
 
+    def verify_attention_rope(
+        self,
+        qkv: torch.Tensor,
+        rope: Rope,
+        k_pool: torch.Tensor,
+        v_pool: torch.Tensor,
+        block_table: torch.Tensor,
+        pos: torch.Tensor,
+        scale: float,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:func:`edge.kernels.reference.verify_attention_rope` on CUDA: the verify step's
+        qkv rows ``[T, (heads + 2 kv_heads) * D]`` at positions [*pos, *pos + T) ->
+        attention ``[T, heads, D]``, their keys (normalised, rotated) and values stored on
+        the way. One launch of the tensor-core verify kernel where the tuning plans RoPE
+        inside attention and T <= :meth:`verify_rope_tokens`, else the layer ops'
+        ``qk_norm_rope`` and :meth:`verify_attention`."""
+        _nb, _page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+        heads = rope.heads
+        if rope.kv_heads != kvh or heads % kvh:
+            raise ValueError(f"rope is for {heads} / {rope.kv_heads} heads, pools hold {kvh} KV heads")
+        width = (heads + 2 * kvh) * d
+        if qkv.dim() != 2 or qkv.shape[1] != width or not 1 <= qkv.shape[0] <= 65535:
+            raise ValueError(f"qkv must be [1..65535, {width}], got {tuple(qkv.shape)}")
+        if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
+            raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+        if pos is None:
+            raise ValueError("verify_attention_rope reads its position on the device: pass pos")
+        pos_ptr = _check_pos(pos, k_pool.device)
+        t = qkv.shape[0]
+        shape = (t, heads, d)
+        if out is None:
+            out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+        else:
+            _check_out(out, shape, qkv.dtype, qkv.device)
+        fused = self.tc_path(k_pool.dtype, False) and self.tuning.rope_in_attention and t <= self.verify_rope_tokens()
+        if not fused:
+            positions = pos + torch.arange(t, dtype=torch.int32, device=qkv.device)  # a launch, not a copy
+            q, _ = self.ops.qk_norm_rope(
+                qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
+                PagedKV(k_pool, v_pool, block_table),
+            )
+            return self.verify_attention(q, k_pool, v_pool, block_table, pos, scale, out)
+        tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
+        if not (qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 and all(_fits_rope(x, qkv, d) for x in tables)):
+            raise UnplannedArguments(f"verify_attention_rope of {tuple(qkv.shape)} rows its kernel cannot read in place")
+        norm_ptr = 0 if rope.qk_norm is None else rope.qk_norm.data_ptr()
+        rope_args = (
+            norm_ptr, rope.cos.data_ptr(), rope.sin_signed.data_ptr(), np.int32(rope.cos.shape[0]), np.float32(rope.eps)
+        )
+        self._launch_verify_tc(out, qkv, k_pool, v_pool, block_table, pos_ptr, float(scale), (t, heads, d), rope_args)
+        return out
+
     def _launch_verify_tc(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                          block_table: torch.Tensor, pos_ptr: int, scale: float) -> None:
+                          block_table: torch.Tensor, pos_ptr: int, scale: float,
+                          shape: tuple[int, int, int] | None = None, rope_args: tuple = ()) -> None:
         """One tensor-core verify launch: ceil(T * group / 16) tiles a KV head, as many
-        splits as one wave holds."""
-        t, q_heads, d = q.shape
+        splits as one wave holds. With ``rope_args`` q is the qkv rows of ``shape`` (T,
+        q_heads, D)."""
+        t, q_heads, d = q.shape if shape is None else shape
         kvh, page = k_pool.shape[2], k_pool.shape[1]
-        plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: kernel resources, wave
+        plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: split caps
         ctas = kvh * -(-(t * plan.group) // 16)
-        splits = plan.wave_splits(ctas)
-        kernel, smem = self.verify_tc_kernel(k_pool.dtype, d)
+        rope = bool(rope_args)
+        kernel, smem = self.verify_tc_kernel(k_pool.dtype, d, rope)
+        # One wave of this kernel (its registers are not the decode kernel's): a merger
+        # waits for its splits only when all of them are resident.
+        key = (k_pool.dtype, d, rope)
+        wave = self._verify_waves.get(key)
+        if wave is None:
+            occ = nvrtc.max_active_blocks(kernel, plan.threads, self.launcher.device_index, dynamic_smem=smem)
+            wave = self._verify_waves[key] = self.sms * occ
+        splits = plan.wave_splits(ctas, wave)
         ws_ptr = cnt_ptr = 0
         if splits > 1:
             ws, cnt = self._workspace(k_pool.device, splits * t * q_heads * d, ctas)
@@ -783,8 +855,8 @@ class PagedAttentionCuda:
             (
                 out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), pos_ptr,
                 np.int32(0), np.int32(kvh), np.int32(plan.group), np.int32(plan.log2_page),
-                np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(plan.mergers(splits, 1, ctas)),
-                np.int32(plan.graph_min_rows), np.int32(t),
+                np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(plan.mergers(splits, 1, ctas, wave)),
+                np.int32(plan.graph_min_rows), np.int32(t), *rope_args,
             ),
             shmem=smem,
         )

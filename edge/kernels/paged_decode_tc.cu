@@ -71,12 +71,18 @@ struct RopeArgs {
   float eps;
 };
 
-// MULTI (the speculative verify step, without ROPE): q is [tokens, q_heads, D] at
-// positions *pos .. *pos + tokens - 1 (their K/V already stored), token i attends to keys
-// [0, *pos + i]. The m16 tile's rows are a KV head's (token, query head) pairs, token-major
-// (group 4: 4 tokens a tile), each row masked at its own length; a CTA's split range
-// covers its last token's keys. Rows land in out at [token, head]; the split words of a
-// CTA's rows are contiguous (row kvh * tokens * group + its index).
+// MULTI (the speculative verify step): q is [tokens, q_heads, D] at positions *pos ..
+// *pos + tokens - 1 (their K/V already stored), token i attends to keys [0, *pos + i].
+// The m16 tile's rows are a KV head's (token, query head) pairs, token-major (group 4: 4
+// tokens a tile), each row masked at its own length; a CTA's split range covers its last
+// token's keys. Rows land in out at [token, head]; the split words of a CTA's rows are
+// contiguous (row kvh * tokens * group + its index).
+//
+// MULTI and ROPE: q is the qkv projection's rows [tokens, (q_heads + 2 kv_heads) * D]
+// (at most 2 W tokens). The CTA normalises and rotates its rows' queries, and the steps'
+// keys and values inside its split range (warp w: tokens w and w + W) come from
+// registers as the decode step's newest row does: stored into the pools by every CTA
+// whose range holds them (the same bytes), never copied from there.
 template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI>
 __device__ __forceinline__ void paged_decode_tc(
     T* __restrict__ out,             // [q_heads, D]
@@ -93,7 +99,6 @@ __device__ __forceinline__ void paged_decode_tc(
     int min_rows,                    // fewest keys per active split (active_splits)
     RopeArgs rope,
     int tokens) {                    // MULTI: query tokens (1 otherwise)
-  static_assert(!(MULTI && ROPE), "the verify step stores its K/V before attention");
   using C = TcCfg<T, D, W, STAGES>;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
@@ -149,8 +154,10 @@ __device__ __forceinline__ void paged_decode_tc(
       slot[i] = (s < nstage && row < r1) ? (int)paged_slot(table, row, log2_page) : -1;
     }
   };
-  // The copies of stage s for this thread's rows, all but row `skip` (uncommitted).
-  auto copy_stage = [&](int s, const int (&slot)[PT], int skip) {
+  // The copies of stage s for this thread's rows, all but rows [skip_lo, skip_hi) of the
+  // range (uncommitted; rows past r1 are zero-filled whatever they are: masked keys are
+  // multiplied by 0, which a stale NaN would survive).
+  auto copy_stage = [&](int s, const int (&slot)[PT], int skip_lo, int skip_hi) {
     if (s < nstage) {
       T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * 8;
       T* dv = dk + C::STAGE_ELEMS;
@@ -158,7 +165,7 @@ __device__ __forceinline__ void paged_decode_tc(
 #pragma unroll
       for (int i = 0; i < PT; ++i) {
         const int row = sbase + i * RPP;
-        if (row == skip) continue;
+        if (row >= skip_lo && row < skip_hi && row < r1) continue;
         const bool ok = slot[i] >= 0;  // rows at or past r1: zero-filled, not read
         const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * 8 : 0;
         cp_async16(smem_u32(dk + i * RPP * LDS), k_pool + off, ok ? 16 : 0);
@@ -166,79 +173,119 @@ __device__ __forceinline__ void paged_decode_tc(
       }
     }
   };
-  // ROPE: the newest row's K/V come from registers (put_newest), never from the pool.
+  // ROPE: the step's K/V rows come from registers (put_new), never from the pool: the
+  // decode token's (the newest), or the verify step's tokens' (positions len0 - 1 ..).
   const int newest = kv_len - 1;
+  const int new_lo = MULTI ? len0 - 1 : newest;
+  const int new_hi = MULTI ? (ROPE ? new_lo + tokens : new_lo) : newest + 1;
   auto issue_stage = [&](int s, const int (&slot)[PT]) {
-    copy_stage(s, slot, ROPE ? newest : -1);
+    copy_stage(s, slot, ROPE ? new_lo : 0, ROPE ? new_hi : 0);
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
   };
 
   // Before the grid-dependency wait (overlapped launches, common.cuh): every K/V row but
-  // the newest (this step's, stored by the kernel before) is already in the pool, so all
-  // STAGES stages' copies go out while the previous kernel finishes (its split merge, in
-  // an attention-after-attention graph). After the wait the newest row, when a prologue
-  // stage holds it, is loaded into its place by the threads that own it (plain loads:
-  // its cp.async group is already committed); q comes after.
+  // the step's (stored by this kernel, or by the kernel before) is already in the pool,
+  // so all STAGES stages' copies go out while the previous kernel finishes (its split
+  // merge, in an attention-after-attention graph). After the wait the newest row, when a
+  // prologue stage holds it, is loaded into its place by the threads that own it (plain
+  // loads: its cp.async group is already committed); q comes after. MULTI without ROPE
+  // waits first: the tokens' rows it reads were stored by the kernel before.
   constexpr int E = D / 32;
   using Rp = Pack<T, E>;
+  constexpr bool kEarly = !MULTI || ROPE;  // copies before the wait
+  constexpr int NEW = MULTI && ROPE ? 2 : 1;  // the step's rows a warp holds
   const T* norm_w = static_cast<const T*>(rope.qk_norm);
-  Rp rcos, rsin, knew, vnew;  // ROPE: this lane's slots of the position's tables, the newest K/V
-  if constexpr (ROPE) {
+  Rp rcos, rsin, knew[NEW] = {}, vnew[NEW] = {};  // ROPE: this lane's slots of the position's tables, the step's K/V
+  if constexpr (ROPE && !MULTI) {
     const long long p = min(newest, rope.max_pos - 1);  // never read outside the tables
     rcos = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.cos_tab) + p * D + lane * E);
     rsin = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.sin_tab) + p * D + lane * E);
   }
   int slots[PT];
-  if constexpr (MULTI) {  // the newest tokens' rows were stored by the kernel before
+  if constexpr (!kEarly) {  // the newest tokens' rows were stored by the kernel before
     grid_dependency_wait();
     allow_dependents();
   }
 #pragma unroll
   for (int s = 0; s < STAGES; ++s) {
     fetch_slots(s, slots);
-    copy_stage(s, slots, MULTI ? -1 : newest);
+    copy_stage(s, slots, MULTI && !ROPE ? 0 : new_lo, MULTI && !ROPE ? 0 : new_hi);
     cp_async_commit();
   }
   fetch_slots(STAGES, slots);
-  if constexpr (!MULTI) {
+  if constexpr (kEarly) {
     grid_dependency_wait();
     allow_dependents();
   }
   const int new_off = newest - r0;
   const bool holds_newest = !MULTI && new_off >= 0 && newest < r1;
+  // Row j of warp `warp`'s share (ROPE): the decode token (last warp) or verify token
+  // warp + j * W, when this split's range holds its position.
+  auto new_pos = [&](int j) { return MULTI ? new_lo + warp + j * W : newest; };
+  auto holds_new = [&](int j) {
+    if constexpr (MULTI) {
+      const int p = new_pos(j);
+      return warp + j * W < tokens && p >= r0 && p < r1;
+    } else {
+      return holds_newest && warp == W - 1;
+    }
+  };
+  auto new_stage_of = [&](int j) { return (new_pos(j) - r0) / KEYS; };
+  auto put_new = [&](int j) {  // ROPE: row j of this warp's share into its stage's buffer
+    const int off = new_pos(j) - r0;
+    T* dst = pipe + ((off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (off % KEYS) * LDS + lane * E;
+    *reinterpret_cast<Rp*>(dst) = knew[j];
+    *reinterpret_cast<Rp*>(dst + C::STAGE_ELEMS) = vnew[j];
+  };
   const int new_at = holds_newest ? new_off : 0;  // the row's place in its stage's buffer
   T* const new_stage = pipe + ((new_at / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_at % KEYS) * LDS;
-  auto put_newest = [&]() {  // ROPE, last warp: the newest row into its stage's buffer
-    *reinterpret_cast<Rp*>(new_stage + lane * E) = knew;
-    *reinterpret_cast<Rp*>(new_stage + C::STAGE_ELEMS + lane * E) = vnew;
-  };
   if constexpr (ROPE) {
-    // Loads first (q heads, and the newest row's k and v in the last warp), then the
-    // math: one round trip after the wait, as without ROPE.
-    const bool new_warp = holds_newest && warp == W - 1;
-    const T* kx = q + (long long)(q_heads + kvh) * D + lane * E;
-    Rp kin, vin;
-    if (new_warp) {
-      kin = *reinterpret_cast<const Rp*>(kx);
-      vin = *reinterpret_cast<const Rp*>(kx + (long long)kv_heads * D);
+    const int width = (q_heads + 2 * kv_heads) * D;  // a qkv row
+    // Loads first (q heads, and the step's k and v rows a warp holds), then the math:
+    // one round trip after the wait, as without ROPE.
+    Rp kin[NEW], vin[NEW];
+#pragma unroll
+    for (int j = 0; j < NEW; ++j) {
+      if (holds_new(j)) {
+        const T* kx = q + (long long)(MULTI ? warp + j * W : 0) * width + (long long)(q_heads + kvh) * D + lane * E;
+        kin[j] = *reinterpret_cast<const Rp*>(kx);
+        vin[j] = *reinterpret_cast<const Rp*>(kx + (long long)kv_heads * D);
+      }
     }
     for (int g = warp; g < gcount; g += W) {
-      const int head = head0 + g;
-      const Rp x = *reinterpret_cast<const Rp*>(q + (long long)head * D + lane * E);
-      *reinterpret_cast<Rp*>(&sm_q[g][lane * E]) = norm_rope_lane<T, D>(
-          x, norm_w != nullptr ? norm_w + (long long)head * D : nullptr, rcos, rsin, rope.eps, lane);
+      const int i = chunk * kTcRows + g;  // MULTI: the KV head's row i is token i / group
+      const int head = MULTI ? kvh * group + i % group : head0 + g;
+      const int tok = MULTI ? i / group : 0;
+      const Rp x = *reinterpret_cast<const Rp*>(q + (long long)tok * width + (long long)head * D + lane * E);
+      Rp c = rcos, sn = rsin;
+      if constexpr (MULTI) {
+        const long long p = min(new_lo + tok, rope.max_pos - 1);
+        c = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.cos_tab) + p * D + lane * E);
+        sn = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.sin_tab) + p * D + lane * E);
+      }
+      *reinterpret_cast<Rp*>(&sm_q[g][lane * E]) =
+          norm_rope_lane<T, D>(x, norm_w != nullptr ? norm_w + (long long)head * D : nullptr, c, sn, rope.eps, lane);
     }
-    if (new_warp) {
-      // Every CTA holding the row computes it; the chunks of one KV head store the same
-      // bytes. Its stage gets it from these registers (issue_stage skips the row), so
-      // nothing here waits for the pool store.
-      knew = norm_rope_lane<T, D>(kin, norm_w != nullptr ? norm_w + (long long)(q_heads + kvh) * D : nullptr,
-                                  rcos, rsin, rope.eps, lane);
-      vnew = vin;
-      const long long off = paged_slot(table, newest, log2_page) * row_stride + head_off + lane * E;
-      *reinterpret_cast<Rp*>(k_pool + off) = knew;
-      *reinterpret_cast<Rp*>(v_pool + off) = vnew;
-      if (new_off < STAGES * KEYS) put_newest();
+#pragma unroll
+    for (int j = 0; j < NEW; ++j) {
+      if (holds_new(j)) {
+        // Every CTA holding the row computes it; the chunks and CTAs of one KV head store
+        // the same bytes. Its stage gets it from these registers (the copies skip the
+        // row), so nothing here waits for the pool store.
+        Rp c = rcos, sn = rsin;
+        if constexpr (MULTI) {
+          const long long p = min(new_pos(j), rope.max_pos - 1);
+          c = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.cos_tab) + p * D + lane * E);
+          sn = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.sin_tab) + p * D + lane * E);
+        }
+        knew[j] = norm_rope_lane<T, D>(kin[j], norm_w != nullptr ? norm_w + (long long)(q_heads + kvh) * D : nullptr,
+                                       c, sn, rope.eps, lane);
+        vnew[j] = vin[j];
+        const long long off = paged_slot(table, new_pos(j), log2_page) * row_stride + head_off + lane * E;
+        *reinterpret_cast<Rp*>(k_pool + off) = knew[j];
+        *reinterpret_cast<Rp*>(v_pool + off) = vnew[j];
+        if (new_stage_of(j) < STAGES) put_new(j);
+      }
     }
     __syncthreads();
   } else if (holds_newest && new_off < STAGES * KEYS && my_r == new_off % RPP) {
@@ -260,7 +307,7 @@ __device__ __forceinline__ void paged_decode_tc(
   };
   const T* q0;
   const T* q1;
-  if constexpr (MULTI) {
+  if constexpr (MULTI && !ROPE) {
     q0 = q + (long long)out_row(qv0 ? gid : 0) * D;
     q1 = q + (long long)out_row(qv1 ? gid + 8 : 0) * D;
   } else {
@@ -289,7 +336,11 @@ __device__ __forceinline__ void paged_decode_tc(
     if (s > 0) {
       __syncthreads();  // everyone is done with stage s - 1: its buffer takes stage s - 1 + STAGES
       issue_stage(s + STAGES - 1, slots);
-      if (ROPE && holds_newest && warp == W - 1 && new_off / KEYS == s + STAGES - 1) put_newest();
+      if constexpr (ROPE) {
+#pragma unroll
+        for (int j = 0; j < NEW; ++j)
+          if (holds_new(j) && new_stage_of(j) == s + STAGES - 1) put_new(j);
+      }
       fetch_slots(s + STAGES, slots);  // lands while the stages in flight are computed
     }
     cp_async_wait<STAGES - 1>();  // this thread's copies of stage s
@@ -396,6 +447,17 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
     paged_verify_tc(EDGE_TC_PARAMS(q), int tokens) {
   edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true>(EDGE_TC_ARGS(q),
                                                                                        edge::RopeArgs{}, tokens);
+}
+
+// The verify step from the qkv projection's rows: its q/k norms, RoPE and K/V store in
+// the launch (at most 2 * CFG_TC_WARPS tokens).
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
+    paged_verify_tc_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,
+                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
+                         float eps) {
+  if (tokens > 2 * CFG_TC_WARPS) __trap();  // a warp holds two of the step's rows
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true>(
+      EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);
 }
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).

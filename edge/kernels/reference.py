@@ -149,6 +149,29 @@ def verify_attention(
     return res if out is None else out.copy_(res)
 
 
+def verify_attention_rope(
+    qkv: torch.Tensor,
+    rope: Rope,
+    k_pool: torch.Tensor,
+    v_pool: torch.Tensor,
+    block_table: torch.Tensor,
+    pos: torch.Tensor,
+    scale: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The verify step's attention straight from its qkv projection rows ``[T, (heads +
+    2 kv_heads) * D]`` at positions [pos, pos + T): ``qk_norm_rope`` storing the T keys
+    and values into the pools, then :func:`verify_attention` -> ``[T, heads, D]`` (what
+    the CUDA kernel does in one launch)."""
+    t, d = qkv.shape[0], rope.cos.shape[1]
+    positions = pos.reshape(1).long() + torch.arange(t, device=qkv.device)  # on the device: no copy
+    q, _ = qk_norm_rope(
+        qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, rope.heads, rope.kv_heads, d, rope.eps,
+        PagedKV(k_pool, v_pool, block_table),
+    )
+    return verify_attention(q, k_pool, v_pool, block_table, pos, scale, out)
+
+
 # ---------------------------------------------------------------------------------------
 # Fused decoder-layer ops (edge/kernels/fused.cu): float32 math, one rounding to the
 # input dtype per output (float32 tensors are never converted: the CPU path computes

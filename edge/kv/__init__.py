@@ -35,10 +35,11 @@ class SequenceKV(Protocol):
         over positions [0, length+T)."""
 
     def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor | None:
-        """Attention ``[1, heads, D]`` of one decode token straight from its qkv
-        projection row ``[1, (heads + 2 kv_heads) * D]``, the q/k norm, RoPE and K/V store
-        included (one kernel on CUDA), or None when this cache does not do that: the
-        caller then runs ``qk_norm_rope`` and :meth:`attend`."""
+        """Attention ``[T, heads, D]`` straight from the qkv projection rows ``[T, (heads +
+        2 kv_heads) * D]`` (a decode token; the verify step's tokens), the q/k norm, RoPE
+        and K/V store included (one kernel on CUDA), or None when this cache does not do
+        that for these rows (prefill chunks): the caller then runs ``qk_norm_rope`` and
+        :meth:`attend`."""
 
     def advance(self, n: int) -> None:
         """Commit ``n`` tokens written by the last forward pass."""

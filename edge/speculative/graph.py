@@ -40,8 +40,9 @@ DEFAULT_GRAPH_PROPOSALS = 8
 
 
 class VerifyStepKV:
-    """``SequenceKV`` of the verify step: K/V stored by ``qk_norm_rope`` through
-    ``pages``, attention at the device-resident position."""
+    """``SequenceKV`` of the verify step: attention at the device-resident position from
+    the qkv rows (``verify_attention_rope``: the q/k norms, RoPE and the K/V store in the
+    attention launch where the kernels plan it)."""
 
     def __init__(self, decoder: "VerifyDecoder") -> None:
         self.d = decoder
@@ -52,15 +53,19 @@ class VerifyStepKV:
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None) -> torch.Tensor:
         if k is not None:
-            raise AssertionError("the verify step stores K/V in qk_norm_rope (pages), not in attend")
+            raise AssertionError("the verify step stores K/V in its attention (or qk_norm_rope), not in attend")
         d = self.d
         pool = d.cache.pool
         return d.attention.verify_attention(
             q, pool.k[layer], pool.v[layer], d.table, d.pos, d.cache.scale, out=d.attn_out[layer, : q.shape[0]]
         )
 
-    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> None:
-        return None  # one token too takes qk_norm_rope + verify_attention: one path for every T
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: Rope) -> torch.Tensor:
+        d = self.d
+        pool = d.cache.pool
+        return d.attention.verify_attention_rope(
+            qkv, rope, pool.k[layer], pool.v[layer], d.table, d.pos, d.cache.scale, out=d.attn_out[layer, : qkv.shape[0]]
+        )
 
 
 class VerifyDecoder:
