@@ -84,10 +84,9 @@ class VerifyDecoder:
         self.cache = engine.kv
         self.graphed = engine.cuda_graph
         self.path = "graph" if self.graphed else "eager"
-        # Quantized models' verify graphs launch serialised: on sm_90 their overlapped
-        # launches measured slower and unsteady between captures (docs/speculative.md).
-        overlap = self.graphed and not engine.model.int8_projections
-        self.kernels = engine.backend.graph if overlap else engine.backend.eager
+        # Verify graphs launch as the decode graphs do (overlapped where the backend
+        # overlaps them: sm_90, float and int8 models).
+        self.kernels = engine.backend.graph if self.graphed else engine.backend.eager
         self.attention = self.kernels.attention
         self.max_proposals = max_proposals
         cfg, dev = engine.cfg, engine.device
