@@ -102,6 +102,12 @@ def ic(int8_linear) -> Int8CudaLinear:
 _GEMV_NAME = re.compile(r"int8_(gemv|mma)_(.*?)(?:bf16|f16)(?:_r\d)?")
 
 
+def gate_up_kind(tuning: Int8Tuning) -> str:
+    """The kernel kind of a decode token's gate_up (norm + SwiGLU) under ``tuning``: the
+    tensor-core kernel where it asks (few SMs, :meth:`Int8Tuning.for_sms`), else the GEMV."""
+    return "int8_mma_norm_swiglu_" if "norm_swiglu_" in tuning.mma_one_token else "int8_gemv_norm_swiglu_"
+
+
 def by_kind(counts: dict[str, int]) -> Counter[str]:
     """Launch counts with each int8 GEMV keyed by its kernel and mode (``int8_gemv_<infix>``
     or, the tensor-core kernel, ``int8_mma_<infix>``, e.g. ``int8_gemv_norm_``): dtypes and
@@ -176,15 +182,17 @@ def check(
     assert rel < TOL_REF[x.dtype], f"{label}: relative error vs reference {rel:.3g}"
 
 
-def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None) -> str:
+def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None, infix: str | None = None) -> str:
     """The kernel a decode input runs on: 2..8 tokens of a weight of whole 64-column
     tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV. Given
-    ``ic``, the plain mode's: its tensor-core launch reads the tokens directly when
-    ``ic``'s tuning says so."""
+    ``ic`` alone, the plain mode's: its tensor-core launch reads the tokens directly when
+    ``ic``'s tuning says so; with a fused mode's ``infix`` too, one token takes the
+    tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU)."""
     tokens = x.numel() // w.in_features
-    if not (MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
+    low = 1 if ic is not None and infix in ic.tuning.mma_one_token else MIN_MMA_TOKENS
+    if not (low <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
         return "int8_gemv_"
-    return "int8_mma_direct_" if ic is not None and ic.tuning.mma_direct else "int8_mma_"
+    return "int8_mma_direct_" if ic is not None and infix is None and ic.tuning.mma_direct else "int8_mma_"
 
 
 def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
@@ -361,7 +369,7 @@ def test_engine_enables_the_gemv_for_int8_models() -> None:
     before = Counter(engine.backend.launch_counts())
     tokens, with_kernel = _decode(engine, ids, 3)
     grown = by_kind(Counter(engine.backend.launch_counts()) - before)
-    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown["int8_gemv_norm_swiglu_"], grown
+    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown[gate_up_kind(engine.backend.int8_tuning)], grown
     _, want = _decode(ref, ids, 3, forced=tokens)
     assert _rel(with_kernel, want) < 1e-2, _rel(with_kernel, want)
 
@@ -402,7 +410,7 @@ def test_reference_engine_after_a_cuda_int8_engine_runs_the_reference() -> None:
     before = Counter(first.backend.launch_counts())
     _, again = _decode(first, ids, 4, forced=tokens)
     grown = by_kind(Counter(first.backend.launch_counts()) - before)
-    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown["int8_gemv_norm_swiglu_"], grown
+    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown[gate_up_kind(first.backend.int8_tuning)], grown
     assert torch.equal(again, first_logits), "the first engine changed after the second was built"
     assert first.generate(ids, max_tokens=8, ignore_eos=True).token_ids == graph_tokens
 
@@ -466,7 +474,8 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     y, names = launched(ic, ic.linear, x, w, bias, out=case["out"], **kw)
     torch.cuda.synchronize()
     mode = "norm_" * ("norm" in kw) + "residual_" * ("residual" in kw) + "swiglu_" * bool(kw.get("swiglu"))
-    kinds = {f"{kernel_of(x, w)}{mode}"} | ({f"int8_mma_direct_{mode}"} if kernel_of(x, w) == "int8_mma_" else set())
+    kernel = kernel_of(x, w, ic, mode)
+    kinds = {f"{kernel}{mode}"} | ({f"int8_mma_direct_{mode}"} if kernel == "int8_mma_" else set())
     assert len(names) == 1 and set(by_kind(names)) <= kinds and sum(names.values()) == 1, (
         f"{label}: launched {dict(names)}")
     if "residual" in kw:
@@ -482,7 +491,7 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), kw["norm"][0].float(), EPS) if "norm" in kw else x
     o = oracle(h, w, bias)
     err_lin = rtol * o.abs() + 1e-5 * o.abs().max()  # bound on |round(dot) - o| per output row
-    if "norm" in kw and kernel_of(x, w) == "int8_mma_":
+    if "norm" in kw and kernel == "int8_mma_":
         # The tensor-core kernel stages x * norm_w rounded to x's dtype (as the unfused
         # rms_norm -> linear rounds its row): at most half an ulp of each input more.
         wabs = Int8Weight(w.weight.abs(), w.scale, w.group_size)
@@ -529,8 +538,8 @@ def test_fused_modes_match_reference(ic, case, dtype, tokens) -> None:
 @pytest.mark.parametrize("mode", ["norm", "residual", "norm_swiglu"])
 def test_fused_modes_every_variant(int8_linear, mode, rows_per_warp) -> None:
     """Each rows-per-warp variant of each mode (SwiGLU takes at least a pair: 1 runs
-    as 2) on ragged shapes, both dtypes, 1 and 3 tokens."""
-    ic = int8_linear(rows_per_warp=rows_per_warp)
+    as 2) on ragged shapes, both dtypes, 1 and 3 tokens (every mode on the GEMV)."""
+    ic = int8_linear(rows_per_warp=rows_per_warp, mma_one_token=())
     r = max(rows_per_warp, 2) if "swiglu" in mode else rows_per_warp
     for rows, inp, group in ((66, 512, 32), (2 * 301, 256, 16), (8, 2048, 256)):
         for dtype in DTYPES16:
@@ -571,6 +580,20 @@ def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, t
         name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
         assert name.startswith("int8_mma_direct_" if direct else "int8_mma_"), name
         assert direct or not name.startswith("int8_mma_direct_"), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+def test_one_token_gate_up_on_the_tensor_core_kernel(int8_linear, dtype) -> None:
+    """A decode token's norm + SwiGLU on the tensor-core kernel where the tuning asks it
+    (few SMs), against the float32 oracle and the reference composition; the other modes
+    keep the GEMV."""
+    ic = int8_linear(mma_one_token=("norm_swiglu_",))
+    for case in MMA_CASES:
+        mode, rows, inp, group = case
+        for bias in (False, True):
+            c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, 1, bias)
+            name = check_fused(ic, c, f"{_case_id(case)} {dtype} T1 bias={bias}")
+            assert name.startswith("int8_mma_norm_swiglu_" if mode == "norm_swiglu" else "int8_gemv_"), name
 
 
 @pytest.mark.parametrize("carveout", [72, 100])
@@ -869,7 +892,7 @@ def test_int8_decode_runs_the_fused_kernels(monkeypatch) -> None:
         "int8_gemv_norm_": layers,
         "paged_decode_tc_rope": layers,
         "int8_gemv_residual_": 2 * layers,
-        "int8_gemv_norm_swiglu_": layers,
+        gate_up_kind(engine.backend.int8_tuning): layers,
         "rms_norm_bf16": 1,
     }
     # Unfused: the first norm, add_rms_norm after o and down (the last one is the
@@ -1211,7 +1234,7 @@ def test_greedy_graph_decode_takes_the_token_from_the_lm_head(tmp_path) -> None:
         "int8_gemv_norm_": layers,
         "paged_decode_tc_rope": layers,
         "int8_gemv_residual_": 2 * layers,
-        "int8_gemv_norm_swiglu_": layers,
+        gate_up_kind(graph.backend.int8_tuning): layers,
         "int8_gemv_norm_argmax_": 1,
         "int8_argmax_take": 1,
         "decode_step_end": 1,

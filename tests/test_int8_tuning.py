@@ -10,16 +10,26 @@ from edge.kernels.int8_cuda import Int8Tuning
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
     """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
-    norm mode), a full GPU two everywhere; the rest of the tuning is the default either
-    way, and the kernels see it as defines."""
+    norm mode) and the decode token's gate_up on the tensor-core kernel, a full GPU two
+    column tiles everywhere and the GEMV for every decode token; the rest of the tuning
+    is the default either way, and the kernels see it as defines."""
     for sms in (8, 16, 32):
         t = Int8Tuning.for_sms(sms)
         d = t.mma_defines()
         assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
-        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4)
-    assert Int8Tuning.for_sms(132) == Int8Tuning()
+        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",))
+    assert Int8Tuning.for_sms(132) == Int8Tuning() and Int8Tuning().mma_one_token == ()
     d = Int8Tuning().mma_defines()
     assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (2, 2)
+
+
+def test_one_token_modes_are_gemv_modes() -> None:
+    """mma_one_token names GEMV modes (infixes); anything else is refused at once."""
+    import pytest
+
+    assert Int8Tuning(mma_one_token=("norm_swiglu_", "norm_")).mma_one_token == ("norm_swiglu_", "norm_")
+    with pytest.raises(ValueError, match="mma_one_token"):
+        Int8Tuning(mma_one_token=("swiglu",))
 
 
 def test_carveout_is_a_percentage() -> None:

@@ -98,6 +98,10 @@ class Int8Tuning:
     # (None: the driver's choice): the driver fills SMs with staging CTAs up to the largest
     # carveout, which leaves L1 too small for the weight loads in flight (docs/benchmarks.md).
     mma_carveout: int | None = 72
+    # GEMV modes (infixes of MODES) whose one-token launches take the tensor-core kernel:
+    # on few SMs its norm + SwiGLU streams the gate_up weight faster than the GEMV
+    # (docs/benchmarks.md); a many-SM GPU keeps the GEMV everywhere.
+    mma_one_token: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
@@ -110,6 +114,9 @@ class Int8Tuning:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
         if self.mma_carveout is not None and not 0 <= self.mma_carveout <= 100:
             raise ValueError(f"mma_carveout is a percentage, got {self.mma_carveout}")
+        known = {infix for infix, _ in MODES.values()}
+        if not set(self.mma_one_token) <= known:
+            raise ValueError(f"mma_one_token takes modes of {sorted(known)}, got {list(self.mma_one_token)}")
 
     @property
     def norm_unroll(self) -> int:
@@ -119,8 +126,9 @@ class Int8Tuning:
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
         """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) one column
-        tile a tensor-core stage, four in the one-tile norm mode (docs/benchmarks.md)."""
-        return cls(mma_unroll=1, mma_norm_unroll=4) if sms <= 32 else cls()
+        tile a tensor-core stage, four in the one-tile norm mode, and the decode step's
+        gate_up (norm + SwiGLU) on the tensor-core kernel (docs/benchmarks.md)."""
+        return cls(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",)) if sms <= 32 else cls()
 
     def defines(self) -> dict[str, int]:
         return {
@@ -222,12 +230,13 @@ class Int8CudaLinear:
     def _gemv(self, x: torch.Tensor, w: Int8Weight) -> bool:
         """Whether ``x`` is a decode input (a GEMV kernel); else a prefill chunk (the GEMM)."""
         tokens = x.numel() // w.in_features
-        return tokens <= MAX_GEMV_TOKENS or self._mma(tokens, w)
+        return tokens <= MAX_GEMV_TOKENS or self._mma(tokens, w, None)
 
-    @staticmethod
-    def _mma(tokens: int, w: Int8Weight) -> bool:
-        """Whether ``tokens`` tokens run on the tensor-core kernel (int8_mma.cu)."""
-        return MIN_MMA_TOKENS <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None
+    def _mma(self, tokens: int, w: Int8Weight, infix: str | None) -> bool:
+        """Whether ``tokens`` tokens in mode ``infix`` run on the tensor-core kernel
+        (int8_mma.cu): from 2 tokens, and 1 in the tuning's ``mma_one_token`` modes."""
+        low = 1 if infix in self.tuning.mma_one_token else MIN_MMA_TOKENS
+        return low <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None
 
     def fuses(self, x: torch.Tensor, w: Int8Weight) -> bool:
         """Decode inputs run norm / residual / SwiGLU inside the GEMV."""
@@ -325,7 +334,7 @@ class Int8CudaLinear:
         """One GEMV launch in mode ``infix``."""
         rows, cols = w.weight.shape
         tokens = x.numel() // cols
-        if self._mma(tokens, w):
+        if self._mma(tokens, w, infix):
             self._launch_mma(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr)
             return
         staged = norm is not None and infix != ARGMAX_MODES[True]  # the kernel's kStaged
