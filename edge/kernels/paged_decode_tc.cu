@@ -79,7 +79,7 @@ struct RopeArgs {
 // contiguous (row kvh * tokens * group + its index).
 //
 // MULTI and ROPE: q is the qkv projection's rows [tokens, (q_heads + 2 kv_heads) * D]
-// (at most 2 W tokens). The CTA normalises and rotates its rows' queries, and the steps'
+// (at most 2 W tokens). The CTA normalises and rotates its rows' queries, and the step's
 // keys and values inside its split range (warp w: tokens w and w + W) come from
 // registers as the decode step's newest row does: stored into the pools by every CTA
 // whose range holds them (the same bytes), never copied from there.
