@@ -3,9 +3,9 @@
 A verify step feeds T = k + 1 tokens (the newest token and k proposals) at positions
 [pos, pos + T) of the slot's sequence and scores every one of them. As in the decode
 graph (edge/graph.py), the position and the block table live in static device buffers:
-the step reads ``pos`` on the device (q/k norm + RoPE with the K/V store at
-``pos + i``, then the paged attention of ``verify_attention``, token i against keys
-[0, pos + i]), so one graph per T replays at any length, and blocks are reserved and
+the step reads ``pos`` on the device (``verify_attention_rope``: the q/k norms, RoPE,
+the K/V store at ``pos + i`` and the paged attention, token i against keys [0, pos + i]),
+so one graph per T replays at any length, and blocks are reserved and
 their table entries synced outside the graph before the replay. The T input ids come
 from the host (the proposer runs there): one host-to-device copy of T ids per step,
 none for the position.
