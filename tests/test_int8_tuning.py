@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from edge.kernels.int8_cuda import Int8Tuning
+from edge.kernels.int8_cuda import MODES, Int8Tuning
 
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
@@ -53,6 +53,11 @@ def test_bench_int8_arguments() -> None:
     a = p.parse_args(["--sms", "16", "--sweep"])
     assert (a.tokens, a.sms, a.sweep) == (5, 16, True)
     assert p.parse_args(["--tokens", "1", "--only", "unroll2"]).only == "unroll2"
+    # The one-token comparison: every GEMV mode on either kernel, whatever the SM count.
+    for sms in (16, 132):
+        t = bench_int8._tunings(sms)
+        assert t["one_token_gemv"].mma_one_token == ()
+        assert set(t["one_token_mma"].mma_one_token) == {infix for infix, _ in MODES.values()}
 
 
 def test_bench_tunings_chosen() -> None:

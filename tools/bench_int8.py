@@ -60,6 +60,9 @@ def _tunings(sms: int) -> dict:
         "carveout_driver": dataclasses.replace(base, mma_carveout=None),  # the driver picks the carveout
         "carveout100": dataclasses.replace(base, mma_carveout=100),
         "carveout50": dataclasses.replace(base, mma_carveout=50),
+        # --tokens 1: every mode on the GEMV, or every mode on the tensor-core kernel
+        "one_token_gemv": dataclasses.replace(base, mma_one_token=()),
+        "one_token_mma": dataclasses.replace(base, mma_one_token=("", "norm_", "residual_", "norm_swiglu_")),
     }
 
 
