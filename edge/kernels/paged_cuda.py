@@ -284,6 +284,21 @@ def _fits_rope(t: torch.Tensor, qkv: torch.Tensor, d: int) -> bool:
     )
 
 
+def _check_rope(rope: Rope, kvh: int) -> None:
+    if rope.kv_heads != kvh or rope.heads % kvh:
+        raise ValueError(f"rope is for {rope.heads} / {rope.kv_heads} heads, pools hold {kvh} KV heads")
+
+
+def _rope_args(rope: Rope, qkv: torch.Tensor, d: int, what: str) -> tuple:
+    """The RoPE kernels' trailing arguments (norm weights, cos, sin, table rows, eps), or
+    UnplannedArguments (``what``) when the kernel cannot read qkv and the tables in place."""
+    tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
+    if not (qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 and all(_fits_rope(t, qkv, d) for t in tables)):
+        raise UnplannedArguments(f"{what} its kernel cannot read in place")
+    norm_ptr = 0 if rope.qk_norm is None else rope.qk_norm.data_ptr()
+    return norm_ptr, rope.cos.data_ptr(), rope.sin_signed.data_ptr(), np.int32(rope.cos.shape[0]), np.float32(rope.eps)
+
+
 class _DecodePlan:
     """Launch constants of the decode kernel for one (dtype, head_dim, q_heads,
     kv_heads, page, tokens > 1, rope) under one tuning."""
@@ -655,9 +670,8 @@ class PagedAttentionCuda:
         launch of the tensor-core kernel where the tuning plans RoPE inside attention,
         else the layer ops' ``qk_norm_rope`` and :meth:`decode_attention`."""
         _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+        _check_rope(rope, kvh)
         heads = rope.heads
-        if rope.kv_heads != kvh or heads % kvh:
-            raise ValueError(f"rope is for {heads} / {rope.kv_heads} heads, pools hold {kvh} KV heads")
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[0] != 1 or qkv.shape[1] < width:
             raise ValueError(f"qkv must be [1, >= {width}] (one token), got {tuple(qkv.shape)}")
@@ -673,20 +687,21 @@ class PagedAttentionCuda:
         if not plan.rope:
             # torch.full: a fill launch with the value as its argument, not a host-to-device copy
             positions = pos if pos is not None else torch.full((1,), int(kv_len) - 1, dtype=torch.int32, device=qkv.device)
-            q, _ = self.ops.qk_norm_rope(
-                qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
-                PagedKV(k_pool, v_pool, block_table),
-            )
+            q = self._qk_norm_rope(qkv, rope, positions, k_pool, v_pool, block_table)
             return self.decode_attention(q[0], k_pool, v_pool, block_table, kv_len, scale, pos, out, **options)
-        tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
-        if not (qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 and all(_fits_rope(t, qkv, d) for t in tables)):
-            raise UnplannedArguments(f"decode_attention_rope of a {tuple(qkv.shape)} row its kernel cannot read in place")
-        norm_ptr = 0 if rope.qk_norm is None else rope.qk_norm.data_ptr()
-        rope_args = (
-            norm_ptr, rope.cos.data_ptr(), rope.sin_signed.data_ptr(), np.int32(rope.cos.shape[0]), np.float32(rope.eps)
-        )
+        rope_args = _rope_args(rope, qkv, d, f"decode_attention_rope of a {tuple(qkv.shape)} row")
         self._decode(plan, out, qkv, k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows, rope_args)
         return out
+
+    def _qk_norm_rope(self, qkv: torch.Tensor, rope: Rope, positions: torch.Tensor, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
+        """RoPE beside attention: the layer ops' ``qk_norm_rope`` stores the keys and values
+        of ``positions`` into the pools and returns the queries ``[T, heads, D]``."""
+        q, _ = self.ops.qk_norm_rope(
+            qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, rope.heads, rope.kv_heads, k_pool.shape[3],
+            rope.eps, PagedKV(k_pool, v_pool, block_table),
+        )
+        return q
 
     def _decode(
         self,
@@ -788,10 +803,9 @@ class PagedAttentionCuda:
         the way. One launch of the tensor-core verify kernel where the tuning plans RoPE
         inside attention and T <= :meth:`verify_rope_tokens`, else the layer ops'
         ``qk_norm_rope`` and :meth:`verify_attention`."""
-        _nb, _page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+        _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
+        _check_rope(rope, kvh)
         heads = rope.heads
-        if rope.kv_heads != kvh or heads % kvh:
-            raise ValueError(f"rope is for {heads} / {rope.kv_heads} heads, pools hold {kvh} KV heads")
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[1] != width or not 1 <= qkv.shape[0] <= 65535:
             raise ValueError(f"qkv must be [1..65535, {width}], got {tuple(qkv.shape)}")
@@ -806,21 +820,12 @@ class PagedAttentionCuda:
             out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
         else:
             _check_out(out, shape, qkv.dtype, qkv.device)
-        fused = self.tc_path(k_pool.dtype, False) and self.tuning.rope_in_attention and t <= self.verify_rope_tokens()
-        if not fused:
+        # RoPE inside attention where the decode plan has it, for as many tokens as a launch holds.
+        if not (self._plan(k_pool.dtype, d, heads, kvh, page, rope=True).rope and t <= self.verify_rope_tokens()):
             positions = pos + torch.arange(t, dtype=torch.int32, device=qkv.device)  # a launch, not a copy
-            q, _ = self.ops.qk_norm_rope(
-                qkv, rope.qk_norm, rope.cos, rope.sin_signed, positions, heads, kvh, d, rope.eps,
-                PagedKV(k_pool, v_pool, block_table),
-            )
+            q = self._qk_norm_rope(qkv, rope, positions, k_pool, v_pool, block_table)
             return self.verify_attention(q, k_pool, v_pool, block_table, pos, scale, out)
-        tables = (rope.cos, rope.sin_signed) + (() if rope.qk_norm is None else (rope.qk_norm,))
-        if not (qkv.is_contiguous() and qkv.data_ptr() % 16 == 0 and all(_fits_rope(x, qkv, d) for x in tables)):
-            raise UnplannedArguments(f"verify_attention_rope of {tuple(qkv.shape)} rows its kernel cannot read in place")
-        norm_ptr = 0 if rope.qk_norm is None else rope.qk_norm.data_ptr()
-        rope_args = (
-            norm_ptr, rope.cos.data_ptr(), rope.sin_signed.data_ptr(), np.int32(rope.cos.shape[0]), np.float32(rope.eps)
-        )
+        rope_args = _rope_args(rope, qkv, d, f"verify_attention_rope of {tuple(qkv.shape)} rows")
         self._launch_verify_tc(out, qkv, k_pool, v_pool, block_table, pos_ptr, float(scale), (t, heads, d), rope_args)
         return out
 

@@ -209,7 +209,7 @@ __device__ __forceinline__ void paged_decode_tc(
 #pragma unroll
   for (int s = 0; s < STAGES; ++s) {
     fetch_slots(s, slots);
-    copy_stage(s, slots, MULTI && !ROPE ? 0 : new_lo, MULTI && !ROPE ? 0 : new_hi);
+    copy_stage(s, slots, new_lo, new_hi);  // MULTI without ROPE: an empty range
     cp_async_commit();
   }
   fetch_slots(STAGES, slots);
