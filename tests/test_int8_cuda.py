@@ -99,7 +99,7 @@ def ic(int8_linear) -> Int8CudaLinear:
     return int8_linear()
 
 
-_GEMV_NAME = re.compile(r"int8_(gemv|mma)_(.*?)(?:bf16|f16)(?:_r\d)?")
+_GEMV_NAME = re.compile(r"int8_(gemv|mma|stage)_(.*?)(?:bf16|f16)(?:_r\d)?")
 
 
 def gate_up_kind(tuning: Int8Tuning) -> str:
@@ -110,8 +110,9 @@ def gate_up_kind(tuning: Int8Tuning) -> str:
 
 def by_kind(counts: dict[str, int]) -> Counter[str]:
     """Launch counts with each int8 GEMV keyed by its kernel and mode (``int8_gemv_<infix>``
-    or, the tensor-core kernel, ``int8_mma_<infix>``, e.g. ``int8_gemv_norm_``): dtypes and
-    rows-per-warp variants summed."""
+    or, the tensor-core kernel, ``int8_mma_<infix>``, e.g. ``int8_gemv_norm_``; the
+    prestaging launch ``int8_stage_`` or ``int8_stage_norm_``): dtypes and rows-per-warp
+    variants summed."""
     out: Counter[str] = Counter()
     for name, n in counts.items():
         m = _GEMV_NAME.fullmatch(name)
@@ -187,12 +188,24 @@ def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None, 
     tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV. Given
     ``ic`` alone, the plain mode's: its tensor-core launch reads the tokens directly when
     ``ic``'s tuning says so; with a fused mode's ``infix`` too, one token takes the
-    tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU)."""
+    tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU). A mode
+    the tuning prestages runs ``int8_mma_pre_`` (after an ``int8_stage_`` launch)."""
     tokens = x.numel() // w.in_features
     low = 1 if ic is not None and infix in ic.tuning.mma_one_token else MIN_MMA_TOKENS
     if not (low <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
         return "int8_gemv_"
+    if ic is not None and (infix or "") in ic.tuning.mma_prestage:
+        return "int8_mma_pre_"
     return "int8_mma_direct_" if ic is not None and infix is None and ic.tuning.mma_direct else "int8_mma_"
+
+
+def expected_launches(kernel: str, mode: str) -> list[set[str]]:
+    """The launch kinds (by_kind) a call of ``mode`` on ``kernel`` (kernel_of) may make:
+    one kernel (the staged tensor-core modes may read directly instead), or the
+    prestaging launch and the prestaged kernel."""
+    if kernel == "int8_mma_pre_":
+        return [{f"int8_stage_{'norm_' * mode.startswith('norm_')}", f"int8_mma_pre_{mode}"}]
+    return [{f"{kernel}{mode}"}] + ([{f"int8_mma_direct_{mode}"}] if kernel == "int8_mma_" else [])
 
 
 def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None):
@@ -206,7 +219,8 @@ def run_kernel(ic: Int8CudaLinear, x, w, bias, rows_per_warp: int | None = None)
     y, names = launched(ic, ic.linear, x, w, bias, out=out)
     torch.cuda.synchronize()
     assert y.data_ptr() == out.data_ptr()
-    assert by_kind(names) == {kernel_of(x, w, ic): 1}, names
+    kinds = by_kind(names)
+    assert set(kinds) in expected_launches(kernel_of(x, w, ic), "") and set(kinds.values()) == {1}, names
     if rows_per_warp is not None:
         assert next(iter(names)).endswith(f"_r{rows_per_warp}"), names
     return y
@@ -475,8 +489,8 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     torch.cuda.synchronize()
     mode = "norm_" * ("norm" in kw) + "residual_" * ("residual" in kw) + "swiglu_" * bool(kw.get("swiglu"))
     kernel = kernel_of(x, w, ic, mode)
-    kinds = {f"{kernel}{mode}"} | ({f"int8_mma_direct_{mode}"} if kernel == "int8_mma_" else set())
-    assert len(names) == 1 and set(by_kind(names)) <= kinds and sum(names.values()) == 1, (
+    kinds = by_kind(names)
+    assert set(kinds) in expected_launches(kernel, mode) and set(kinds.values()) == {1}, (
         f"{label}: launched {dict(names)}")
     if "residual" in kw:
         assert y is kw["residual"], f"{label}: the residual is the result, updated in place"
@@ -491,7 +505,7 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
     h = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), kw["norm"][0].float(), EPS) if "norm" in kw else x
     o = oracle(h, w, bias)
     err_lin = rtol * o.abs() + 1e-5 * o.abs().max()  # bound on |round(dot) - o| per output row
-    if "norm" in kw and kernel == "int8_mma_":
+    if "norm" in kw and kernel in ("int8_mma_", "int8_mma_pre_"):
         # The tensor-core kernel stages x * norm_w rounded to x's dtype (as the unfused
         # rms_norm -> linear rounds its row): at most half an ulp of each input more.
         wabs = Int8Weight(w.weight.abs(), w.scale, w.group_size)
@@ -517,7 +531,7 @@ def check_fused(ic: Int8CudaLinear, case: dict, label: str) -> str:
         tol = TOL_REF[dtype] * (2 if "swiglu" in kw else 1)
         rel = ((y.float() - ref).norm() / ref.norm()).item()
         assert rel < tol, f"{label}: relative error vs the reference composition {rel:.3g}"
-    return next(iter(names))
+    return next(n for n in names if not n.startswith("int8_stage_"))
 
 
 def _case_id(c: tuple) -> str:
@@ -594,6 +608,66 @@ def test_one_token_gate_up_on_the_tensor_core_kernel(int8_linear, dtype) -> None
             c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, 1, bias)
             name = check_fused(ic, c, f"{_case_id(case)} {dtype} T1 bias={bias}")
             assert name.startswith("int8_mma_norm_swiglu_" if mode == "norm_swiglu" else "int8_gemv_"), name
+
+
+PRESTAGE_ALL = ("", "norm_", "residual_", "norm_swiglu_", "argmax_", "norm_argmax_")
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 5, 8])
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
+def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
+    """Every mode with its tokens prestaged (``Int8Tuning.mma_prestage``: int8_stage once,
+    then int8_mma_pre, the plain and residual modes on the byte chain too), one token
+    where ``mma_one_token`` lists the mode, against the float32 oracle and the reference
+    composition, outputs NaN-poisoned; the stage and the prestaged kernel are the two
+    launches (check_fused)."""
+    ic = int8_linear(mma_prestage=PRESTAGE_ALL, mma_one_token=("norm_swiglu_", "residual_"))
+    mode, rows, inp, group = case
+    infix = {"plain": ""}.get(mode, f"{mode}_")
+    for bias in (False, True):
+        c = fused_inputs(infix, rows, inp, group, dtype, tokens, bias)
+        name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
+        tensor_cores = tokens > 1 or infix in ic.tuning.mma_one_token
+        assert name.startswith(f"int8_mma_pre_{infix}" if tensor_cores else "int8_gemv_"), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+def test_prestaged_argmax_and_scaling(int8_linear, dtype) -> None:
+    """Prestaged greedy lm_head (with and without the norm) equals torch.argmax of the
+    prestaged logits; bfloat16 tokens far outside float16's range both ways, an all-zero
+    one and an ordinary one, prestaged in one launch, each within the oracle's bound."""
+    ic = int8_linear(mma_prestage=PRESTAGE_ALL)
+    g = _gen()
+    rows, inp = 32000, 1024
+    w = random_weight(rows, inp, 128, g)
+    norm_w = (torch.rand(inp, generator=g, device="cuda") + 0.5).to(dtype)
+    for tokens in (2, 7):
+        for norm in (None, (norm_w, 1e-6)):
+            x = (torch.randn(tokens, inp, generator=g, device="cuda") * 3).to(dtype)
+            logits, lnames = launched(ic, ic.linear, x, w, norm=norm)
+            got, names = launched(ic, ic.argmax, x, w, norm=norm)
+            mode = "norm_" if norm is not None else ""
+            assert by_kind(lnames) == {f"int8_stage_{mode}": 1, f"int8_mma_pre_{mode}": 1}, dict(lnames)
+            assert by_kind(names) == {f"int8_stage_{mode}": 1, f"int8_mma_pre_{mode}argmax_": 1,
+                                      "int8_argmax_take": 1}, dict(names)
+            assert torch.equal(got, torch.argmax(logits, dim=-1)), (tokens, norm is not None)
+    if dtype != torch.bfloat16:
+        return
+    w = random_weight(1056, 576, 64, g)
+    mags = torch.tensor([1e6, 1e-6, 0.0, 1.0, 3e4], device="cuda")
+    x = (torch.randn(len(mags), 576, generator=g, device="cuda") * mags[:, None]).to(dtype)
+    out = torch.full((len(mags), 1056), float("nan"), dtype=dtype, device="cuda")
+    y, names = launched(ic, ic.linear, x, w, out=out)
+    torch.cuda.synchronize()
+    assert by_kind(names) == {"int8_stage_": 1, "int8_mma_pre_": 1}, dict(names)
+    o = oracle(x.float(), w, None)
+    bound = RTOL_ORACLE[dtype] * o.abs() + 1e-5 * o.abs().amax(dim=-1, keepdim=True)
+    err = (y.float() - o).abs()
+    assert torch.isfinite(y).all()
+    for n in range(len(mags)):
+        assert (err[n] <= bound[n]).all(), f"token of magnitude {mags[n].item():g}: max error {err[n].max().item():.3g}"
+    assert not y[2].any(), "an all-zero token gives zeros"
 
 
 @pytest.mark.parametrize("carveout", [72, 100])

@@ -32,6 +32,16 @@ def test_one_token_modes_are_gemv_modes() -> None:
         Int8Tuning(mma_one_token=("swiglu",))
 
 
+def test_prestaged_modes_are_tensor_core_modes() -> None:
+    """mma_prestage names tensor-core modes (GEMV infixes and the argmax ones); anything
+    else is refused at once."""
+    import pytest
+
+    assert Int8Tuning(mma_prestage=("norm_", "norm_argmax_")).mma_prestage == ("norm_", "norm_argmax_")
+    with pytest.raises(ValueError, match="mma_prestage"):
+        Int8Tuning(mma_prestage=("direct_",))
+
+
 def test_carveout_is_a_percentage() -> None:
     """The tensor-core kernels' preferred carveout: 72 % unless told, None (the driver's
     choice) or 0..100."""

@@ -102,6 +102,11 @@ class Int8Tuning:
     # on few SMs its norm + SwiGLU streams the gate_up weight faster than the GEMV
     # (docs/benchmarks.md); a many-SM GPU keeps the GEMV everywhere.
     mma_one_token: tuple[str, ...] = ()
+    # Modes (infixes of MODES and ARGMAX_MODES) whose tensor-core launches take their
+    # tokens prestaged: one small launch stages them once for the whole grid instead of
+    # each CTA staging them itself, and the plain and residual modes then run the byte
+    # chain too (docs/benchmarks.md).
+    mma_prestage: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
@@ -117,6 +122,9 @@ class Int8Tuning:
         known = {infix for infix, _ in MODES.values()}
         if not set(self.mma_one_token) <= known:
             raise ValueError(f"mma_one_token takes modes of {sorted(known)}, got {list(self.mma_one_token)}")
+        if not set(self.mma_prestage) <= known | set(ARGMAX_MODES.values()):
+            raise ValueError(f"mma_prestage takes modes of {sorted(known | set(ARGMAX_MODES.values()))}, "
+                             f"got {list(self.mma_prestage)}")
 
     @property
     def norm_unroll(self) -> int:
@@ -202,6 +210,13 @@ class Int8CudaLinear:
             for infix in MMA_DIRECT_MODES:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+            for infix in tuning.mma_prestage:
+                name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
+                self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+            if tuning.mma_prestage:
+                for norm in ("", "norm_"):
+                    name = f"int8_stage_{norm}{_DTYPE_NAME[dtype]}"
+                    self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
         self._dq = DequantCuda(launcher, int4=False, int8=True)
 
     def with_launcher(self, launcher: Launcher, layer_ops: Any) -> "Int8CudaLinear":
@@ -362,6 +377,9 @@ class Int8CudaLinear:
         cols = w.in_features
         tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
         units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
+        if infix in self.tuning.mma_prestage:
+            self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr, units)
+            return
         sums = (cols // 64) * MAX_MMA_TOKENS * 8  # each tile's scale and activation sum, before the staged rows
         row = (cols + MMA_PAD) * 2  # a token staged in float16
         room = self._mma_smem - sums
@@ -387,6 +405,45 @@ class Int8CudaLinear:
                 best_ptr,
             ),
             shmem=shmem,
+        )
+
+    def _launch_prestaged(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, infix: str, y_ptr: int,
+                          outputs: int, tokens: int, norm: Norm | None, best_ptr: int, units: int) -> None:
+        """A tensor-core launch in mode ``infix`` of tokens prestaged (int8_mma.cu:
+        int8_stage, a few CTAs a token, then int8_mma_pre): the norm folded in and the
+        tokens scaled for the byte chain once, into a buffer every CTA reads."""
+        cols, dt = w.in_features, _DTYPE_NAME[x.dtype]
+        threads = 32 * self.tuning.mma_warps
+        # Two 8-element chunks a thread; each stage CTA leaves one share of a token's sum
+        # of squares, which the consumer holds in one of its warps' slots.
+        chunks = min(self.tuning.mma_warps, MAX_MMA_TOKENS, max(1, -(-cols // (16 * threads))))
+        pre = torch.empty(prestaged_bytes(cols, tokens), dtype=torch.uint8, device=x.device)
+        self.launcher.launch(
+            self._k[f"int8_stage_{'norm_' if norm is not None else ''}{dt}"],
+            (tokens, chunks),
+            threads,
+            (pre.data_ptr(), x.data_ptr(), *(() if norm is None else (norm[0].data_ptr(),)), np.int32(cols)),
+        )
+        kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
+        resident = self.launcher.resident_per_sm(kernel, threads) * self._sms
+        self.launcher.launch(
+            kernel,
+            (min(units, resident), 1),
+            threads,
+            (
+                y_ptr,
+                pre.data_ptr(),
+                w.weight.data_ptr(),
+                w.scale.data_ptr(),
+                0 if bias is None else bias.data_ptr(),
+                np.float32(0.0 if norm is None else norm[1]),
+                np.int32(outputs),
+                np.int32(cols),
+                np.int32(w.group_size.bit_length() - 7),  # log2(group / 64)
+                np.int32(tokens),
+                np.int32(chunks),
+                best_ptr,
+            ),
         )
 
     def _best(self, device: torch.device) -> torch.Tensor:
@@ -442,6 +499,12 @@ def _operands(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, norm: N
         np.int32(outputs),
         np.int32(w.in_features),
     )
+
+
+def prestaged_bytes(cols: int, tokens: int) -> int:
+    """Bytes of int8_mma.cu's prestaged tokens: each 64-column tile's sums (MAX_MMA_TOKENS
+    float2), MAX_MMA_TOKENS x MAX_MMA_TOKENS float sums of squares, the float16 rows."""
+    return (cols // 64) * MAX_MMA_TOKENS * 8 + MAX_MMA_TOKENS * MAX_MMA_TOKENS * 4 + tokens * cols * 2
 
 
 def _mode(norm: Norm | None, residual: torch.Tensor | None, swiglu: bool) -> tuple[str, tuple[int, ...]] | None:

@@ -81,23 +81,30 @@ __device__ __forceinline__ unsigned int byte_pair(unsigned int w) {
 }
 constexpr float kByteBase = 1152.f;
 
+// Where a CTA's tokens come from: staged by the CTA in shared memory (float16, byte
+// chain), read directly in the model's dtype (nibble chains), or prestaged once for the
+// whole launch by int8_stage (the staged layout in global memory, byte chain).
+enum TokenSource { kStagedSrc = 0, kDirectSrc = 1, kPrestagedSrc = 2 };
+
 // One batch of a warp: kU adjacent column tiles of each of its kTiles row tiles
 // (rows g and g + 8, so a row's kU x 64 bytes are read by the one warp), with the
-// group scales of those rows; kDirect: the tokens' B fragments too (read from global
-// memory, nothing staged).
-template <int kTiles, bool kDirect, int kU>
+// group scales of those rows; tokens from global memory: their B fragments too (and
+// prestaged: each tile's sums).
+template <int kTiles, int kSrc, int kU>
 struct Batch {
+  static constexpr bool kLoadsX = kSrc != kStagedSrc;
   uint4 lo[kU][kTiles], hi[kU][kTiles];  // rows g, g + 8
   float s0[kU][kTiles], s1[kU][kTiles];
-  uint2 xv[kDirect ? kU : 1][4];
+  uint2 xv[kLoadsX ? kU : 1][4];
+  float4 fc[kSrc == kPrestagedSrc ? kU : 1];
 };
 
 // The weight loads of the batch starting at column tile kb0, branch-free: a tile past the
 // row's end re-reads the last one (scaled by 0 when multiplied). Row g + 8 is row8 bytes
 // (and sc8 scales) after row g: computed per load, as a pointer a row would cost the
 // kernel registers.
-template <int kTiles, bool kDirect, int kU>
-__device__ __forceinline__ void load_batch(Batch<kTiles, kDirect, kU>& b, const signed char* const (&row_g)[kTiles],
+template <int kTiles, int kSrc, int kU>
+__device__ __forceinline__ void load_batch(Batch<kTiles, kSrc, kU>& b, const signed char* const (&row_g)[kTiles],
                                            const float* const (&sc_g)[kTiles], int kb0, int kb_count,
                                            int group_shift, long long row8, int sc8) {
 #pragma unroll
@@ -120,17 +127,20 @@ __device__ __forceinline__ void load_batch(Batch<kTiles, kDirect, kU>& b, const 
   }
 }
 
-// kDirect: the batch's B fragments from token g's row of x (zeros past the tokens),
-// columns 16t + 4s .. + 3 of each tile (below).
-template <int kTiles, bool kDirect, int kU, typename T>
-__device__ __forceinline__ void load_x(Batch<kTiles, kDirect, kU>& b, const T* __restrict__ xrow, bool has_tok, int kb0,
-                                       int kb_count, int t) {
+// Tokens from global memory: the batch's B fragments from token g's row (zeros past the
+// tokens), columns 16t + 4s .. + 3 of each tile (below); prestaged, each tile's sums of
+// tokens 2t, 2t + 1 too.
+template <int kTiles, int kSrc, int kU, typename S>
+__device__ __forceinline__ void load_x(Batch<kTiles, kSrc, kU>& b, const S* __restrict__ xrow,
+                                       const float2* __restrict__ tiles, bool has_tok, int kb0, int kb_count, int t) {
 #pragma unroll
   for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
     for (int s = 0; s < 4; ++s)
       b.xv[u][s] = has_tok ? __ldg(reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s)) : make_uint2(0u, 0u);
+    if constexpr (kSrc == kPrestagedSrc)
+      b.fc[u] = __ldg(reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t));
   }
 }
 
@@ -142,10 +152,11 @@ __device__ __forceinline__ unsigned int word(const uint4& w, int s) {
 // group scale. Staged (S float16, scaled tokens): one chain of whole bytes, less the
 // activation sum's share of their base. Direct (S = T): two chains, low and high nibbles,
 // bases removed in the lanes.
-template <typename S, int kTiles, bool kDirect, int kU>
-__device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, float (&acc)[kTiles][4],
+template <typename S, int kTiles, int kSrc, int kU>
+__device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, float (&acc)[kTiles][4],
                                           const S* __restrict__ xrow, const float2* __restrict__ tiles, bool has_tok,
                                           int kb0, int kb_count, int t) {
+  constexpr bool kDirect = kSrc == kDirectSrc;
   constexpr unsigned int kLo = edge::MagicBase<S>::kBase * 0x10001u;
   constexpr unsigned int kHi = (edge::MagicBase<S>::kBase + 8u) * 0x10001u;
 #pragma unroll
@@ -161,7 +172,7 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, f
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
       // k 2t + 8, 2t + 9 <- columns 1, 3.
-      const uint2 xv = kDirect ? b.xv[u][s] : edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok);
+      const uint2 xv = kSrc != kStagedSrc ? b.xv[u][s] : edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok);
       const unsigned int b0 = __byte_perm(xv.x, xv.y, 0x5410);
       const unsigned int b1 = __byte_perm(xv.x, xv.y, 0x7632);
 #pragma unroll
@@ -190,7 +201,8 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kDirect, kU>& b, f
       }
     }
     float4 fc = make_float4(0.f, 0.f, 0.f, 0.f);  // tokens 2t, 2t + 1: (1 / f, 1152 / f sum x) each
-    if constexpr (!kDirect) fc = *reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t);
+    if constexpr (kSrc == kPrestagedSrc) fc = b.fc[u];
+    if constexpr (kSrc == kStagedSrc) fc = *reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
@@ -243,11 +255,45 @@ struct Pick<false, A, B> {
   using type = B;
 };
 
-// The CTA's tokens [0, ntok) of x into xs for the byte chain (module comment): copied
-// (gemv_stage_x), then in one pass over the chunks each thread copied, kNorm: T(x *
-// norm_w) and x's squares into red_ss; each tile's power of two f (its 8 lanes' largest
-// magnitude), the values times f in float16, and tiles[tile][token] = (1 / f, 1152 / f
-// sum of the staged values).
+// One thread's chunk v (8 values f of x, in float32) of a token staged for the byte chain
+// (module comment) at xs_v, and its tile's sums at tile_n: kNorm, T(x * norm_w) and x's
+// squares into ss; the tile's power of two f (its 8 lanes' largest magnitude), the values
+// times f in float16, and (1 / f, 1152 / f sum of the staged values).
+template <typename T, bool kNorm>
+__device__ __forceinline__ void stage_chunk(float (&f)[8], const T* __restrict__ norm_w, int v, float& ss,
+                                            __half* __restrict__ xs_v, float2* __restrict__ tile_n) {
+  const unsigned int group = 0xFFu << (threadIdx.x & 24);  // the 8 lanes of a 64-column tile
+  if constexpr (kNorm) {
+    float nw[8];
+    edge::Vec<T>::to_float(__ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v)), nw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      ss = fmaf(f[i], f[i], ss);
+      f[i] = edge::round_to<T>(f[i] * nw[i]);
+    }
+  }
+  float m = 0.f, sum = 0.f;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
+  m = fmaxf(m, __shfl_xor_sync(group, m, 1));
+  m = fmaxf(m, __shfl_xor_sync(group, m, 2));
+  m = fmaxf(m, __shfl_xor_sync(group, m, 4));
+  const float up = half_range(m);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    f[i] *= up;
+    sum += f[i];
+  }
+  sum += __shfl_xor_sync(group, sum, 1);
+  sum += __shfl_xor_sync(group, sum, 2);
+  sum += __shfl_xor_sync(group, sum, 4);
+  if ((threadIdx.x & 7) == 0) *tile_n = make_float2(1.f / up, kByteBase / up * sum);
+  *reinterpret_cast<uint4*>(xs_v) = edge::Vec<__half>::from_float(f);
+}
+
+// The CTA's tokens [0, ntok) of x into xs for the byte chain: copied (gemv_stage_x), then
+// each thread stages the chunks it copied (stage_chunk; kNorm: each warp's share of a
+// token's sum of squares into red_ss), tiles[tile][token] the tiles' sums.
 template <typename T, bool kNorm>
 __device__ __forceinline__ void stage_bytes(__half* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
                                             float2* __restrict__ tiles, const T* __restrict__ x,
@@ -255,64 +301,50 @@ __device__ __forceinline__ void stage_bytes(__half* __restrict__ xs, float (*red
   T* xt = reinterpret_cast<T*>(xs);
   edge::gemv_stage_x<T, false, kThreads>(xt, red_ss, x, nullptr, nullptr, in, ntok);
   const int stride = in + kGemvPad, vecs = in >> 3;
-  const unsigned int group = 0xFFu << (threadIdx.x & 24);  // the 8 lanes of a 64-column tile
   for (int n = 0; n < ntok; ++n) {
     float ss = 0.f;
 #pragma unroll 1
     for (int v = threadIdx.x; v < vecs; v += kThreads) {
       float f[8];
       edge::Vec<T>::to_float(*reinterpret_cast<const uint4*>(xt + n * stride + 8 * v), f);
-      if constexpr (kNorm) {
-        float nw[8];
-        edge::Vec<T>::to_float(__ldg(reinterpret_cast<const uint4*>(norm_w + 8 * v)), nw);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          ss = fmaf(f[i], f[i], ss);
-          f[i] = edge::round_to<T>(f[i] * nw[i]);
-        }
-      }
-      float m = 0.f, sum = 0.f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) m = fmaxf(m, fabsf(f[i]));
-      m = fmaxf(m, __shfl_xor_sync(group, m, 1));
-      m = fmaxf(m, __shfl_xor_sync(group, m, 2));
-      m = fmaxf(m, __shfl_xor_sync(group, m, 4));
-      const float up = half_range(m);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        f[i] *= up;
-        sum += f[i];
-      }
-      sum += __shfl_xor_sync(group, sum, 1);
-      sum += __shfl_xor_sync(group, sum, 2);
-      sum += __shfl_xor_sync(group, sum, 4);
-      if ((threadIdx.x & 7) == 0) tiles[(v >> 3) * kGemvMaxTokens + n] = make_float2(1.f / up, kByteBase / up * sum);
-      *reinterpret_cast<uint4*>(xs + n * stride + 8 * v) = edge::Vec<__half>::from_float(f);
+      stage_chunk<T, kNorm>(f, norm_w, v, ss, xs + n * stride + 8 * v, tiles + (v >> 3) * kGemvMaxTokens + n);
     }
     if constexpr (kNorm) edge::stage_sum_squares(red_ss, ss, n);
   }
   __syncthreads();
 }
 
+// The prestaged layout (int8_stage writes it, int8_cuda.py sizes it): each tile's sums
+// [kb_count][kGemvMaxTokens] float2, each token's sums of squares by stage CTA
+// [kGemvMaxTokens][kGemvMaxTokens] float, then the tokens' rows [ntok][in] float16.
+// Byte offsets of the sums of squares and of the rows.
+__device__ __forceinline__ int prestaged_ss(int in) { return (in >> 6) * kGemvMaxTokens * (int)sizeof(float2); }
+__device__ __forceinline__ int prestaged_xs(int in) {
+  return prestaged_ss(in) + kGemvMaxTokens * kGemvMaxTokens * (int)sizeof(float);
+}
+
 // A CTA takes units blockIdx.x, + gridDim.x, ... (the host launches at most the resident
 // CTAs, so the staged activations serve every unit a CTA takes) and tokens
 // [blockIdx.y * tok_chunk, + tok_chunk) (at most kGemvMaxTokens; the host sizes tok_chunk
-// so their staged rows and tile sums fit its dynamic shared memory). kDirect stages
-// nothing: each batch loads its B fragments with its weights (no norm then).
-template <typename T, int kTiles, bool kNorm, int kEpi, bool kDirect>
-__device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,
-                                         const float* __restrict__ scale, const T* __restrict__ bias,
-                                         const T* __restrict__ norm_w, float eps, int out, int in, int group_shift,
-                                         int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) {
+// so their staged rows and tile sums fit its dynamic shared memory). Tokens read from
+// global memory (kDirectSrc: x, no norm; kPrestagedSrc: pre, the norm folded in by
+// int8_stage, whose `chunks` CTAs a token each left a share of its sum of squares) are
+// loaded with each batch and nothing is staged.
+template <typename T, int kTiles, bool kNorm, int kEpi, int kSrc>
+__device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict__ x, const unsigned char* __restrict__ pre,
+                                         const signed char* __restrict__ q, const float* __restrict__ scale,
+                                         const T* __restrict__ bias, const T* __restrict__ norm_w, float eps, int out,
+                                         int in, int group_shift, int num_tokens, int tok_chunk, int chunks,
+                                         unsigned long long* __restrict__ best) {
   static_assert(kEpi != kSwiglu || kTiles == 2, "SwiGLU pairs a gate tile with its up tile");
   static_assert(kEpi != kArgmax || kTiles == 2, "argmax reduces 32 outputs a warp");
-  static_assert(!(kDirect && kNorm), "the norm is applied while staging");
-  using S = typename Pick<kDirect, T, __half>::type;  // the mma's operand type (module comment)
+  static_assert(kSrc != kDirectSrc || !kNorm, "the norm is applied while staging");
+  using S = typename Pick<kSrc == kDirectSrc, T, __half>::type;  // the mma's operand type (module comment)
   __shared__ float red[kWarps][kTiles][16][kGemvMaxTokens];
   __shared__ float red_ss[kWarps][kGemvMaxTokens];
   extern __shared__ __align__(16) unsigned char smem_x[];
   const int kb_count = in >> 6;
-  float2* tiles = reinterpret_cast<float2*>(smem_x);  // [kb_count][kGemvMaxTokens], then the staged rows
+  const float2* tiles = reinterpret_cast<const float2*>(smem_x);  // [kb_count][kGemvMaxTokens], then the staged rows
   __half* xs = reinterpret_cast<__half*>(smem_x + kb_count * kGemvMaxTokens * sizeof(float2));
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -323,8 +355,11 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const int groups = in >> (group_shift + 6);
   const bool has_tok = g < ntok;
   const S* xrow;
-  if constexpr (kDirect) {
+  if constexpr (kSrc == kDirectSrc) {
     xrow = x + (long long)(n0 + (has_tok ? g : 0)) * in;
+  } else if constexpr (kSrc == kPrestagedSrc) {
+    tiles = reinterpret_cast<const float2*>(pre);
+    xrow = reinterpret_cast<const __half*>(pre + prestaged_xs(in)) + (long long)(n0 + (has_tok ? g : 0)) * in;
   } else {
     xrow = xs + (has_tok ? g : 0) * (in + kGemvPad);
   }
@@ -332,19 +367,27 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const float* sc_g[kTiles];
   const long long row8 = 8ll * in;  // row g + 8 (load_batch)
   const int sc8 = 8 * groups;
-  constexpr int kU = kTiles == 1 && kNorm ? kNormUnroll : kUnroll;
+  constexpr int kU = kTiles == 1 && kNorm && kSrc == kStagedSrc ? kNormUnroll : kUnroll;
+  constexpr bool kLoadsX = kSrc != kStagedSrc;
   const int step = kWarps * kU;
-  Batch<kTiles, kDirect, kU> st0, st1;
+  Batch<kTiles, kSrc, kU> st0, st1;
   int unit = blockIdx.x;
   unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, unit, out, in, groups, g, t);
   // The first batch's weights are a constant of the step: loaded before the wait, under
   // the previous kernel's tail.
-  load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
+  load_batch<kTiles, kSrc, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
   edge::await_inputs();
-  if constexpr (kDirect) {
-    load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, warp * kU, kb_count, t);
+  if constexpr (kLoadsX) {
+    load_x<kTiles, kSrc, kU, S>(st0, xrow, tiles, has_tok, warp * kU, kb_count, t);
+    if constexpr (kSrc == kPrestagedSrc && kNorm) {
+      const int w = threadIdx.x >> 3, n = threadIdx.x & 7;  // kWarps x kGemvMaxTokens <= kThreads
+      if (w < kWarps)
+        red_ss[w][n] = w < chunks && n < ntok
+                           ? __ldg(reinterpret_cast<const float*>(pre + prestaged_ss(in)) + (n0 + n) * kGemvMaxTokens + w)
+                           : 0.f;
+    }
   } else {
-    stage_bytes<T, kNorm>(xs, red_ss, tiles, x + (long long)n0 * in, norm_w, in, ntok);
+    stage_bytes<T, kNorm>(xs, red_ss, reinterpret_cast<float2*>(smem_x), x + (long long)n0 * in, norm_w, in, ntok);
   }
   for (;;) {
     int kb0 = warp * kU;
@@ -354,19 +397,19 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
 #pragma unroll
       for (int c = 0; c < 4; ++c) acc[i][c] = 0.f;
     for (; kb0 < kb_count; kb0 += 2 * step) {
-      load_batch<kTiles, kDirect, kU>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st1, xrow, has_tok, kb0 + step, kb_count, t);
-      mma_batch<S, kTiles, kDirect, kU>(st0, acc, xrow, tiles, has_tok, kb0, kb_count, t);
+      load_batch<kTiles, kSrc, kU>(st1, row_g, sc_g, kb0 + step, kb_count, group_shift, row8, sc8);
+      if constexpr (kLoadsX) load_x<kTiles, kSrc, kU, S>(st1, xrow, tiles, has_tok, kb0 + step, kb_count, t);
+      mma_batch<S, kTiles, kSrc, kU>(st0, acc, xrow, tiles, has_tok, kb0, kb_count, t);
       if (kb0 + step >= kb_count) break;
-      load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, kb0 + 2 * step, kb_count, t);
-      mma_batch<S, kTiles, kDirect, kU>(st1, acc, xrow, tiles, has_tok, kb0 + step, kb_count, t);
+      load_batch<kTiles, kSrc, kU>(st0, row_g, sc_g, kb0 + 2 * step, kb_count, group_shift, row8, sc8);
+      if constexpr (kLoadsX) load_x<kTiles, kSrc, kU, S>(st0, xrow, tiles, has_tok, kb0 + 2 * step, kb_count, t);
+      mma_batch<S, kTiles, kSrc, kU>(st1, acc, xrow, tiles, has_tok, kb0 + step, kb_count, t);
     }
     const int next = unit + gridDim.x;
     if (next < units) {  // the next unit's first weights in flight under this one's epilogue
       unit_rows<kTiles, kEpi>(row_g, sc_g, q, scale, next, out, in, groups, g, t);
-      load_batch<kTiles, kDirect, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
-      if constexpr (kDirect) load_x<kTiles, kDirect, kU, T>(st0, xrow, has_tok, warp * kU, kb_count, t);
+      load_batch<kTiles, kSrc, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
+      if constexpr (kLoadsX) load_x<kTiles, kSrc, kU, S>(st0, xrow, tiles, has_tok, warp * kU, kb_count, t);
     }
     edge::gemv_store_partials<kTiles>(red[warp], acc, g, t);
     __syncthreads();
@@ -378,30 +421,88 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   }
 }
 
+// The launch's tokens staged once for every CTA of the int8_mma_pre kernel after it
+// (instead of by each of them): token blockIdx.x's columns in `chunks` (gridDim.y) CTAs,
+// each 64-column tile as stage_bytes stages it (kNorm: T(x * norm_w), and the CTA's share
+// of the token's sum of squares), into the Prestaged layout at pre.
+template <typename T, bool kNorm>
+__device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, const T* __restrict__ x,
+                                           const T* __restrict__ norm_w, int in) {
+  __shared__ float part[kWarps];
+  const int n = blockIdx.x, vecs = in >> 3;
+  float2* tiles = reinterpret_cast<float2*>(pre);
+  __half* xs = reinterpret_cast<__half*>(pre + prestaged_xs(in)) + (long long)n * in;
+  const T* xr = x + (long long)n * in;
+  edge::await_inputs();
+  float ss = 0.f;
+  for (int v = blockIdx.y * kThreads + threadIdx.x; v < vecs; v += gridDim.y * kThreads) {
+    float f[8];
+    edge::Vec<T>::to_float(__ldg(reinterpret_cast<const uint4*>(xr + 8 * v)), f);
+    stage_chunk<T, kNorm>(f, norm_w, v, ss, xs + 8 * v, tiles + (v >> 3) * kGemvMaxTokens + n);
+  }
+  if constexpr (kNorm) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      float total = 0.f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += part[w];
+      reinterpret_cast<float*>(pre + prestaged_ss(in))[n * kGemvMaxTokens + blockIdx.y] = total;
+    }
+  }
+}
+
 }  // namespace
 
 // One signature for every mode (norm_w / eps unused without the norm, best without argmax).
-#define CFG_INT8_MMA(NAME, T, TILES, NORM, EPI, DIRECT)                                                          \
+#define CFG_INT8_MMA(NAME, T, TILES, NORM, EPI, SRC)                                                             \
   extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
       T* __restrict__ y, const T* __restrict__ x, const signed char* __restrict__ q,                         \
       const float* __restrict__ scale, const T* __restrict__ bias, const T* __restrict__ norm_w, float eps,  \
       int out, int in, int group_shift, int num_tokens, int tok_chunk, unsigned long long* __restrict__ best) { \
-    int8_mma<T, TILES, NORM, EPI, DIRECT>(y, x, q, scale, bias, norm_w, eps, out, in, group_shift, num_tokens, \
-                                          tok_chunk, best);                                                  \
+    int8_mma<T, TILES, NORM, EPI, SRC>(y, x, nullptr, q, scale, bias, norm_w, eps, out, in, group_shift,      \
+                                       num_tokens, tok_chunk, 0, best);                                      \
+  }
+
+// The prestaged modes: pre (int8_stage's output) instead of x and the norm weight, and
+// the stage's CTAs a token.
+#define CFG_INT8_MMA_PRE(NAME, T, TILES, NORM, EPI)                                                              \
+  extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
+      T* __restrict__ y, const unsigned char* __restrict__ pre, const signed char* __restrict__ q,           \
+      const float* __restrict__ scale, const T* __restrict__ bias, float eps, int out, int in,               \
+      int group_shift, int num_tokens, int chunks, unsigned long long* __restrict__ best) {                  \
+    int8_mma<T, TILES, NORM, EPI, kPrestagedSrc>(y, nullptr, pre, q, scale, bias, nullptr, eps, out, in,     \
+                                                 group_shift, num_tokens, num_tokens, chunks, best);         \
   }
 
 // The modes of int8_gemv.cu (int8_cuda.py: MODES, ARGMAX_MODES): one row tile a CTA,
 // two for SwiGLU (gate and up) and argmax (32 outputs a warp); the plain and residual
-// modes also direct (for tokens whose rows do not fit the staging).
-#define CFG_INT8_MMA_MODES(DT, T)                                                    \
-  CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore, false)                           \
-  CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore, false)                       \
-  CFG_INT8_MMA(int8_mma_residual_##DT, T, 1, false, kResidual, false)               \
-  CFG_INT8_MMA(int8_mma_norm_swiglu_##DT, T, 2, true, kSwiglu, false)               \
-  CFG_INT8_MMA(int8_mma_argmax_##DT, T, 2, false, kArgmax, false)                   \
-  CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax, false)               \
-  CFG_INT8_MMA(int8_mma_direct_##DT, T, 1, false, kStore, true)                     \
-  CFG_INT8_MMA(int8_mma_direct_residual_##DT, T, 1, false, kResidual, true)
+// modes also direct (for tokens whose rows do not fit the staging); every mode prestaged.
+#define CFG_INT8_MMA_MODES(DT, T)                                                          \
+  CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore, kStagedSrc)                            \
+  CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore, kStagedSrc)                        \
+  CFG_INT8_MMA(int8_mma_residual_##DT, T, 1, false, kResidual, kStagedSrc)                \
+  CFG_INT8_MMA(int8_mma_norm_swiglu_##DT, T, 2, true, kSwiglu, kStagedSrc)                \
+  CFG_INT8_MMA(int8_mma_argmax_##DT, T, 2, false, kArgmax, kStagedSrc)                    \
+  CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax, kStagedSrc)                \
+  CFG_INT8_MMA(int8_mma_direct_##DT, T, 1, false, kStore, kDirectSrc)                     \
+  CFG_INT8_MMA(int8_mma_direct_residual_##DT, T, 1, false, kResidual, kDirectSrc)         \
+  CFG_INT8_MMA_PRE(int8_mma_pre_##DT, T, 1, false, kStore)                                \
+  CFG_INT8_MMA_PRE(int8_mma_pre_norm_##DT, T, 1, true, kStore)                            \
+  CFG_INT8_MMA_PRE(int8_mma_pre_residual_##DT, T, 1, false, kResidual)                    \
+  CFG_INT8_MMA_PRE(int8_mma_pre_norm_swiglu_##DT, T, 2, true, kSwiglu)                    \
+  CFG_INT8_MMA_PRE(int8_mma_pre_argmax_##DT, T, 2, false, kArgmax)                        \
+  CFG_INT8_MMA_PRE(int8_mma_pre_norm_argmax_##DT, T, 2, true, kArgmax)                    \
+  extern "C" __global__ void __launch_bounds__(kThreads)                                  \
+      int8_stage_##DT(unsigned char* __restrict__ pre, const T* __restrict__ x, int in) { \
+    int8_stage<T, false>(pre, x, nullptr, in);                                            \
+  }                                                                                       \
+  extern "C" __global__ void __launch_bounds__(kThreads) int8_stage_norm_##DT(            \
+      unsigned char* __restrict__ pre, const T* __restrict__ x, const T* __restrict__ norm_w, int in) { \
+    int8_stage<T, true>(pre, x, norm_w, in);                                              \
+  }
 
 CFG_INT8_MMA_MODES(bf16, __nv_bfloat16)
 CFG_INT8_MMA_MODES(f16, __half)
