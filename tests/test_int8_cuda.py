@@ -188,13 +188,14 @@ def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None, 
     tiles (and 32-row pairs of tiles) on tensor cores, else the per-token GEMV. Given
     ``ic`` alone, the plain mode's: its tensor-core launch reads the tokens directly when
     ``ic``'s tuning says so; with a fused mode's ``infix`` too, one token takes the
-    tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU). A mode
-    the tuning prestages runs ``int8_mma_pre_`` (after an ``int8_stage_`` launch)."""
+    tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU). Several
+    tokens of a mode the tuning prestages run ``int8_mma_pre_`` (after an ``int8_stage_``
+    launch)."""
     tokens = x.numel() // w.in_features
     low = 1 if ic is not None and infix in ic.tuning.mma_one_token else MIN_MMA_TOKENS
     if not (low <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
         return "int8_gemv_"
-    if ic is not None and (infix or "") in ic.tuning.mma_prestage:
+    if ic is not None and (infix or "") in ic.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
         return "int8_mma_pre_"
     return "int8_mma_direct_" if ic is not None and infix is None and ic.tuning.mma_direct else "int8_mma_"
 
@@ -204,7 +205,8 @@ def expected_launches(kernel: str, mode: str) -> list[set[str]]:
     one kernel (the staged tensor-core modes may read directly instead), or the
     prestaging launch and the prestaged kernel."""
     if kernel == "int8_mma_pre_":
-        return [{f"int8_stage_{'norm_' * mode.startswith('norm_')}", f"int8_mma_pre_{mode}"}]
+        stage = f"int8_stage_{'norm_' * mode.startswith('norm_')}"
+        return [{stage, f"int8_mma_pre_{mode}"}, {stage, f"int8_mma_pre_direct_{mode}"}]
     return [{f"{kernel}{mode}"}] + ([{f"int8_mma_direct_{mode}"}] if kernel == "int8_mma_" else [])
 
 
@@ -574,7 +576,8 @@ MMA_CASES = [  # (mode, rows, in, group): 8B qkv / down / gate_up shapes, ragged
 ]
 
 
-@pytest.mark.parametrize("tuning", [{"mma_unroll": 1, "mma_direct": True}, {"mma_unroll": 2, "mma_direct": False}],
+@pytest.mark.parametrize("tuning", [{"mma_unroll": 1, "mma_direct": True, "mma_prestage": ()},
+                                    {"mma_unroll": 2, "mma_direct": False, "mma_prestage": ()}],
                          ids=["unroll1-direct", "unroll2-staged"])
 @pytest.mark.parametrize("tokens", [2, 3, 5, 7, 8])
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
@@ -583,9 +586,9 @@ def test_tensor_core_kernel_for_a_few_tokens(int8_linear, case, dtype, tokens, t
     """2..8 tokens (the speculative verify step) run on the tensor-core kernel
     (int8_mma.cu), one launch for all of them, every mode, both column-tile stages (1:
     few SMs, 2: many) and both ways of the plain and residual modes (read directly, the
-    default; staged), against the float32 oracle and the reference composition. More
-    than 3 tokens of a 12288-column input do not fit a CTA's staging (96 KiB): those
-    modes read them directly either way."""
+    default; staged), each CTA staging its own tokens (nothing prestaged), against the
+    float32 oracle and the reference composition. More than 3 tokens of a 12288-column
+    input do not fit a CTA's staging (96 KiB): those modes read them directly either way."""
     ic = int8_linear(**tuning)
     mode, rows, inp, group = case
     direct = (tuning["mma_direct"] or (inp == 12288 and tokens > 3)) and mode in ("plain", "residual")
@@ -618,18 +621,25 @@ PRESTAGE_ALL = ("", "norm_", "residual_", "norm_swiglu_", "argmax_", "norm_argma
 @pytest.mark.parametrize("case", MMA_CASES, ids=_case_id)
 def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
     """Every mode with its tokens prestaged (``Int8Tuning.mma_prestage``: int8_stage once,
-    then int8_mma_pre, the plain and residual modes on the byte chain too), one token
-    where ``mma_one_token`` lists the mode, against the float32 oracle and the reference
-    composition, outputs NaN-poisoned; the stage and the prestaged kernel are the two
-    launches (check_fused)."""
+    then int8_mma_pre, the plain and residual modes on the byte chain too): the one-tile
+    modes read them with each batch, the two-tile ones copy them into each CTA's shared
+    memory where they fit; against the float32 oracle and the reference composition,
+    outputs NaN-poisoned; the stage and the prestaged kernel are the two launches
+    (check_fused). One token stays unprestaged, on the GEMV or (``mma_one_token``) the
+    tensor-core kernel staging it itself."""
     ic = int8_linear(mma_prestage=PRESTAGE_ALL, mma_one_token=("norm_swiglu_", "residual_"))
     mode, rows, inp, group = case
     infix = {"plain": ""}.get(mode, f"{mode}_")
+    copied = mode == "norm_swiglu" and (inp // 64) * 64 + tokens * (inp + 16) * 2 <= ic._mma_smem
     for bias in (False, True):
-        c = fused_inputs(infix, rows, inp, group, dtype, tokens, bias)
+        c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, tokens, bias)
         name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} bias={bias}")
-        tensor_cores = tokens > 1 or infix in ic.tuning.mma_one_token
-        assert name.startswith(f"int8_mma_pre_{infix}" if tensor_cores else "int8_gemv_"), name
+        if tokens > 1:
+            assert name.startswith(f"int8_mma_pre_{'' if copied else 'direct_'}{infix}"), name
+        elif infix in ic.tuning.mma_one_token:
+            assert name.startswith(f"int8_mma_{'direct_' * (infix == 'residual_')}{infix}"), name
+        else:
+            assert name.startswith("int8_gemv_"), name
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
@@ -686,10 +696,12 @@ def test_tensor_core_kernels_prefer_the_tuned_carveout(int8_linear, carveout) ->
 
 
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
-def test_tensor_core_argmax_for_a_few_tokens(ic, dtype) -> None:
+def test_tensor_core_argmax_for_a_few_tokens(int8_linear, dtype) -> None:
     """The verify step's greedy lm_head: argmax of 2..8 tokens' logits on the tensor-core
-    kernel, with and without the norm folded in, equal to torch.argmax of the kernel's
-    own logits; the per-stream slots are emptied for the next call."""
+    kernel (each CTA staging its tokens), with and without the norm folded in, equal to
+    torch.argmax of the kernel's own logits; the per-stream slots are emptied for the next
+    call."""
+    ic = int8_linear(mma_prestage=())
     g = _gen()
     rows, inp = 32000, 1024
     w = random_weight(rows, inp, 128, g)
@@ -713,7 +725,7 @@ def test_tensor_core_kernel_scales_each_bfloat16_token(int8_linear, norm) -> Non
     token times a power of two of its own (int8_mma.cu): tokens far outside float16's
     range both ways, an all-zero one and an ordinary one, in one launch, each within the
     oracle's bound for that token alone."""
-    ic = int8_linear(mma_direct=False)  # the plain mode staged too
+    ic = int8_linear(mma_direct=False, mma_prestage=())  # the plain mode staged too, by each CTA
     g = _gen()
     rows, inp, group = 1056, 576, 64
     w = random_weight(rows, inp, group, g)

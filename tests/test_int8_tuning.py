@@ -10,15 +10,18 @@ from edge.kernels.int8_cuda import MODES, Int8Tuning
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
     """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
-    norm mode) and the decode token's gate_up on the tensor-core kernel, a full GPU two
-    column tiles everywhere and the GEMV for every decode token; the rest of the tuning
+    norm mode), the decode token's gate_up on the tensor-core kernel and the verify
+    step's norm and residual modes prestaged; a full GPU two column tiles everywhere, the
+    GEMV for every decode token and only the norm modes prestaged; the rest of the tuning
     is the default either way, and the kernels see it as defines."""
     for sms in (8, 16, 32):
         t = Int8Tuning.for_sms(sms)
         d = t.mma_defines()
         assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
-        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",))
-    assert Int8Tuning.for_sms(132) == Int8Tuning() and Int8Tuning().mma_one_token == ()
+        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",),
+                               mma_prestage=("norm_", "residual_", "norm_swiglu_"))
+    assert Int8Tuning.for_sms(132) == Int8Tuning(mma_prestage=("norm_", "norm_swiglu_"))
+    assert Int8Tuning().mma_one_token == ()
     d = Int8Tuning().mma_defines()
     assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (2, 2)
 

@@ -41,6 +41,9 @@ def _nbytes(w) -> int:
     return w.weight.numel() + 4 * w.scale.numel()
 
 
+_ALL = ("", "norm_", "residual_", "norm_swiglu_", "argmax_", "norm_argmax_")  # every tensor-core mode
+
+
 def _tunings(sms: int) -> dict:
     from edge.kernels.int8_cuda import Int8Tuning
 
@@ -63,12 +66,12 @@ def _tunings(sms: int) -> dict:
         # --tokens 1: every mode on the GEMV, or every mode on the tensor-core kernel
         "one_token_gemv": dataclasses.replace(base, mma_one_token=()),
         "one_token_mma": dataclasses.replace(base, mma_one_token=("", "norm_", "residual_", "norm_swiglu_")),
-        # tokens staged once a launch (int8_stage) instead of by every CTA: every mode, the
-        # norm modes (qkv, gate_up), the plain and residual ones (o, down; byte chain)
-        "prestage": dataclasses.replace(base, mma_prestage=("", "norm_", "residual_", "norm_swiglu_", "argmax_",
-                                                            "norm_argmax_")),
-        "prestage_norm": dataclasses.replace(base, mma_prestage=("norm_", "norm_swiglu_", "norm_argmax_")),
-        "prestage_residual": dataclasses.replace(base, mma_prestage=("", "residual_", "argmax_")),
+        # tokens staged once a launch (int8_stage) instead of by every CTA: none, every mode,
+        # the norm modes alone (qkv, gate_up), the few-SM default's modes
+        "prestage_none": dataclasses.replace(base, mma_prestage=()),
+        "prestage_all": dataclasses.replace(base, mma_prestage=_ALL),
+        "prestage_norm": dataclasses.replace(base, mma_prestage=("norm_", "norm_swiglu_")),
+        "prestage_norm_residual": dataclasses.replace(base, mma_prestage=("norm_", "residual_", "norm_swiglu_")),
     }
 
 

@@ -102,10 +102,10 @@ class Int8Tuning:
     # on few SMs its norm + SwiGLU streams the gate_up weight faster than the GEMV
     # (docs/benchmarks.md); a many-SM GPU keeps the GEMV everywhere.
     mma_one_token: tuple[str, ...] = ()
-    # Modes (infixes of MODES and ARGMAX_MODES) whose tensor-core launches take their
-    # tokens prestaged: one small launch stages them once for the whole grid instead of
-    # each CTA staging them itself, and the plain and residual modes then run the byte
-    # chain too (docs/benchmarks.md).
+    # Modes (infixes of MODES and ARGMAX_MODES) whose tensor-core launches of several
+    # tokens take them prestaged: one small launch stages them once for the whole grid
+    # instead of each CTA staging them itself, and the plain and residual modes then run
+    # the byte chain too (docs/benchmarks.md).
     mma_prestage: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -133,10 +133,14 @@ class Int8Tuning:
 
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
-        """The default for a GPU of ``sms`` SMs: with few SMs (an Orin's 8 or 16) one column
-        tile a tensor-core stage, four in the one-tile norm mode, and the decode step's
-        gate_up (norm + SwiGLU) on the tensor-core kernel (docs/benchmarks.md)."""
-        return cls(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",)) if sms <= 32 else cls()
+        """The default for a GPU of ``sms`` SMs: the verify step's norm modes prestaged,
+        and with few SMs (an Orin's 8 or 16) its residual ones too, one column tile a
+        tensor-core stage, four in the one-tile norm mode, and the decode step's gate_up
+        (norm + SwiGLU) on the tensor-core kernel (docs/benchmarks.md)."""
+        if sms <= 32:
+            return cls(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",),
+                       mma_prestage=("norm_", "residual_", "norm_swiglu_"))
+        return cls(mma_prestage=("norm_", "norm_swiglu_"))
 
     def defines(self) -> dict[str, int]:
         return {
@@ -211,8 +215,12 @@ class Int8CudaLinear:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
             for infix in tuning.mma_prestage:
-                name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
+                name = f"int8_mma_pre_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                if _tiles(infix) == 2:
+                    name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
+                    self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                    nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
             if tuning.mma_prestage:
                 for norm in ("", "norm_"):
                     name = f"int8_stage_{norm}{_DTYPE_NAME[dtype]}"
@@ -375,9 +383,9 @@ class Int8CudaLinear:
         directly, else in as many launch rows as it takes; never more CTAs than are
         resident (each stages its tokens once for all the units it takes)."""
         cols = w.in_features
-        tiles = 2 if infix.endswith(("swiglu_", "argmax_")) else 1
+        tiles = _tiles(infix)
         units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
-        if infix in self.tuning.mma_prestage:
+        if infix in self.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
             self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr, units)
             return
         sums = (cols // 64) * MAX_MMA_TOKENS * 8  # each tile's scale and activation sum, before the staged rows
@@ -411,7 +419,9 @@ class Int8CudaLinear:
                           outputs: int, tokens: int, norm: Norm | None, best_ptr: int, units: int) -> None:
         """A tensor-core launch in mode ``infix`` of tokens prestaged (int8_mma.cu:
         int8_stage, a few CTAs a token, then int8_mma_pre): the norm folded in and the
-        tokens scaled for the byte chain once, into a buffer every CTA reads."""
+        tokens scaled for the byte chain once, into a buffer that every CTA of a two-tile
+        mode copies into its shared memory where it fits (``int8_mma_pre_``), else reads
+        with each batch (``int8_mma_pre_direct_``)."""
         cols, dt = w.in_features, _DTYPE_NAME[x.dtype]
         threads = 32 * self.tuning.mma_warps
         # Two 8-element chunks a thread; each stage CTA leaves one share of a token's sum
@@ -424,8 +434,14 @@ class Int8CudaLinear:
             threads,
             (pre.data_ptr(), x.data_ptr(), *(() if norm is None else (norm[0].data_ptr(),)), np.int32(cols)),
         )
-        kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
-        resident = self.launcher.resident_per_sm(kernel, threads) * self._sms
+        # One-tile modes read the tokens with each batch; the two-tile ones share each read
+        # between their tiles and copy them into shared memory where they fit.
+        shmem = (cols // 64) * MAX_MMA_TOKENS * 8 + tokens * (cols + MMA_PAD) * 2  # the staged layout
+        if _tiles(infix) == 1 or shmem > self._mma_smem:
+            shmem, kernel = 0, self._k[f"int8_mma_pre_direct_{infix}{dt}"]
+        else:
+            kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
+        resident = self.launcher.resident_per_sm(kernel, threads, shmem) * self._sms
         self.launcher.launch(
             kernel,
             (min(units, resident), 1),
@@ -444,6 +460,7 @@ class Int8CudaLinear:
                 np.int32(chunks),
                 best_ptr,
             ),
+            shmem=shmem,
         )
 
     def _best(self, device: torch.device) -> torch.Tensor:
@@ -499,6 +516,12 @@ def _operands(x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, norm: N
         np.int32(outputs),
         np.int32(w.in_features),
     )
+
+
+def _tiles(infix: str) -> int:
+    """Row tiles a tensor-core unit takes in mode ``infix``: a gate tile and its up tile
+    (SwiGLU), two for argmax (32 outputs a warp), else one."""
+    return 2 if infix.endswith(("swiglu_", "argmax_")) else 1
 
 
 def prestaged_bytes(cols: int, tokens: int) -> int:

@@ -83,8 +83,12 @@ constexpr float kByteBase = 1152.f;
 
 // Where a CTA's tokens come from: staged by the CTA in shared memory (float16, byte
 // chain), read directly in the model's dtype (nibble chains), or prestaged once for the
-// whole launch by int8_stage (the staged layout in global memory, byte chain).
-enum TokenSource { kStagedSrc = 0, kDirectSrc = 1, kPrestagedSrc = 2 };
+// whole launch by int8_stage (the staged layout in global memory, byte chain), read from
+// there with each batch or copied as they are into the CTA's shared memory.
+enum TokenSource { kStagedSrc = 0, kDirectSrc = 1, kPrestagedSrc = 2, kCopiedSrc = 3 };
+
+// Tokens a CTA reads from its shared memory (staged or copied there).
+__device__ constexpr bool from_smem(int src) { return src == kStagedSrc || src == kCopiedSrc; }
 
 // One batch of a warp: kU adjacent column tiles of each of its kTiles row tiles
 // (rows g and g + 8, so a row's kU x 64 bytes are read by the one warp), with the
@@ -92,7 +96,7 @@ enum TokenSource { kStagedSrc = 0, kDirectSrc = 1, kPrestagedSrc = 2 };
 // prestaged: each tile's sums).
 template <int kTiles, int kSrc, int kU>
 struct Batch {
-  static constexpr bool kLoadsX = kSrc != kStagedSrc;
+  static constexpr bool kLoadsX = !from_smem(kSrc);
   uint4 lo[kU][kTiles], hi[kU][kTiles];  // rows g, g + 8
   float s0[kU][kTiles], s1[kU][kTiles];
   uint2 xv[kLoadsX ? kU : 1][4];
@@ -172,7 +176,7 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, floa
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
       // k 2t + 8, 2t + 9 <- columns 1, 3.
-      const uint2 xv = kSrc != kStagedSrc ? b.xv[u][s] : edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok);
+      const uint2 xv = from_smem(kSrc) ? edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok) : b.xv[u][s];
       const unsigned int b0 = __byte_perm(xv.x, xv.y, 0x5410);
       const unsigned int b1 = __byte_perm(xv.x, xv.y, 0x7632);
 #pragma unroll
@@ -202,7 +206,7 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, floa
     }
     float4 fc = make_float4(0.f, 0.f, 0.f, 0.f);  // tokens 2t, 2t + 1: (1 / f, 1152 / f sum x) each
     if constexpr (kSrc == kPrestagedSrc) fc = b.fc[u];
-    if constexpr (kSrc == kStagedSrc) fc = *reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t);
+    if constexpr (from_smem(kSrc)) fc = *reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t);
 #pragma unroll
     for (int i = 0; i < kTiles; ++i) {
       const float s0 = live * b.s0[u][i], s1 = live * b.s1[u][i];
@@ -323,6 +327,22 @@ __device__ __forceinline__ int prestaged_xs(int in) {
   return prestaged_ss(in) + kGemvMaxTokens * kGemvMaxTokens * (int)sizeof(float);
 }
 
+// The prestaged tile sums and tokens [0, ntok) into this CTA's shared memory as
+// stage_bytes lays them out, copied as they are (cp.async; the barrier follows).
+__device__ __forceinline__ void copy_prestaged(unsigned char* __restrict__ smem_x, const unsigned char* __restrict__ pre,
+                                               int in, int ntok) {
+  const int sums = prestaged_ss(in), vecs = in >> 3;
+  for (int i = threadIdx.x; i < sums / 16; i += kThreads) edge::cp_async16(edge::smem_u32(smem_x + 16 * i), pre + 16 * i, 16);
+  __half* xs = reinterpret_cast<__half*>(smem_x + sums);
+  const __half* src = reinterpret_cast<const __half*>(pre + prestaged_xs(in));
+  for (int n = 0; n < ntok; ++n)
+    for (int v = threadIdx.x; v < vecs; v += kThreads)
+      edge::cp_async16(edge::smem_u32(xs + n * (in + kGemvPad) + 8 * v), src + (long long)n * in + 8 * v, 16);
+  edge::cp_async_commit();
+  edge::cp_async_wait_all();
+  __syncthreads();
+}
+
 // A CTA takes units blockIdx.x, + gridDim.x, ... (the host launches at most the resident
 // CTAs, so the staged activations serve every unit a CTA takes) and tokens
 // [blockIdx.y * tok_chunk, + tok_chunk) (at most kGemvMaxTokens; the host sizes tok_chunk
@@ -367,8 +387,8 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const float* sc_g[kTiles];
   const long long row8 = 8ll * in;  // row g + 8 (load_batch)
   const int sc8 = 8 * groups;
-  constexpr int kU = kTiles == 1 && kNorm && kSrc == kStagedSrc ? kNormUnroll : kUnroll;
-  constexpr bool kLoadsX = kSrc != kStagedSrc;
+  constexpr int kU = kTiles == 1 && kNorm && from_smem(kSrc) ? kNormUnroll : kUnroll;
+  constexpr bool kLoadsX = !from_smem(kSrc);
   const int step = kWarps * kU;
   Batch<kTiles, kSrc, kU> st0, st1;
   int unit = blockIdx.x;
@@ -377,17 +397,16 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   // the previous kernel's tail.
   load_batch<kTiles, kSrc, kU>(st0, row_g, sc_g, warp * kU, kb_count, group_shift, row8, sc8);
   edge::await_inputs();
-  if constexpr (kLoadsX) {
-    load_x<kTiles, kSrc, kU, S>(st0, xrow, tiles, has_tok, warp * kU, kb_count, t);
-    if constexpr (kSrc == kPrestagedSrc && kNorm) {
-      const int w = threadIdx.x >> 3, n = threadIdx.x & 7;  // kWarps x kGemvMaxTokens <= kThreads
-      if (w < kWarps)
-        red_ss[w][n] = w < chunks && n < ntok
-                           ? __ldg(reinterpret_cast<const float*>(pre + prestaged_ss(in)) + (n0 + n) * kGemvMaxTokens + w)
-                           : 0.f;
-    }
-  } else {
+  if constexpr (kLoadsX) load_x<kTiles, kSrc, kU, S>(st0, xrow, tiles, has_tok, warp * kU, kb_count, t);
+  if constexpr (kSrc == kStagedSrc)
     stage_bytes<T, kNorm>(xs, red_ss, reinterpret_cast<float2*>(smem_x), x + (long long)n0 * in, norm_w, in, ntok);
+  if constexpr (kSrc == kCopiedSrc) copy_prestaged(smem_x, pre, in, ntok);
+  if constexpr ((kSrc == kPrestagedSrc || kSrc == kCopiedSrc) && kNorm) {
+    const int w = threadIdx.x >> 3, n = threadIdx.x & 7;  // kWarps x kGemvMaxTokens <= kThreads
+    if (w < kWarps)
+      red_ss[w][n] = w < chunks && n < ntok
+                         ? __ldg(reinterpret_cast<const float*>(pre + prestaged_ss(in)) + (n0 + n) * kGemvMaxTokens + w)
+                         : 0.f;
   }
   for (;;) {
     int kb0 = warp * kU;
@@ -467,14 +486,16 @@ __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, cons
   }
 
 // The prestaged modes: pre (int8_stage's output) instead of x and the norm weight, and
-// the stage's CTAs a token.
-#define CFG_INT8_MMA_PRE(NAME, T, TILES, NORM, EPI)                                                              \
+// the stage's CTAs a token. The one-tile modes read the tokens with each batch
+// (pre_direct_); the two-tile ones copy them into shared memory (pre_), or read them
+// too where they do not fit.
+#define CFG_INT8_MMA_PRE(NAME, T, TILES, NORM, EPI, SRC)                                                           \
   extern "C" __global__ void __launch_bounds__(kThreads) NAME(                                              \
       T* __restrict__ y, const unsigned char* __restrict__ pre, const signed char* __restrict__ q,           \
       const float* __restrict__ scale, const T* __restrict__ bias, float eps, int out, int in,               \
       int group_shift, int num_tokens, int chunks, unsigned long long* __restrict__ best) {                  \
-    int8_mma<T, TILES, NORM, EPI, kPrestagedSrc>(y, nullptr, pre, q, scale, bias, nullptr, eps, out, in,     \
-                                                 group_shift, num_tokens, num_tokens, chunks, best);         \
+    int8_mma<T, TILES, NORM, EPI, SRC>(y, nullptr, pre, q, scale, bias, nullptr, eps, out, in, group_shift,   \
+                                       num_tokens, num_tokens, chunks, best);                                \
   }
 
 // The modes of int8_gemv.cu (int8_cuda.py: MODES, ARGMAX_MODES): one row tile a CTA,
@@ -489,12 +510,15 @@ __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, cons
   CFG_INT8_MMA(int8_mma_norm_argmax_##DT, T, 2, true, kArgmax, kStagedSrc)                \
   CFG_INT8_MMA(int8_mma_direct_##DT, T, 1, false, kStore, kDirectSrc)                     \
   CFG_INT8_MMA(int8_mma_direct_residual_##DT, T, 1, false, kResidual, kDirectSrc)         \
-  CFG_INT8_MMA_PRE(int8_mma_pre_##DT, T, 1, false, kStore)                                \
-  CFG_INT8_MMA_PRE(int8_mma_pre_norm_##DT, T, 1, true, kStore)                            \
-  CFG_INT8_MMA_PRE(int8_mma_pre_residual_##DT, T, 1, false, kResidual)                    \
-  CFG_INT8_MMA_PRE(int8_mma_pre_norm_swiglu_##DT, T, 2, true, kSwiglu)                    \
-  CFG_INT8_MMA_PRE(int8_mma_pre_argmax_##DT, T, 2, false, kArgmax)                        \
-  CFG_INT8_MMA_PRE(int8_mma_pre_norm_argmax_##DT, T, 2, true, kArgmax)                    \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_##DT, T, 1, false, kStore, kPrestagedSrc)        \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_norm_##DT, T, 1, true, kStore, kPrestagedSrc)    \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_residual_##DT, T, 1, false, kResidual, kPrestagedSrc)\
+  CFG_INT8_MMA_PRE(int8_mma_pre_norm_swiglu_##DT, T, 2, true, kSwiglu, kCopiedSrc)      \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_norm_swiglu_##DT, T, 2, true, kSwiglu, kPrestagedSrc)\
+  CFG_INT8_MMA_PRE(int8_mma_pre_argmax_##DT, T, 2, false, kArgmax, kCopiedSrc)          \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_argmax_##DT, T, 2, false, kArgmax, kPrestagedSrc)\
+  CFG_INT8_MMA_PRE(int8_mma_pre_norm_argmax_##DT, T, 2, true, kArgmax, kCopiedSrc)      \
+  CFG_INT8_MMA_PRE(int8_mma_pre_direct_norm_argmax_##DT, T, 2, true, kArgmax, kPrestagedSrc)\
   extern "C" __global__ void __launch_bounds__(kThreads)                                  \
       int8_stage_##DT(unsigned char* __restrict__ pre, const T* __restrict__ x, int in) { \
     int8_stage<T, false>(pre, x, nullptr, in);                                            \
