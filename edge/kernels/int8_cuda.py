@@ -7,9 +7,10 @@ in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token,
 kernel of ``int8_mma.cu`` for :data:`MIN_MMA_TOKENS` to :data:`MAX_MMA_TOKENS` tokens (the speculative
 verify step: every weight byte read once for all of them; weights whose group size and
 input width are multiples of 64, :func:`mma_support`; no more CTAs than are resident; the
-norm modes stage their tokens once per CTA for all the row tiles it takes, the plain and
-residual modes read them with each batch, the ``direct`` kernels, unless the tuning
-stages them where they fit); a prefill chunk expands the weight by a kernel
+modes the tuning prestages take their tokens from one ``int8_stage`` launch before them,
+the other norm modes stage their tokens once per CTA for all the row tiles it takes, the
+plain and residual modes read them with each batch, the ``direct`` kernels, unless the
+tuning stages them where they fit); a prefill chunk expands the weight by a kernel
 (``dequant.cu``, :mod:`edge.kernels.dequant_cuda`: the reference's values, bit for bit)
 and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.

@@ -41,7 +41,10 @@
 // scale, residual, SwiGLU, argmax) once. Activations are staged once per CTA
 // (stage_bytes: kNorm folds the norm weight in) and serve every unit the CTA takes; the
 // host sizes the tokens a CTA stages to its shared memory, and launches no more CTAs
-// than are resident.
+// than are resident. Or they are prestaged once for the whole launch (int8_stage, a
+// launch of its own before it, the same math) and each CTA reads them from there with
+// each batch or copies them into its shared memory as they are: staging in every CTA
+// costs each one the whole conversion, which on few SMs outweighed a small launch.
 //
 // No host-visible state, shapes-only grids: safe in CUDA graphs. sm_80+ (sm_87, sm_90).
 #include "gemv_epilogue.cuh"
