@@ -331,7 +331,7 @@ __device__ __forceinline__ int prestaged_xs(int in) {
 }
 
 // The prestaged tile sums and tokens [0, ntok) into this CTA's shared memory as
-// stage_bytes lays them out, copied as they are (cp.async; the barrier follows).
+// stage_bytes lays them out, copied as they are (cp.async, then a barrier).
 __device__ __forceinline__ void copy_prestaged(unsigned char* __restrict__ smem_x, const unsigned char* __restrict__ pre,
                                                int in, int ntok) {
   const int sums = prestaged_ss(in), vecs = in >> 3;
