@@ -642,6 +642,22 @@ def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
             assert name.startswith("int8_gemv_"), name
 
 
+@pytest.mark.parametrize("prestage", [False, True], ids=["staged", "prestaged"])
+@pytest.mark.parametrize("warps", [2, 4])
+def test_norm_mode_with_its_own_warps(int8_linear, warps, prestage) -> None:
+    """The one-tile norm mode (qkv) in CTAs of their own warp count
+    (``Int8Tuning.mma_norm_warps``: few SMs take 4), staged by each CTA or prestaged (the
+    stage's CTAs a token never more than the consumer's warps), against the float32 oracle
+    and the reference composition, both dtypes, 2..8 tokens."""
+    ic = int8_linear(mma_norm_warps=warps, mma_prestage=("norm_",) if prestage else ())
+    for rows, inp, group in ((1056, 576, 64), (6144, 4096, 128), (512, 12288, 128)):
+        for dtype in DTYPES16:
+            for tokens in (2, 5, 8):
+                c = fused_inputs("norm", rows, inp, group, dtype, tokens, bias=tokens == 5)
+                name = check_fused(ic, c, f"norm {rows}x{inp} {dtype} T{tokens} {warps} warps")
+                assert name.startswith("int8_mma_pre_direct_norm_" if prestage else "int8_mma_norm_"), name
+
+
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 def test_prestaged_argmax_and_scaling(int8_linear, dtype) -> None:
     """Prestaged greedy lm_head (with and without the norm; two tiles a unit: copied into

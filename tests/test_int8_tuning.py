@@ -10,7 +10,7 @@ from edge.kernels.int8_cuda import MODES, Int8Tuning
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
     """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
-    norm mode), the decode token's gate_up on the tensor-core kernel and the verify
+    norm mode, whose CTAs have 4 warps), the decode token's gate_up on the tensor-core kernel and the verify
     step's norm and residual modes prestaged; a full GPU two column tiles everywhere, the
     GEMV for every decode token and only the norm modes prestaged; the rest of the tuning
     is the default either way, and the kernels see it as defines."""
@@ -18,9 +18,12 @@ def test_few_sms_take_one_column_tile_a_stage() -> None:
         t = Int8Tuning.for_sms(sms)
         d = t.mma_defines()
         assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
-        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",),
+        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
                                mma_prestage=("norm_", "residual_", "norm_swiglu_"))
+        assert d["CFG_INT8_MMA_WARPS"] == 8 and t.mma_defines("norm_")["CFG_INT8_MMA_WARPS"] == 4
+        assert t.warps_of("norm_") == 4 and t.warps_of("norm_swiglu_") == t.warps_of("residual_") == 8
     assert Int8Tuning.for_sms(132) == Int8Tuning(mma_prestage=("norm_", "norm_swiglu_"))
+    assert Int8Tuning.for_sms(132).mma_defines("norm_")["CFG_INT8_MMA_WARPS"] == 8
     assert Int8Tuning().mma_one_token == ()
     d = Int8Tuning().mma_defines()
     assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (2, 2)
@@ -43,6 +46,15 @@ def test_prestaged_modes_are_tensor_core_modes() -> None:
     assert Int8Tuning(mma_prestage=("norm_", "norm_argmax_")).mma_prestage == ("norm_", "norm_argmax_")
     with pytest.raises(ValueError, match="mma_prestage"):
         Int8Tuning(mma_prestage=("direct_",))
+
+
+def test_warps_are_powers_of_two() -> None:
+    """Both warp counts (every mode's, the one-tile norm mode's) are checked at once."""
+    import pytest
+
+    for bad in ({"mma_warps": 3}, {"mma_norm_warps": 6}):
+        with pytest.raises(ValueError, match="warps"):
+            Int8Tuning(**bad)
 
 
 def test_carveout_is_a_percentage() -> None:

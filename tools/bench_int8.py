@@ -69,6 +69,8 @@ def _tunings(sms: int) -> dict:
         # tokens staged once a launch (int8_stage) instead of by every CTA: none, every mode,
         # the norm modes alone (qkv, gate_up), the few-SM default's modes
         "prestage_none": dataclasses.replace(base, mma_prestage=()),
+        "norm_warps4": dataclasses.replace(base, mma_norm_warps=4),  # the one-tile norm mode (qkv) in 4-warp CTAs
+        "norm_warps8": dataclasses.replace(base, mma_norm_warps=8),
         "prestage_all": dataclasses.replace(base, mma_prestage=_ALL),
         "prestage_norm": dataclasses.replace(base, mma_prestage=("norm_", "norm_swiglu_")),
         "prestage_norm_residual": dataclasses.replace(base, mma_prestage=("norm_", "residual_", "norm_swiglu_")),

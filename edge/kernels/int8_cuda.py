@@ -90,6 +90,7 @@ class Int8Tuning:
     mma_warps: int = 8  # int8_mma.cu: warps a CTA, splitting its row tile's columns
     mma_unroll: int = 2  # int8_mma.cu: column tiles a register stage (two stages in flight)
     mma_norm_unroll: int | None = None  # the same for the one-tile norm mode (qkv); None: mma_unroll
+    mma_norm_warps: int | None = None  # warps a CTA in the one-tile norm mode (qkv); None: mma_warps
     mma_stage_bytes: int = 96 << 10  # shared memory a tensor-core CTA may stage tokens in (more: a launch row each)
     # Plain / residual modes read their tokens directly even where they fit the staging:
     # a CTA of these takes few units, and staging them cost more than reading them with
@@ -114,8 +115,10 @@ class Int8Tuning:
             raise ValueError(f"dequant_chunk must be positive, got {self.dequant_chunk}")
         if self.rows_per_warp is not None and self.rows_per_warp not in ROWS_PER_WARP:
             raise ValueError(f"rows_per_warp must be one of {ROWS_PER_WARP}, got {self.rows_per_warp}")
-        if self.mma_warps not in (1, 2, 4, 8, 16) or not 1 <= self.mma_unroll <= 4 or not 1 <= self.norm_unroll <= 4:
-            raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} warps, unroll {self.mma_unroll}")
+        if ({self.mma_warps, self.norm_warps} - {1, 2, 4, 8, 16}) or not 1 <= self.mma_unroll <= 4 \
+                or not 1 <= self.norm_unroll <= 4:
+            raise ValueError(f"bad int8 tensor-core tuning: {self.mma_warps} / {self.norm_warps} warps, "
+                             f"unroll {self.mma_unroll} / {self.norm_unroll}")
         if self.mma_stage_bytes < 16 << 10:
             raise ValueError(f"mma_stage_bytes must be at least 16 KiB, got {self.mma_stage_bytes}")
         if self.mma_carveout is not None and not 0 <= self.mma_carveout <= 100:
@@ -132,14 +135,24 @@ class Int8Tuning:
         """The one-tile norm mode's column tiles a stage (mma_norm_unroll, else mma_unroll)."""
         return self.mma_unroll if self.mma_norm_unroll is None else self.mma_norm_unroll
 
+    @property
+    def norm_warps(self) -> int:
+        """The one-tile norm mode's warps a CTA (mma_norm_warps, else mma_warps)."""
+        return self.mma_warps if self.mma_norm_warps is None else self.mma_norm_warps
+
+    def warps_of(self, infix: str) -> int:
+        """Warps a tensor-core CTA of mode ``infix`` has."""
+        return self.norm_warps if infix == "norm_" else self.mma_warps
+
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
         """The default for a GPU of ``sms`` SMs: the verify step's norm modes prestaged,
         and with few SMs (an Orin's 8 or 16) its residual ones too, one column tile a
-        tensor-core stage, four in the one-tile norm mode, and the decode step's gate_up
-        (norm + SwiGLU) on the tensor-core kernel (docs/benchmarks.md)."""
+        tensor-core stage, four in the one-tile norm mode and 4-warp CTAs there, and the
+        decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
+        (docs/benchmarks.md)."""
         if sms <= 32:
-            return cls(mma_unroll=1, mma_norm_unroll=4, mma_one_token=("norm_swiglu_",),
+            return cls(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
                        mma_prestage=("norm_", "residual_", "norm_swiglu_"))
         return cls(mma_prestage=("norm_", "norm_swiglu_"))
 
@@ -152,8 +165,9 @@ class Int8Tuning:
             "CFG_INT8_MIN_BLOCKS": self.min_blocks,
         }
 
-    def mma_defines(self) -> dict[str, int]:
-        return {"CFG_INT8_MMA_WARPS": self.mma_warps, "CFG_INT8_MMA_UNROLL": self.mma_unroll,
+    def mma_defines(self, infix: str = "") -> dict[str, int]:
+        """int8_mma.cu's defines for the kernels of mode ``infix``."""
+        return {"CFG_INT8_MMA_WARPS": self.warps_of(infix), "CFG_INT8_MMA_UNROLL": self.mma_unroll,
                 "CFG_INT8_MMA_NORM_UNROLL": self.norm_unroll}
 
 
@@ -210,17 +224,17 @@ class Int8CudaLinear:
         for dtype in DTYPES:
             for infix in (*(m[0] for m in MODES.values()), *ARGMAX_MODES.values()):  # the same modes
                 name = f"int8_mma_{infix}{_DTYPE_NAME[dtype]}"
-                self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
                 nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
             for infix in MMA_DIRECT_MODES:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
             for infix in tuning.mma_prestage:
                 name = f"int8_mma_pre_direct_{infix}{_DTYPE_NAME[dtype]}"
-                self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
                 if _tiles(infix) == 2:
                     name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
-                    self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
+                    self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
                     nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
             if tuning.mma_prestage:
                 for norm in ("", "norm_"):
@@ -401,11 +415,12 @@ class Int8CudaLinear:
         else:
             name, shmem = f"int8_mma_{infix}{_DTYPE_NAME[x.dtype]}", sums + chunk * row
         kernel = self._k[name]
-        resident = self.launcher.resident_per_sm(kernel, 32 * self.tuning.mma_warps, shmem) * self._sms
+        threads = 32 * self.tuning.warps_of(infix)
+        resident = self.launcher.resident_per_sm(kernel, threads, shmem) * self._sms
         self.launcher.launch(
             kernel,
             (min(units, resident), -(-tokens // chunk)),
-            32 * self.tuning.mma_warps,
+            threads,
             (
                 *_operands(x, w, bias, norm, y_ptr, outputs),
                 np.int32(w.group_size.bit_length() - 7),  # log2(group / 64)
@@ -424,15 +439,15 @@ class Int8CudaLinear:
         mode copies into its shared memory where it fits (``int8_mma_pre_``), else reads
         with each batch (``int8_mma_pre_direct_``)."""
         cols, dt = w.in_features, _DTYPE_NAME[x.dtype]
-        threads = 32 * self.tuning.mma_warps
+        stage_threads, warps = 32 * self.tuning.mma_warps, self.tuning.warps_of(infix)
         # Two 8-element chunks a thread; each stage CTA leaves one share of a token's sum
         # of squares, which the consumer holds in one of its warps' slots.
-        chunks = min(self.tuning.mma_warps, MAX_MMA_TOKENS, max(1, -(-cols // (16 * threads))))
+        chunks = min(self.tuning.mma_warps, warps, MAX_MMA_TOKENS, max(1, -(-cols // (16 * stage_threads))))
         pre = torch.empty(prestaged_bytes(cols, tokens), dtype=torch.uint8, device=x.device)
         self.launcher.launch(
             self._k[f"int8_stage_{'norm_' if norm is not None else ''}{dt}"],
             (tokens, chunks),
-            threads,
+            stage_threads,
             (pre.data_ptr(), x.data_ptr(), *(() if norm is None else (norm[0].data_ptr(),)), np.int32(cols)),
         )
         # One-tile modes read the tokens with each batch; the two-tile ones share each read
@@ -442,11 +457,11 @@ class Int8CudaLinear:
             shmem, kernel = 0, self._k[f"int8_mma_pre_direct_{infix}{dt}"]
         else:
             kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
-        resident = self.launcher.resident_per_sm(kernel, threads, shmem) * self._sms
+        resident = self.launcher.resident_per_sm(kernel, 32 * warps, shmem) * self._sms
         self.launcher.launch(
             kernel,
             (min(units, resident), 1),
-            threads,
+            32 * warps,
             (
                 y_ptr,
                 pre.data_ptr(),
