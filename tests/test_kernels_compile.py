@@ -44,7 +44,6 @@ VARIANTS = [
     ),
     ("int4_gemv.cu", {}),  # float16 scales, the default tuning
     ("int8_mma.cu", {}),  # the verify step's int8 linears on tensor cores, every mode
-    ("int8_mma.cu", {"CFG_INT8_MMA_WARPS": 4, "CFG_INT8_MMA_UNROLL": 1}),
     ("int8_mma.cu", {"CFG_INT8_MMA_UNROLL": 1, "CFG_INT8_MMA_NORM_UNROLL": 4}),  # Int8Tuning.for_sms(16)
     ("int8_mma.cu", {"CFG_INT8_MMA_WARPS": 4, "CFG_INT8_MMA_UNROLL": 1, "CFG_INT8_MMA_NORM_UNROLL": 4}),  # its norm mode
     ("dequant.cu", {}),  # every int4 / int8 prefill expansion
