@@ -118,7 +118,9 @@ def _ptx(source: str, arch: str, defines: dict) -> str:
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
 def test_every_kernel_waits_for_its_predecessor(variant):
     """The decode graph launches every kernel overlapped on sm_90 (nvrtc.overlapped): a
-    kernel without griddepcontrol.wait would read its inputs before they are written."""
+    kernel without griddepcontrol.wait would read its inputs before they are written.
+    Orin (sm_87) has no such instruction: checked on each source's first variant (the
+    instructions come from common.cuh's arch-guarded helpers, whatever the defines)."""
     _nvrtc_or_skip()
     source, defines = variant
     entries = _ptx(source, "sm_90", defines).split(".entry ")[1:]
@@ -127,7 +129,8 @@ def test_every_kernel_waits_for_its_predecessor(variant):
         name = body.split("(", 1)[0]
         assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
         assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
-    assert "griddepcontrol" not in _ptx(source, "sm_87", defines)
+    if next(v for v in VARIANTS if v[0] == source) is variant:
+        assert "griddepcontrol" not in _ptx(source, "sm_87", defines)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
