@@ -403,8 +403,7 @@ class Int8CudaLinear:
         if infix in self.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
             self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr, units)
             return
-        sums = (cols // 64) * MAX_MMA_TOKENS * 8  # each tile's scale and activation sum, before the staged rows
-        row = (cols + MMA_PAD) * 2  # a token staged in float16
+        sums, row = _tile_sums_bytes(cols), _staged_row_bytes(cols)
         room = self._mma_smem - sums
         chunk = min(tokens, max(room, 0) // row)
         if (chunk < tokens or self.tuning.mma_direct) and infix in MMA_DIRECT_MODES:
@@ -452,7 +451,7 @@ class Int8CudaLinear:
         )
         # One-tile modes read the tokens with each batch; the two-tile ones share each read
         # between their tiles and copy them into shared memory where they fit.
-        shmem = (cols // 64) * MAX_MMA_TOKENS * 8 + tokens * (cols + MMA_PAD) * 2  # the staged layout
+        shmem = _tile_sums_bytes(cols) + tokens * _staged_row_bytes(cols)  # the staged layout
         if _tiles(infix) == 1 or shmem > self._mma_smem:
             shmem, kernel = 0, self._k[f"int8_mma_pre_direct_{infix}{dt}"]
         else:
@@ -540,10 +539,21 @@ def _tiles(infix: str) -> int:
     return 2 if infix.endswith(("swiglu_", "argmax_")) else 1
 
 
+def _tile_sums_bytes(cols: int) -> int:
+    """Bytes of each 64-column tile's scale and activation sum (a float2 a token slot),
+    ahead of the staged rows in shared memory and in the prestaged buffer."""
+    return (cols // 64) * MAX_MMA_TOKENS * 8
+
+
+def _staged_row_bytes(cols: int) -> int:
+    """Bytes of one token staged in a CTA's shared memory (float16, padded)."""
+    return (cols + MMA_PAD) * 2
+
+
 def prestaged_bytes(cols: int, tokens: int) -> int:
-    """Bytes of int8_mma.cu's prestaged tokens: each 64-column tile's sums (MAX_MMA_TOKENS
-    float2), MAX_MMA_TOKENS x MAX_MMA_TOKENS float sums of squares, the float16 rows."""
-    return (cols // 64) * MAX_MMA_TOKENS * 8 + MAX_MMA_TOKENS * MAX_MMA_TOKENS * 4 + tokens * cols * 2
+    """Bytes of int8_mma.cu's prestaged tokens: the tile sums, MAX_MMA_TOKENS x
+    MAX_MMA_TOKENS float sums of squares, the float16 rows (unpadded)."""
+    return _tile_sums_bytes(cols) + MAX_MMA_TOKENS * MAX_MMA_TOKENS * 4 + tokens * cols * 2
 
 
 def _mode(norm: Norm | None, residual: torch.Tensor | None, swiglu: bool) -> tuple[str, tuple[int, ...]] | None:

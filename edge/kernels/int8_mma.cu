@@ -391,7 +391,7 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
   const long long row8 = 8ll * in;  // row g + 8 (load_batch)
   const int sc8 = 8 * groups;
   constexpr int kU = kTiles == 1 && kNorm && from_smem(kSrc) ? kNormUnroll : kUnroll;
-  constexpr bool kLoadsX = !from_smem(kSrc);
+  constexpr bool kLoadsX = Batch<kTiles, kSrc, kU>::kLoadsX;
   const int step = kWarps * kU;
   Batch<kTiles, kSrc, kU> st0, st1;
   int unit = blockIdx.x;
@@ -450,7 +450,7 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
 template <typename T, bool kNorm>
 __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, const T* __restrict__ x,
                                            const T* __restrict__ norm_w, int in) {
-  __shared__ float part[kWarps];
+  __shared__ float part[kWarps][kGemvMaxTokens];
   const int n = blockIdx.x, vecs = in >> 3;
   float2* tiles = reinterpret_cast<float2*>(pre);
   __half* xs = reinterpret_cast<__half*>(pre + prestaged_xs(in)) + (long long)n * in;
@@ -463,14 +463,12 @@ __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, cons
     stage_chunk<T, kNorm>(f, norm_w, v, ss, xs + 8 * v, tiles + (v >> 3) * kGemvMaxTokens + n);
   }
   if constexpr (kNorm) {
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, off);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = ss;
+    edge::stage_sum_squares(part, ss, 0);  // each warp's share into part[warp][0]
     __syncthreads();
     if (threadIdx.x == 0) {
       float total = 0.f;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) total += part[w];
+      for (int w = 0; w < kWarps; ++w) total += part[w][0];
       reinterpret_cast<float*>(pre + prestaged_ss(in))[n * kGemvMaxTokens + blockIdx.y] = total;
     }
   }
