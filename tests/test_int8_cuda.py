@@ -206,7 +206,7 @@ def expected_launches(kernel: str, mode: str) -> list[set[str]]:
     prestaging launch and the prestaged kernel."""
     if kernel == "int8_mma_pre_":
         stage = f"int8_stage_{'norm_' * mode.startswith('norm_')}"
-        return [{stage, f"int8_mma_pre_{mode}"}, {stage, f"int8_mma_pre_direct_{mode}"}]
+        return [{stage, f"int8_mma_pre_{kind}{mode}"} for kind in ("", "direct_", "pair_")]
     return [{f"{kernel}{mode}"}] + ([{f"int8_mma_direct_{mode}"}] if kernel == "int8_mma_" else [])
 
 
@@ -627,7 +627,7 @@ def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
     outputs NaN-poisoned; the stage and the prestaged kernel are the two launches
     (check_fused). One token stays unprestaged, on the GEMV or (``mma_one_token``) the
     tensor-core kernel staging it itself."""
-    ic = int8_linear(mma_prestage=PRESTAGE_ALL, mma_one_token=("norm_swiglu_", "residual_"))
+    ic = int8_linear(mma_prestage=PRESTAGE_ALL, mma_one_token=("norm_swiglu_", "residual_"), mma_pair_tiles=())
     mode, rows, inp, group = case
     infix = {"plain": ""}.get(mode, f"{mode}_")
     copied = mode == "norm_swiglu" and (inp // 64) * 64 + tokens * (inp + 16) * 2 <= ic._mma_smem
@@ -640,6 +640,29 @@ def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
             assert name.startswith(f"int8_mma_{'direct_' * (infix == 'residual_')}{infix}"), name
         else:
             assert name.startswith("int8_gemv_"), name
+
+
+@pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
+def test_prestaged_pairs_of_row_tiles(int8_linear, dtype) -> None:
+    """The one-tile modes (plain, norm, residual) prestaged in units of two row tiles
+    (``Int8Tuning.mma_pair_tiles``; few SMs take it for the residual modes): against the
+    float32 oracle and the reference composition, outputs NaN-poisoned, at 2..8 tokens,
+    on more units than resident CTAs, with the norm mode in CTAs of 4 and 8 warps; the
+    stage and ``int8_mma_pre_pair_`` are the two launches."""
+    pairs = ("", "norm_", "residual_")
+    cases = [("plain", 6144, 4096, 128), ("plain", 20480, 1024, 128), ("norm", 1056, 576, 64),
+             ("norm", 6144, 4096, 128), ("residual", 4096, 4096, 128), ("residual", 4096, 12288, 128),
+             ("residual", 96, 704, 64)]
+    for norm_warps in (4, 8):
+        ic = int8_linear(mma_prestage=pairs, mma_pair_tiles=pairs, mma_norm_warps=norm_warps)
+        for case in cases:
+            mode, rows, inp, group = case
+            if norm_warps == 4 and mode != "norm":
+                continue
+            for tokens in (2, 5, 8):
+                c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, tokens, bias=tokens == 5)
+                name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} {norm_warps}-warp norm")
+                assert name.startswith(f"int8_mma_pre_pair_{'' if mode == 'plain' else mode + '_'}"), name
 
 
 @pytest.mark.parametrize("prestage", [False, True], ids=["staged", "prestaged"])
@@ -664,7 +687,7 @@ def test_prestaged_argmax_and_scaling(int8_linear, dtype) -> None:
     shared memory) equals torch.argmax of the prestaged logits (one tile: read with each
     batch); bfloat16 tokens far outside float16's range both ways, an all-zero
     one and an ordinary one, prestaged in one launch, each within the oracle's bound."""
-    ic = int8_linear(mma_prestage=PRESTAGE_ALL)
+    ic = int8_linear(mma_prestage=PRESTAGE_ALL, mma_pair_tiles=())
     g = _gen()
     rows, inp = 32000, 1024
     w = random_weight(rows, inp, 128, g)

@@ -11,7 +11,8 @@ from edge.kernels.int8_cuda import MODES, Int8Tuning
 def test_few_sms_take_one_column_tile_a_stage() -> None:
     """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
     norm mode, whose CTAs have 4 warps), the decode token's gate_up on the tensor-core kernel and the verify
-    step's norm and residual modes prestaged; a full GPU two column tiles everywhere, the
+    step's norm and residual modes prestaged (the residual ones in units of two row tiles);
+    a full GPU two column tiles everywhere, the
     GEMV for every decode token and only the norm modes prestaged; the rest of the tuning
     is the default either way, and the kernels see it as defines."""
     for sms in (8, 16, 32):
@@ -19,7 +20,7 @@ def test_few_sms_take_one_column_tile_a_stage() -> None:
         d = t.mma_defines()
         assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
         assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
-                               mma_prestage=("norm_", "residual_", "norm_swiglu_"))
+                               mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("residual_",))
         assert d["CFG_INT8_MMA_WARPS"] == 8 and t.mma_defines("norm_")["CFG_INT8_MMA_WARPS"] == 4
         assert t.warps_of("norm_") == 4 and t.warps_of("norm_swiglu_") == t.warps_of("residual_") == 8
     assert Int8Tuning.for_sms(132) == Int8Tuning(mma_prestage=("norm_", "norm_swiglu_"))
@@ -69,6 +70,18 @@ def test_carveout_is_a_percentage() -> None:
             Int8Tuning(mma_carveout=bad)
 
 
+def test_paired_modes_are_one_tile_modes() -> None:
+    """mma_pair_tiles names one-tile modes (plain, norm, residual); a two-tile mode or
+    anything else is refused at once."""
+    import pytest
+
+    assert Int8Tuning(mma_pair_tiles=("", "norm_")).mma_pair_tiles == ("", "norm_")
+    assert Int8Tuning().mma_pair_tiles == ()
+    for bad in (("norm_swiglu_",), ("argmax_",), ("residual",)):
+        with pytest.raises(ValueError, match="mma_pair_tiles"):
+            Int8Tuning(mma_pair_tiles=bad)
+
+
 def test_bench_int8_arguments() -> None:
     """tools/bench_int8.py: a verify step's 5 tokens unless told, the SM count, the sweep."""
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
@@ -83,6 +96,11 @@ def test_bench_int8_arguments() -> None:
         t = bench_int8._tunings(sms)
         assert t["one_token_gemv"].mma_one_token == ()
         assert set(t["one_token_mma"].mma_one_token) == {infix for infix, _ in MODES.values()}
+        # Paired row tiles: the modes named are prestaged too, whatever the SM count's default.
+        assert t["pair_none"].mma_pair_tiles == ()
+        for label, modes in (("pair_residual", {"residual_"}), ("pair_norm", {"norm_"}),
+                             ("pair_norm_residual", {"norm_", "residual_"})):
+            assert set(t[label].mma_pair_tiles) == modes and modes <= set(t[label].mma_prestage), label
 
 
 def test_bench_tunings_chosen() -> None:

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 if importlib.util.find_spec("edge") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -74,7 +75,17 @@ def _tunings(sms: int) -> dict:
         "prestage_all": dataclasses.replace(base, mma_prestage=_ALL),
         "prestage_norm": dataclasses.replace(base, mma_prestage=("norm_", "norm_swiglu_")),
         "prestage_norm_residual": dataclasses.replace(base, mma_prestage=("norm_", "residual_", "norm_swiglu_")),
+        # prestaged one-tile modes in units of two row tiles: none, or these modes (prestaged too)
+        "pair_none": dataclasses.replace(base, mma_pair_tiles=()),
+        **{f"pair_{'_'.join(m.rstrip('_') for m in modes)}": _paired(base, modes)
+           for modes in (("residual_",), ("norm_",), ("norm_", "residual_"))},
     }
+
+
+def _paired(base: Any, modes: tuple[str, ...]) -> Any:
+    """``base`` with ``modes`` prestaged in units of two row tiles."""
+    prestage = base.mma_prestage + tuple(m for m in modes if m not in base.mma_prestage)
+    return dataclasses.replace(base, mma_prestage=prestage, mma_pair_tiles=modes)
 
 
 def gemv(args: argparse.Namespace) -> dict:

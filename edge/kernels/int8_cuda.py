@@ -41,8 +41,8 @@ from edge.kernels import nvrtc
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
-__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MIN_MMA_TOKENS", "MODES", "Int8CudaLinear", "Int8Tuning", "mma_support",
-           "weight_support"]
+__all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MIN_MMA_TOKENS", "MODES", "PAIR_MODES", "Int8CudaLinear",
+           "Int8Tuning", "mma_support", "weight_support"]
 
 SOURCE = "int8_gemv.cu"
 MMA_SOURCE = "int8_mma.cu"
@@ -68,6 +68,8 @@ MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between stage
 # staged): taken by default (Int8Tuning.mma_direct) and where the tokens' rows do not
 # fit one CTA's staging (the down projection).
 MMA_DIRECT_MODES = ("", "residual_")
+# One-tile modes with a prestaged variant of two row tiles a unit (Int8Tuning.mma_pair_tiles).
+PAIR_MODES = ("", "norm_", "residual_")
 _MAX_SMEM = 48 * 1024  # dynamic shared memory a launch may use without opting in
 # A variant with more rows per warp is used while it still gives every SM this many
 # CTAs (per token); fewer rows per warp means more, shorter CTAs for small matrices.
@@ -109,6 +111,11 @@ class Int8Tuning:
     # instead of each CTA staging them itself, and the plain and residual modes then run
     # the byte chain too (docs/benchmarks.md).
     mma_prestage: tuple[str, ...] = ()
+    # One-tile modes (plain, norm, residual) whose prestaged launches take units of two
+    # adjacent row tiles (where the mode is not prestaged, nothing changes): each read of
+    # the tokens serves both, and half as many units balance better over the few CTAs of
+    # a small GPU (docs/benchmarks.md).
+    mma_pair_tiles: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.dequant_chunk < 1:
@@ -129,6 +136,8 @@ class Int8Tuning:
         if not set(self.mma_prestage) <= known | set(ARGMAX_MODES.values()):
             raise ValueError(f"mma_prestage takes modes of {sorted(known | set(ARGMAX_MODES.values()))}, "
                              f"got {list(self.mma_prestage)}")
+        if not set(self.mma_pair_tiles) <= set(PAIR_MODES):
+            raise ValueError(f"mma_pair_tiles takes modes of {list(PAIR_MODES)}, got {list(self.mma_pair_tiles)}")
 
     @property
     def norm_unroll(self) -> int:
@@ -147,13 +156,13 @@ class Int8Tuning:
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
         """The default for a GPU of ``sms`` SMs: the verify step's norm modes prestaged,
-        and with few SMs (an Orin's 8 or 16) its residual ones too, one column tile a
-        tensor-core stage, four in the one-tile norm mode and 4-warp CTAs there, and the
-        decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
+        and with few SMs (an Orin's 8 or 16) its residual ones too, in pairs of row tiles,
+        one column tile a tensor-core stage, four in the one-tile norm mode and 4-warp CTAs
+        there, and the decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
         (docs/benchmarks.md)."""
         if sms <= 32:
             return cls(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
-                       mma_prestage=("norm_", "residual_", "norm_swiglu_"))
+                       mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("residual_",))
         return cls(mma_prestage=("norm_", "norm_swiglu_"))
 
     def defines(self) -> dict[str, int]:
@@ -232,6 +241,9 @@ class Int8CudaLinear:
             for infix in tuning.mma_prestage:
                 name = f"int8_mma_pre_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
+                if infix in tuning.mma_pair_tiles:
+                    name = f"int8_mma_pre_pair_{infix}{_DTYPE_NAME[dtype]}"
+                    self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
                 if _tiles(infix) == 2:
                     name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
                     self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
@@ -398,11 +410,10 @@ class Int8CudaLinear:
         directly, else in as many launch rows as it takes; never more CTAs than are
         resident (each stages its tokens once for all the units it takes)."""
         cols = w.in_features
-        tiles = _tiles(infix)
-        units = outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
         if infix in self.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
-            self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr, units)
+            self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr)
             return
+        units = _units(outputs, infix, _tiles(infix))
         sums, row = _tile_sums_bytes(cols), _staged_row_bytes(cols)
         room = self._mma_smem - sums
         chunk = min(tokens, max(room, 0) // row)
@@ -431,12 +442,13 @@ class Int8CudaLinear:
         )
 
     def _launch_prestaged(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, infix: str, y_ptr: int,
-                          outputs: int, tokens: int, norm: Norm | None, best_ptr: int, units: int) -> None:
+                          outputs: int, tokens: int, norm: Norm | None, best_ptr: int) -> None:
         """A tensor-core launch in mode ``infix`` of tokens prestaged (int8_mma.cu:
         int8_stage, a few CTAs a token, then int8_mma_pre): the norm folded in and the
         tokens scaled for the byte chain once, into a buffer that every CTA of a two-tile
         mode copies into its shared memory where it fits (``int8_mma_pre_``), else reads
-        with each batch (``int8_mma_pre_direct_``)."""
+        with each batch (``int8_mma_pre_direct_``; a one-tile mode of the tuning's
+        ``mma_pair_tiles`` in units of two row tiles, ``int8_mma_pre_pair_``)."""
         cols, dt = w.in_features, _DTYPE_NAME[x.dtype]
         stage_threads, warps = 32 * self.tuning.mma_warps, self.tuning.warps_of(infix)
         # Two 8-element chunks a thread; each stage CTA leaves one share of a token's sum
@@ -452,10 +464,14 @@ class Int8CudaLinear:
         # One-tile modes read the tokens with each batch; the two-tile ones share each read
         # between their tiles and copy them into shared memory where they fit.
         shmem = _tile_sums_bytes(cols) + tokens * _staged_row_bytes(cols)  # the staged layout
-        if _tiles(infix) == 1 or shmem > self._mma_smem:
+        tiles = 2 if infix in self.tuning.mma_pair_tiles else _tiles(infix)
+        if infix in self.tuning.mma_pair_tiles:
+            shmem, kernel = 0, self._k[f"int8_mma_pre_pair_{infix}{dt}"]
+        elif tiles == 1 or shmem > self._mma_smem:
             shmem, kernel = 0, self._k[f"int8_mma_pre_direct_{infix}{dt}"]
         else:
             kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
+        units = _units(outputs, infix, tiles)
         resident = self.launcher.resident_per_sm(kernel, 32 * warps, shmem) * self._sms
         self.launcher.launch(
             kernel,
@@ -537,6 +553,12 @@ def _tiles(infix: str) -> int:
     """Row tiles a tensor-core unit takes in mode ``infix``: a gate tile and its up tile
     (SwiGLU), two for argmax (32 outputs a warp), else one."""
     return 2 if infix.endswith(("swiglu_", "argmax_")) else 1
+
+
+def _units(outputs: int, infix: str, tiles: int) -> int:
+    """Units of a tensor-core launch of ``outputs`` outputs in mode ``infix``, ``tiles``
+    row tiles a unit (SwiGLU: a gate tile and its up tile give 16 outputs)."""
+    return outputs // 16 if infix.endswith("swiglu_") else -(-outputs // (16 * tiles))
 
 
 def _tile_sums_bytes(cols: int) -> int:

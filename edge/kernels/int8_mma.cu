@@ -501,7 +501,9 @@ __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, cons
 
 // The modes of int8_gemv.cu (int8_cuda.py: MODES, ARGMAX_MODES): one row tile a CTA,
 // two for SwiGLU (gate and up) and argmax (32 outputs a warp); the plain and residual
-// modes also direct (for tokens whose rows do not fit the staging); every mode prestaged.
+// modes also direct (for tokens whose rows do not fit the staging); every mode prestaged,
+// the one-tile modes also in pairs of adjacent row tiles a unit (pre_pair_: each B
+// fragment read serves two tiles, and there are half the units to balance over CTAs).
 #define CFG_INT8_MMA_MODES(DT, T)                                                          \
   CFG_INT8_MMA(int8_mma_##DT, T, 1, false, kStore, kStagedSrc)                            \
   CFG_INT8_MMA(int8_mma_norm_##DT, T, 1, true, kStore, kStagedSrc)                        \
@@ -514,6 +516,9 @@ __device__ __forceinline__ void int8_stage(unsigned char* __restrict__ pre, cons
   CFG_INT8_MMA_PRE(int8_mma_pre_direct_##DT, T, 1, false, kStore, kPrestagedSrc)        \
   CFG_INT8_MMA_PRE(int8_mma_pre_direct_norm_##DT, T, 1, true, kStore, kPrestagedSrc)    \
   CFG_INT8_MMA_PRE(int8_mma_pre_direct_residual_##DT, T, 1, false, kResidual, kPrestagedSrc)\
+  CFG_INT8_MMA_PRE(int8_mma_pre_pair_##DT, T, 2, false, kStore, kPrestagedSrc)          \
+  CFG_INT8_MMA_PRE(int8_mma_pre_pair_norm_##DT, T, 2, true, kStore, kPrestagedSrc)      \
+  CFG_INT8_MMA_PRE(int8_mma_pre_pair_residual_##DT, T, 2, false, kResidual, kPrestagedSrc)\
   CFG_INT8_MMA_PRE(int8_mma_pre_norm_swiglu_##DT, T, 2, true, kSwiglu, kCopiedSrc)      \
   CFG_INT8_MMA_PRE(int8_mma_pre_direct_norm_swiglu_##DT, T, 2, true, kSwiglu, kPrestagedSrc)\
   CFG_INT8_MMA_PRE(int8_mma_pre_argmax_##DT, T, 2, false, kArgmax, kCopiedSrc)          \
