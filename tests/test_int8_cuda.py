@@ -672,7 +672,7 @@ def test_norm_mode_with_its_own_warps(int8_linear, warps, prestage) -> None:
     (``Int8Tuning.mma_norm_warps``: few SMs take 4), staged by each CTA or prestaged (the
     stage's CTAs a token never more than the consumer's warps), against the float32 oracle
     and the reference composition, both dtypes, 2..8 tokens."""
-    ic = int8_linear(mma_norm_warps=warps, mma_prestage=("norm_",) if prestage else ())
+    ic = int8_linear(mma_norm_warps=warps, mma_prestage=("norm_",) if prestage else (), mma_pair_tiles=())
     for rows, inp, group in ((1056, 576, 64), (6144, 4096, 128), (512, 12288, 128)):
         for dtype in DTYPES16:
             for tokens in (2, 5, 8):

@@ -156,13 +156,13 @@ class Int8Tuning:
     @classmethod
     def for_sms(cls, sms: int) -> Int8Tuning:
         """The default for a GPU of ``sms`` SMs: the verify step's norm modes prestaged,
-        and with few SMs (an Orin's 8 or 16) its residual ones too, in pairs of row tiles,
-        one column tile a tensor-core stage, four in the one-tile norm mode and 4-warp CTAs
-        there, and the decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
+        and with few SMs (an Orin's 8 or 16) its residual ones too, the one-tile modes in
+        pairs of row tiles, one column tile a tensor-core stage, 4-warp CTAs in the one-tile
+        norm mode, and the decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
         (docs/benchmarks.md)."""
         if sms <= 32:
             return cls(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
-                       mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("residual_",))
+                       mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("norm_", "residual_"))
         return cls(mma_prestage=("norm_", "norm_swiglu_"))
 
     def defines(self) -> dict[str, int]:
