@@ -108,6 +108,16 @@ def gate_up_kind(tuning: Int8Tuning) -> str:
     return "int8_mma_norm_swiglu_" if "norm_swiglu_" in tuning.mma_one_token else "int8_gemv_norm_swiglu_"
 
 
+def qkv_kinds(tuning: Int8Tuning) -> dict[str, int]:
+    """The launch kinds of a decode token's qkv (norm) under ``tuning``: the tensor-core
+    kernel prestaged in pairs of row tiles where it asks (few SMs), after its stage
+    launch, else the GEMV."""
+    if "norm_" in tuning.mma_one_token and "norm_" in tuning.mma_pair_tiles and "norm_" in tuning.mma_prestage:
+        return {"int8_stage_norm_": 1, "int8_mma_pre_pair_norm_": 1}
+    assert "norm_" not in tuning.mma_one_token, "a one-token qkv on tensor cores staged by each CTA: no such default"
+    return {"int8_gemv_norm_": 1}
+
+
 def by_kind(counts: dict[str, int]) -> Counter[str]:
     """Launch counts with each int8 GEMV keyed by its kernel and mode (``int8_gemv_<infix>``
     or, the tensor-core kernel, ``int8_mma_<infix>``, e.g. ``int8_gemv_norm_``; the
@@ -190,12 +200,12 @@ def kernel_of(x: torch.Tensor, w: Int8Weight, ic: Int8CudaLinear | None = None, 
     ``ic``'s tuning says so; with a fused mode's ``infix`` too, one token takes the
     tensor-core kernel where the tuning lists that mode (few SMs: norm + SwiGLU). Several
     tokens of a mode the tuning prestages run ``int8_mma_pre_`` (after an ``int8_stage_``
-    launch)."""
+    launch), as does one token of a mode in pairs of row tiles."""
     tokens = x.numel() // w.in_features
     low = 1 if ic is not None and infix in ic.tuning.mma_one_token else MIN_MMA_TOKENS
     if not (low <= tokens <= MAX_MMA_TOKENS and mma_support(w) is None):
         return "int8_gemv_"
-    if ic is not None and (infix or "") in ic.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
+    if ic is not None and ic._prestaged(infix or "", tokens):
         return "int8_mma_pre_"
     return "int8_mma_direct_" if ic is not None and infix is None and ic.tuning.mma_direct else "int8_mma_"
 
@@ -645,8 +655,9 @@ def test_prestaged_tensor_core_kernel(int8_linear, case, dtype, tokens) -> None:
 @pytest.mark.parametrize("dtype", DTYPES16, ids=lambda d: str(d).removeprefix("torch."))
 def test_prestaged_pairs_of_row_tiles(int8_linear, dtype) -> None:
     """The one-tile modes (plain, norm, residual) prestaged in units of two row tiles
-    (``Int8Tuning.mma_pair_tiles``; few SMs take it for the residual modes): against the
-    float32 oracle and the reference composition, outputs NaN-poisoned, at 2..8 tokens,
+    (``Int8Tuning.mma_pair_tiles``; few SMs take it for the norm and residual modes, and
+    for a decode token's qkv): against the float32 oracle and the reference composition,
+    outputs NaN-poisoned, at 1 token (``mma_one_token``: prestaged too) and 2..8 tokens,
     on more units than resident CTAs, with the norm mode in CTAs of 4 and 8 warps; the
     stage and ``int8_mma_pre_pair_`` are the two launches."""
     pairs = ("", "norm_", "residual_")
@@ -654,12 +665,12 @@ def test_prestaged_pairs_of_row_tiles(int8_linear, dtype) -> None:
              ("norm", 6144, 4096, 128), ("residual", 4096, 4096, 128), ("residual", 4096, 12288, 128),
              ("residual", 96, 704, 64)]
     for norm_warps in (4, 8):
-        ic = int8_linear(mma_prestage=pairs, mma_pair_tiles=pairs, mma_norm_warps=norm_warps)
+        ic = int8_linear(mma_prestage=pairs, mma_pair_tiles=pairs, mma_norm_warps=norm_warps, mma_one_token=pairs)
         for case in cases:
             mode, rows, inp, group = case
             if norm_warps == 4 and mode != "norm":
                 continue
-            for tokens in (2, 5, 8):
+            for tokens in (1, 2, 5, 8):
                 c = fused_inputs("" if mode == "plain" else mode, rows, inp, group, dtype, tokens, bias=tokens == 5)
                 name = check_fused(ic, c, f"{_case_id(case)} {dtype} T{tokens} {norm_warps}-warp norm")
                 assert name.startswith(f"int8_mma_pre_pair_{'' if mode == 'plain' else mode + '_'}"), name
@@ -723,13 +734,13 @@ def test_prestaged_argmax_and_scaling(int8_linear, dtype) -> None:
 @pytest.mark.parametrize("carveout", [72, 100])
 def test_tensor_core_kernels_prefer_the_tuned_carveout(int8_linear, carveout) -> None:
     """Every staging tensor-core kernel (the ones given dynamic shared memory, prestaged
-    copies included; the direct ones stage nothing) is loaded with the carveout its
+    copies included; the direct and paired ones stage nothing) is loaded with the carveout its
     tuning asks (the default leaves L1 room for the loads in flight), as the driver
     reports it."""
     from edge.kernels.nvrtc import function_attribute
 
     ic = int8_linear(mma_carveout=carveout)
-    mma = [n for n in ic._k if n.startswith("int8_mma_") and "direct_" not in n]
+    mma = [n for n in ic._k if n.startswith("int8_mma_") and "direct_" not in n and "_pair_" not in n]
     assert mma, "no tensor-core kernels loaded"
     for name in mma:
         got = function_attribute(ic._k[name], ic.launcher.device_index, "PREFERRED_SHARED_MEMORY_CARVEOUT")
@@ -1016,7 +1027,7 @@ def test_int8_decode_runs_the_fused_kernels(monkeypatch) -> None:
     # not launcher kernels).
     want_fused = {
         "embedding": 1,
-        "int8_gemv_norm_": layers,
+        **{kind: n * layers for kind, n in qkv_kinds(engine.backend.int8_tuning).items()},
         "paged_decode_tc_rope": layers,
         "int8_gemv_residual_": 2 * layers,
         gate_up_kind(engine.backend.int8_tuning): layers,

@@ -10,16 +10,16 @@ from edge.kernels.int8_cuda import MODES, Int8Tuning
 
 def test_few_sms_take_one_column_tile_a_stage() -> None:
     """An Orin's 8 or 16 SMs get one column tile a tensor-core stage (four in the one-tile
-    norm mode, whose CTAs have 4 warps), the decode token's gate_up on the tensor-core kernel and the verify
-    step's norm and residual modes prestaged (in units of two row tiles);
-    a full GPU two column tiles everywhere, the
-    GEMV for every decode token and only the norm modes prestaged; the rest of the tuning
-    is the default either way, and the kernels see it as defines."""
+    norm mode, whose CTAs have 4 warps), the decode token's qkv and gate_up on the
+    tensor-core kernel, and the norm and residual modes prestaged (the one-tile ones in
+    units of two row tiles); a full GPU two column tiles everywhere, the GEMV for every
+    decode token and only the norm modes prestaged; the rest of the tuning is the default
+    either way, and the kernels see it as defines."""
     for sms in (8, 16, 32):
         t = Int8Tuning.for_sms(sms)
         d = t.mma_defines()
         assert (d["CFG_INT8_MMA_UNROLL"], d["CFG_INT8_MMA_NORM_UNROLL"]) == (1, 4)
-        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
+        assert t == Int8Tuning(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_", "norm_swiglu_"),
                                mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("norm_", "residual_"))
         assert d["CFG_INT8_MMA_WARPS"] == 8 and t.mma_defines("norm_")["CFG_INT8_MMA_WARPS"] == 4
         assert t.warps_of("norm_") == 4 and t.warps_of("norm_swiglu_") == t.warps_of("residual_") == 8

@@ -67,6 +67,7 @@ def _tunings(sms: int) -> dict:
         # --tokens 1: every mode on the GEMV, or every mode on the tensor-core kernel
         "one_token_gemv": dataclasses.replace(base, mma_one_token=()),
         "one_token_mma": dataclasses.replace(base, mma_one_token=("", "norm_", "residual_", "norm_swiglu_")),
+        "one_token_qkv_gemv": dataclasses.replace(base, mma_one_token=tuple(m for m in base.mma_one_token if m != "norm_")),
         # tokens staged once a launch (int8_stage) instead of by every CTA: none, every mode,
         # the norm modes alone (qkv, gate_up), the few-SM default's modes
         "prestage_none": dataclasses.replace(base, mma_prestage=()),

@@ -103,8 +103,8 @@ class Int8Tuning:
     # carveout, which leaves L1 too small for the weight loads in flight (docs/benchmarks.md).
     mma_carveout: int | None = 72
     # GEMV modes (infixes of MODES) whose one-token launches take the tensor-core kernel:
-    # on few SMs its norm + SwiGLU streams the gate_up weight faster than the GEMV
-    # (docs/benchmarks.md); a many-SM GPU keeps the GEMV everywhere.
+    # on few SMs its norm + SwiGLU streams the gate_up weight faster than the GEMV, and its
+    # paired norm mode the qkv weight (docs/benchmarks.md); a many-SM GPU keeps the GEMV.
     mma_one_token: tuple[str, ...] = ()
     # Modes (infixes of MODES and ARGMAX_MODES) whose tensor-core launches of several
     # tokens take them prestaged: one small launch stages them once for the whole grid
@@ -158,10 +158,10 @@ class Int8Tuning:
         """The default for a GPU of ``sms`` SMs: the verify step's norm modes prestaged,
         and with few SMs (an Orin's 8 or 16) its residual ones too, the one-tile modes in
         pairs of row tiles, one column tile a tensor-core stage, 4-warp CTAs in the one-tile
-        norm mode, and the decode step's gate_up (norm + SwiGLU) on the tensor-core kernel
-        (docs/benchmarks.md)."""
+        norm mode, and the decode step's qkv (norm, prestaged in pairs) and gate_up (norm +
+        SwiGLU) on the tensor-core kernel (docs/benchmarks.md)."""
         if sms <= 32:
-            return cls(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_swiglu_",),
+            return cls(mma_unroll=1, mma_norm_unroll=4, mma_norm_warps=4, mma_one_token=("norm_", "norm_swiglu_"),
                        mma_prestage=("norm_", "residual_", "norm_swiglu_"), mma_pair_tiles=("norm_", "residual_"))
         return cls(mma_prestage=("norm_", "norm_swiglu_"))
 
@@ -410,7 +410,7 @@ class Int8CudaLinear:
         directly, else in as many launch rows as it takes; never more CTAs than are
         resident (each stages its tokens once for all the units it takes)."""
         cols = w.in_features
-        if infix in self.tuning.mma_prestage and tokens >= MIN_MMA_TOKENS:
+        if self._prestaged(infix, tokens):
             self._launch_prestaged(x, w, bias, infix, y_ptr, outputs, tokens, norm, best_ptr)
             return
         units = _units(outputs, infix, _tiles(infix))
@@ -440,6 +440,14 @@ class Int8CudaLinear:
             ),
             shmem=shmem,
         )
+
+    def _prestaged(self, infix: str, tokens: int) -> bool:
+        """Whether a tensor-core launch of ``tokens`` tokens in mode ``infix`` takes them
+        prestaged: where the tuning prestages the mode, from 2 tokens (one token measured
+        no gain), and one token too where the mode runs in pairs of row tiles (only their
+        prestaged kernel has them)."""
+        t = self.tuning
+        return infix in t.mma_prestage and (tokens >= MIN_MMA_TOKENS or infix in t.mma_pair_tiles)
 
     def _launch_prestaged(self, x: torch.Tensor, w: Int8Weight, bias: torch.Tensor | None, infix: str, y_ptr: int,
                           outputs: int, tokens: int, norm: Norm | None, best_ptr: int) -> None:
