@@ -395,7 +395,8 @@ def test_engine_enables_the_gemv_for_int8_models() -> None:
     before = Counter(engine.backend.launch_counts())
     tokens, with_kernel = _decode(engine, ids, 3)
     grown = by_kind(Counter(engine.backend.launch_counts()) - before)
-    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown[gate_up_kind(engine.backend.int8_tuning)], grown
+    tuning = engine.backend.int8_tuning
+    assert all(grown[k] for k in (*qkv_kinds(tuning), "int8_gemv_residual_", gate_up_kind(tuning))), grown
     _, want = _decode(ref, ids, 3, forced=tokens)
     assert _rel(with_kernel, want) < 1e-2, _rel(with_kernel, want)
 
@@ -436,7 +437,8 @@ def test_reference_engine_after_a_cuda_int8_engine_runs_the_reference() -> None:
     before = Counter(first.backend.launch_counts())
     _, again = _decode(first, ids, 4, forced=tokens)
     grown = by_kind(Counter(first.backend.launch_counts()) - before)
-    assert grown["int8_gemv_norm_"] and grown["int8_gemv_residual_"] and grown[gate_up_kind(first.backend.int8_tuning)], grown
+    tuning = first.backend.int8_tuning
+    assert all(grown[k] for k in (*qkv_kinds(tuning), "int8_gemv_residual_", gate_up_kind(tuning))), grown
     assert torch.equal(again, first_logits), "the first engine changed after the second was built"
     assert first.generate(ids, max_tokens=8, ignore_eos=True).token_ids == graph_tokens
 
