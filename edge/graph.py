@@ -18,7 +18,10 @@ while the previous one is finishing.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections import deque
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +33,23 @@ from edge.sampling import SamplerState, sample
 
 if TYPE_CHECKING:
     from edge.engine import Engine
+
+
+@contextlib.contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, pool: object, stream: torch.cuda.Stream) -> Iterator[None]:
+    """``torch.cuda.graph`` as the decoders capture: in thread_local error mode, so another
+    thread's CUDA calls (the other slot, a draft model, the API's workers) cannot
+    invalidate it, and with Python's cyclic collector paused, because a collection inside
+    the capture may free an unreachable old graph, whose destruction the capture forbids
+    (it invalidates the capture)."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+            yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class GraphStepKV:
@@ -171,9 +191,7 @@ class SlotDecoder:
             t.copy_(s)
         graph = torch.cuda.CUDAGraph()
         before = self.engine.backend.launch_counts()
-        # thread_local: another thread's CUDA calls (the other slot, a draft model, the
-        # API's workers) must not invalidate this capture.
-        with torch.cuda.graph(graph, pool=self.mempool, stream=side, capture_error_mode="thread_local"):
+        with capturing(graph, self.mempool, side):
             self._body(greedy)
         after = self.engine.backend.launch_counts()
         self.captured_kernels[key] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}

@@ -133,3 +133,49 @@ def test_the_captured_step_launches_the_planned_kernels(engines) -> None:
         graph.generate(PROMPT, params)
         got = graph._decoders[0].captured_kernels[key]
         assert got == want, f"{key}: {got}"
+
+
+def test_capture_survives_the_collection_of_an_unreachable_old_graph(engines, monkeypatch) -> None:
+    """A cyclic garbage collection inside a capture can destroy an old graph that only a
+    reference cycle held, which the capture forbids (it would be invalidated); the
+    decoders pause the collector while they capture. Inside each capture this drops an
+    old graph into a fresh reference cycle and allocates with the collector's threshold
+    at 1, so a running collector would free it there; the captures must stand and
+    decode as the engine that captured in peace does."""
+    import gc
+
+    from edge.graph import SlotDecoder
+
+    graph, _ = engines
+    olds = []
+    for _ in range(4):
+        g = torch.cuda.CUDAGraph()
+        x = torch.zeros(4, device="cuda")
+        with torch.cuda.graph(g):
+            x.add_(1)
+        olds.append((g, x))
+    dropped = []
+    body = SlotDecoder._body
+
+    def body_dropping_an_old_graph(self, greedy):
+        if torch.cuda.is_current_stream_capturing() and olds:
+            thresholds = gc.get_threshold()
+            cycle: list = [olds.pop()]
+            cycle.append(cycle)
+            del cycle
+            gc.set_threshold(1)
+            try:
+                junk = [[i] for i in range(2000)]  # allocations: a collection each, if collecting
+                del junk
+            finally:
+                gc.set_threshold(*thresholds)
+            dropped.append(greedy)
+        return body(self, greedy)
+
+    monkeypatch.setattr(SlotDecoder, "_body", body_dropping_an_old_graph)
+    engine = Engine(graph.model, graph.tokenizer, graph.model_dir, page_size=16, cuda_graph=True, kernels="cuda",
+                    num_blocks=64)
+    assert engine.capture_graphs(slots=(0,)) == 4 and len(dropped) == 4
+    gc.collect()  # the old graphs go now, outside any capture
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    assert engine.generate(PROMPT, params).token_ids == graph.generate(PROMPT, params).token_ids

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge.graph import capturing
 from edge.kernels.reference import PagedKV, Rope
 from edge.kv.paged import PagedSequence
 from edge.step_wait import StepWait
@@ -202,9 +203,7 @@ class VerifyDecoder:
         self.pos.copy_(saved)
         graph = torch.cuda.CUDAGraph()
         before = self.engine.backend.launch_counts()
-        # thread_local: another thread's CUDA calls (the other slot, a draft model, the
-        # API's workers) must not invalidate this capture.
-        with torch.cuda.graph(graph, pool=self.mempool, stream=side, capture_error_mode="thread_local"):
+        with capturing(graph, self.mempool, side):
             self._body(t, argmax)
         after = self.engine.backend.launch_counts()
         self.captured_kernels[key] = {k: n - before.get(k, 0) for k, n in after.items() if n != before.get(k, 0)}
