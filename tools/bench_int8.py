@@ -42,13 +42,12 @@ def _nbytes(w) -> int:
     return w.weight.numel() + 4 * w.scale.numel()
 
 
-_ALL = ("", "norm_", "residual_", "norm_swiglu_", "argmax_", "norm_argmax_")  # every tensor-core mode
-
-
 def _tunings(sms: int) -> dict:
-    from edge.kernels.int8_cuda import Int8Tuning
+    from edge.kernels.int8_cuda import ARGMAX_MODES, MODES, Int8Tuning
 
     base = Int8Tuning.for_sms(sms)
+    gemv_modes = tuple(infix for infix, _ in MODES.values())
+    every_mode = gemv_modes + tuple(ARGMAX_MODES.values())  # every tensor-core mode
     return {
         "default": base,
         "stage160": dataclasses.replace(base, mma_stage_bytes=160 << 10),  # the down projection's 5 tokens staged
@@ -66,14 +65,14 @@ def _tunings(sms: int) -> dict:
         "carveout50": dataclasses.replace(base, mma_carveout=50),
         # --tokens 1: every mode on the GEMV, or every mode on the tensor-core kernel
         "one_token_gemv": dataclasses.replace(base, mma_one_token=()),
-        "one_token_mma": dataclasses.replace(base, mma_one_token=("", "norm_", "residual_", "norm_swiglu_")),
+        "one_token_mma": dataclasses.replace(base, mma_one_token=gemv_modes),
         "one_token_qkv_gemv": dataclasses.replace(base, mma_one_token=tuple(m for m in base.mma_one_token if m != "norm_")),
         # tokens staged once a launch (int8_stage) instead of by every CTA: none, every mode,
         # the norm modes alone (qkv, gate_up), the few-SM default's modes
         "prestage_none": dataclasses.replace(base, mma_prestage=()),
         "norm_warps4": dataclasses.replace(base, mma_norm_warps=4),  # the one-tile norm mode (qkv) in 4-warp CTAs
         "norm_warps8": dataclasses.replace(base, mma_norm_warps=8),
-        "prestage_all": dataclasses.replace(base, mma_prestage=_ALL),
+        "prestage_all": dataclasses.replace(base, mma_prestage=every_mode),
         "prestage_norm": dataclasses.replace(base, mma_prestage=("norm_", "norm_swiglu_")),
         "prestage_norm_residual": dataclasses.replace(base, mma_prestage=("norm_", "residual_", "norm_swiglu_")),
         # prestaged one-tile modes in units of two row tiles: none, or these modes (prestaged too)

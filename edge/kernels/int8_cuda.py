@@ -469,16 +469,16 @@ class Int8CudaLinear:
             stage_threads,
             (pre.data_ptr(), x.data_ptr(), *(() if norm is None else (norm[0].data_ptr(),)), np.int32(cols)),
         )
-        # One-tile modes read the tokens with each batch; the two-tile ones share each read
-        # between their tiles and copy them into shared memory where they fit.
-        shmem = _tile_sums_bytes(cols) + tokens * _staged_row_bytes(cols)  # the staged layout
-        tiles = 2 if infix in self.tuning.mma_pair_tiles else _tiles(infix)
+        # One-tile modes (paired or not) read the tokens with each batch; the two-tile ones
+        # share each read between their tiles and copy them into shared memory where they fit.
+        copied = _tile_sums_bytes(cols) + tokens * _staged_row_bytes(cols)  # the staged layout
         if infix in self.tuning.mma_pair_tiles:
-            shmem, kernel = 0, self._k[f"int8_mma_pre_pair_{infix}{dt}"]
-        elif tiles == 1 or shmem > self._mma_smem:
-            shmem, kernel = 0, self._k[f"int8_mma_pre_direct_{infix}{dt}"]
+            tiles, shmem, kind = 2, 0, "pre_pair_"
+        elif _tiles(infix) == 1 or copied > self._mma_smem:
+            tiles, shmem, kind = _tiles(infix), 0, "pre_direct_"
         else:
-            kernel = self._k[f"int8_mma_pre_{infix}{dt}"]
+            tiles, shmem, kind = 2, copied, "pre_"
+        kernel = self._k[f"int8_mma_{kind}{infix}{dt}"]
         units = _units(outputs, infix, tiles)
         resident = self.launcher.resident_per_sm(kernel, 32 * warps, shmem) * self._sms
         self.launcher.launch(
