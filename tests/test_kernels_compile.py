@@ -161,7 +161,8 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
 def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
     the host works out (paged_cuda.tc_smem_bytes) and the kernel traps below: the two
-    formulas must agree for every dtype, head_dim and tuning."""
+    formulas must agree for every entry point (the verify step's pairs of row tiles
+    have stages of half the keys), dtype, head_dim and tuning."""
     import re
 
     import torch
@@ -173,10 +174,19 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
         for d in (64, 128):
             defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
             ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
-            reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", ptx).group(1)
-            op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", ptx).groups()
-            needed = int(n) + 1 if op == "gt" else int(n)
-            assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages), (dtype, d)
+            entries = re.split(r"\.visible \.entry ", ptx)[1:]
+            names = sorted(e.split("(")[0] for e in entries)
+            # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
+            pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
+            assert names == sorted(["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc",
+                                    "paged_verify_tc_rope", *pairs]), names
+            for entry in entries:
+                name = entry.split("(")[0]
+                reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
+                op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
+                needed = int(n) + 1 if op == "gt" else int(n)
+                tiles = 2 if "_pair" in name else 1
+                assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles), (name, dtype, d)
 
 
 @pytest.mark.parametrize(
@@ -206,6 +216,20 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 128) == want
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 64) == want64
     assert paged_cuda.tc_stages(tune(tc_stages=4), smem, torch.bfloat16, 128) == 4  # a tuning wins
+
+
+def test_verify_row_tiles_in_pairs_need_an_even_warp_count():
+    """A verify CTA's pair of row tiles takes half its warps each: 1 or 2 tiles, and 2
+    only where the warps split evenly (the kernel has no pair entry points otherwise)."""
+    import pytest
+
+    from edge.kernels import paged_cuda
+
+    assert paged_cuda.DecodeTuning().verify_tiles == 2
+    assert paged_cuda.DecodeTuning(tc_warps=1, verify_tiles=1).verify_tiles == 1
+    for bad in ({"verify_tiles": 3}, {"verify_tiles": 0}, {"tc_warps": 1}, {"tc_warps": 1, "verify_tiles": 2}):
+        with pytest.raises(ValueError, match="verify_tiles"):
+            paged_cuda.DecodeTuning(**bad)
 
 
 def test_split_mergers_only_when_the_whole_grid_is_resident():

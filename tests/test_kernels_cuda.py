@@ -183,7 +183,7 @@ def test_decode_float32(pc, d, heads):
 
 
 TC_TUNINGS = (
-    {"tc_warps": 1, "tc_stages": 4},
+    {"tc_warps": 1, "tc_stages": 4, "verify_tiles": 1},  # one warp holds one row tile
     {"tc_warps": 2, "tc_stages": 1},
     {"tc_warps": 2, "tc_stages": 2, "max_splits": 128},
     {"tc_warps": 4, "tc_stages": 2, "max_splits": 16},

@@ -43,11 +43,25 @@ MAX_SEQ = 1024
 # -- the kernel --------------------------------------------------------------------------------
 
 
-def _attention_ops(dtype: torch.dtype, head_dim: int):
-    from edge.kernels.launcher import Launcher
-    from edge.kernels.paged_cuda import PagedAttentionCuda
+# Verify row tiles one a CTA, or in pairs: planned for one SM, where one CTA a tile fills
+# a wave whenever a KV head has two tiles (the kernels run on the whole GPU all the same).
+VERIFY_TILES = ({"verify_tiles": 1}, {"verify_tiles": 2, "sms": 1})
 
-    return PagedAttentionCuda(Launcher(torch.cuda.current_device()), None, dtypes=(dtype,), head_dims=(head_dim,))
+
+def _attention_ops(dtype: torch.dtype, head_dim: int, verify_tiles: int = 2, sms: int | None = None):
+    from edge.kernels.launcher import Launcher
+    from edge.kernels.paged_cuda import DecodeTuning, PagedAttentionCuda
+
+    tuning = DecodeTuning(verify_tiles=verify_tiles)
+    launcher = Launcher(torch.cuda.current_device())
+    return PagedAttentionCuda(launcher, None, tuning, dtypes=(dtype,), head_dims=(head_dim,), sms=sms)
+
+
+def _verify_kernel(tokens: int, heads: int, kv_heads: int, verify_tiles: int, rope: bool) -> str:
+    """The tensor-core verify kernel a launch of ``tokens`` takes under VERIFY_TILES: row
+    tiles in pairs a CTA where a KV head has more than one (16 rows a tile)."""
+    pair = verify_tiles == 2 and tokens * (heads // kv_heads) > 16
+    return "paged_verify_tc" + ("_pair" if pair else "") + ("_rope" if rope else "")
 
 
 def _case(dtype, heads, kv_heads, d, page, kv_len, g):
@@ -67,15 +81,18 @@ def _case(dtype, heads, kv_heads, d, page, kv_len, g):
     "dtype,heads,kv_heads,d",
     [(torch.bfloat16, 32, 8, 128), (torch.float16, 16, 8, 64), (torch.float32, 8, 2, 64), (torch.bfloat16, 14, 2, 64)],
 )
-def test_verify_attention_matches_the_reference(dtype, heads, kv_heads, d) -> None:
-    ops = _attention_ops(dtype, d)
+@pytest.mark.parametrize("tiles", VERIFY_TILES, ids=str)
+def test_verify_attention_matches_the_reference(dtype, heads, kv_heads, d, tiles) -> None:
+    ops = _attention_ops(dtype, d, **tiles)
+    verify_tiles = tiles["verify_tiles"]
     g = torch.Generator().manual_seed(0)
     page = 16
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     # float16 / bfloat16 on tensor cores (a KV head's token x head rows in m16 tiles:
-    # group 7 and 5 tokens straddle tiles), float32 on the CUDA-core decode kernel.
-    kernel = "paged_decode_g" if dtype == torch.float32 else "paged_verify_tc"
+    # group 7 and 5 tokens straddle tiles, 35 rows leave a pair's second tile empty),
+    # float32 on the CUDA-core decode kernel.
     for tokens in (1, 2, 5, 9):
+        kernel = "paged_decode_g" if dtype == torch.float32 else _verify_kernel(tokens, heads, kv_heads, verify_tiles, False)
         for start in (0, 7, 16, 300, 900):
             k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, page, start + tokens, g)
             q = torch.randn(tokens, heads, d, generator=g).to(dtype).cuda()
@@ -84,16 +101,18 @@ def test_verify_attention_matches_the_reference(dtype, heads, kv_heads, d) -> No
             before = Counter(ops.launcher.counts)
             got = ops.verify_attention(q, k_pool, v_pool, table, pos, d**-0.5, out=out)
             ran = Counter(ops.launcher.counts) - before
-            assert len(ran) == 1 and next(iter(ran)).startswith(kernel), dict(ran)
+            name = next(iter(ran))
+            assert len(ran) == 1 and (name.startswith(kernel) if dtype == torch.float32 else name == kernel), dict(ran)
             want = reference.verify_attention(q, k_pool, v_pool, table, pos, d**-0.5)
             assert got.data_ptr() == out.data_ptr()
             assert torch.isfinite(got).all(), (tokens, start)
             torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
 
 
-def test_verify_attention_replays_from_a_graph_at_any_position() -> None:
+@pytest.mark.parametrize("tiles", VERIFY_TILES, ids=str)
+def test_verify_attention_replays_from_a_graph_at_any_position(tiles: dict) -> None:
     dtype, heads, kv_heads, d, tokens = torch.bfloat16, 32, 8, 128, 5
-    ops = _attention_ops(dtype, d)
+    ops = _attention_ops(dtype, d, **tiles)
     g = torch.Generator().manual_seed(1)
     k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, 16, 700, g)
     q = torch.randn(tokens, heads, d, generator=g).to(dtype).cuda()
@@ -115,14 +134,15 @@ def test_verify_attention_replays_from_a_graph_at_any_position() -> None:
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
 
 
-def _rope_ops(dtype: torch.dtype, head_dim: int):
+def _rope_ops(dtype: torch.dtype, head_dim: int, verify_tiles: int = 2, sms: int | None = None):
     """The attention with CUDA layer ops: the unfused path launches their qk_norm_rope."""
     from edge.kernels.fused_cuda import FusedCuda
     from edge.kernels.launcher import Launcher
-    from edge.kernels.paged_cuda import PagedAttentionCuda
+    from edge.kernels.paged_cuda import DecodeTuning, PagedAttentionCuda
 
     launcher = Launcher(torch.cuda.current_device())
-    return PagedAttentionCuda(launcher, FusedCuda(launcher), dtypes=(dtype,), head_dims=(head_dim,))
+    tuning = DecodeTuning(verify_tiles=verify_tiles)
+    return PagedAttentionCuda(launcher, FusedCuda(launcher), tuning, dtypes=(dtype,), head_dims=(head_dim,), sms=sms)
 
 
 def _rope_case(dtype, heads, kv_heads, d, qk_norm, g):
@@ -142,13 +162,15 @@ def _rope_case(dtype, heads, kv_heads, d, qk_norm, g):
         (torch.float32, 8, 2, 64, True),
     ],
 )
-def test_verify_attention_rope_matches_the_reference(dtype, heads, kv_heads, d, qk_norm) -> None:
+@pytest.mark.parametrize("tiles", VERIFY_TILES, ids=str)
+def test_verify_attention_rope_matches_the_reference(dtype, heads, kv_heads, d, qk_norm, tiles) -> None:
     """The step's T keys and values start NaN in the pools and must be written (normalised,
     rotated; values as projected), every other row stays as it was; the output matches
     the float32 composition of qk_norm_rope and verify_attention. New rows land in a
     split's first stages, later ones (start 900 with long splits), across page and split
-    edges; group 7 straddles head tiles."""
-    ops = _rope_ops(dtype, d)
+    edges; group 7 straddles head tiles (and leaves a pair's second tile empty)."""
+    ops = _rope_ops(dtype, d, **tiles)
+    verify_tiles = tiles["verify_tiles"]
     g = torch.Generator().manual_seed(2)
     page, scale = 16, d**-0.5
     tol = 1e-4 if dtype == torch.float32 else 2e-2
@@ -165,13 +187,15 @@ def test_verify_attention_rope_matches_the_reference(dtype, heads, kv_heads, d, 
             got = ops.verify_attention_rope(qkv, rope, k_pool, v_pool, table, pos, scale, out=out)
             ran = Counter(ops.launcher.counts) - before
             if dtype != torch.float32 and tokens <= fused_max:
-                assert dict(ran) == {"paged_verify_tc_rope": 1}, (tokens, dict(ran))
+                assert dict(ran) == {_verify_kernel(tokens, heads, kv_heads, verify_tiles, True): 1}, (tokens, dict(ran))
             else:
-                attention = "paged_decode_g" if dtype == torch.float32 else "paged_verify_tc"
                 names = sorted(ran)
                 assert len(names) == 2 and sum(ran.values()) == 2, (tokens, dict(ran))
                 assert any(n.startswith("qk_norm_rope") for n in names), (tokens, dict(ran))
-                assert any(n.startswith(attention) for n in names), (tokens, dict(ran))
+                if dtype == torch.float32:
+                    assert any(n.startswith("paged_decode_g") for n in names), (tokens, dict(ran))
+                else:
+                    assert _verify_kernel(tokens, heads, kv_heads, verify_tiles, False) in names, (tokens, dict(ran))
             assert got.data_ptr() == out.data_ptr()
             k32, v32 = k_before.float(), v_before.float()
             want = reference.verify_attention_rope(qkv.float(), rope32, k32, v32, table, pos, scale)
@@ -189,9 +213,10 @@ def test_verify_attention_rope_matches_the_reference(dtype, heads, kv_heads, d, 
             torch.testing.assert_close(v_pool, v_before, rtol=0, atol=0, equal_nan=True)
 
 
-def test_verify_attention_rope_replays_from_a_graph_at_any_position() -> None:
+@pytest.mark.parametrize("tiles", VERIFY_TILES, ids=str)
+def test_verify_attention_rope_replays_from_a_graph_at_any_position(tiles: dict) -> None:
     dtype, heads, kv_heads, d, tokens = torch.bfloat16, 32, 8, 128, 5
-    ops = _rope_ops(dtype, d)
+    ops = _rope_ops(dtype, d, **tiles)
     g = torch.Generator().manual_seed(3)
     rope, rope32 = _rope_case(dtype, heads, kv_heads, d, True, g)
     k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, 16, MAX_SEQ, g)
@@ -213,6 +238,31 @@ def test_verify_attention_rope_replays_from_a_graph_at_any_position() -> None:
         graph.replay()
         want = reference.verify_attention_rope(qkv.float(), rope32, k32, v32, table, pos, d**-0.5)
         torch.testing.assert_close(out.float(), want.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_verify_row_tiles_pair_only_where_one_tile_a_cta_fills_a_wave() -> None:
+    """qwen3-8b's shape (8 KV heads, group 4): 5 tokens are two row tiles a KV head, 16
+    CTAs one a tile. Planned for 8 or 16 SMs (one 8-warp CTA an SM) that fills a wave, so
+    the tiles go in pairs; for 132 SMs the single tiles take several splits; 4 tokens are
+    one tile anywhere; verify_tiles=1 never pairs. At 16 SMs the pairs take two splits
+    (600 keys), whose merge the output checks against the reference."""
+    dtype, heads, kv_heads, d = torch.bfloat16, 32, 8, 128
+    g = torch.Generator().manual_seed(4)
+    rope, rope32 = _rope_case(dtype, heads, kv_heads, d, True, g)
+    pos = torch.tensor([600], dtype=torch.int32, device="cuda")
+    for sms, tiles, tokens, want in ((8, 2, 5, "paged_verify_tc_pair_rope"), (16, 2, 5, "paged_verify_tc_pair_rope"),
+                                     (16, 2, 8, "paged_verify_tc_pair_rope"), (132, 2, 5, "paged_verify_tc_rope"),
+                                     (8, 2, 4, "paged_verify_tc_rope"), (8, 1, 5, "paged_verify_tc_rope")):
+        ops = _rope_ops(dtype, d, tiles, sms)
+        k_pool, v_pool, table = _case(dtype, heads, kv_heads, d, 16, 600, g)
+        k32, v32 = k_pool.float(), v_pool.float()
+        qkv = torch.randn(tokens, (heads + 2 * kv_heads) * d, generator=g).to(dtype).cuda()
+        out = torch.full((tokens, heads, d), float("nan"), dtype=dtype, device="cuda")
+        before = Counter(ops.launcher.counts)
+        ops.verify_attention_rope(qkv, rope, k_pool, v_pool, table, pos, d**-0.5, out=out)
+        assert dict(Counter(ops.launcher.counts) - before) == {want: 1}, (sms, tiles, tokens)
+        want_out = reference.verify_attention_rope(qkv.float(), rope32, k32, v32, table, pos, d**-0.5)
+        torch.testing.assert_close(out.float(), want_out.float(), atol=2e-2, rtol=2e-2, msg=str((sms, tiles, tokens)))
 
 
 # -- end to end --------------------------------------------------------------------------------
@@ -306,14 +356,15 @@ def test_greedy_speculation_through_graphs_matches_plain_graph_decode(dtype: str
     # where the GPU has it.
     assert all(d.kernels is target.backend.graph for d in target._verifiers.values())
     # Every layer's attention took its q/k norms, RoPE and K/V store (float16 / bfloat16:
-    # the tensor-core verify kernel from the qkv rows; float32: qk_norm_rope, then the
-    # CUDA-core kernel).
-    layers = target.cfg.num_layers
+    # the tensor-core verify kernel from the qkv rows, in pairs of row tiles a CTA where a
+    # KV head has more than one; float32: qk_norm_rope, then the CUDA-core kernel).
+    layers, group = target.cfg.num_layers, target.cfg.num_heads // target.cfg.num_kv_heads
     for d in target._verifiers.values():
-        for key, ran in d.captured_kernels.items():
+        for (t, argmax), ran in d.captured_kernels.items():
             norm_rope = sum(n for name, n in ran.items() if name.startswith("qk_norm_rope"))
-            fused = ran.get("paged_verify_tc_rope", 0)
-            assert (fused, norm_rope) == ((0, layers) if dtype == "float32" else (layers, 0)), (key, ran)
+            fused = sum(ran.get(name, 0) for name in ("paged_verify_tc_rope", "paged_verify_tc_pair_rope"))
+            assert t * group > 16 or "paged_verify_tc_pair_rope" not in ran, (t, ran)  # pairs need two tiles
+            assert (fused, norm_rope) == ((0, layers) if dtype == "float32" else (layers, 0)), (t, ran)
     for d in (twin, stranger):
         assert d.kv.pool.num_free == d.kv.pool.num_blocks
 

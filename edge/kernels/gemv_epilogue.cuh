@@ -64,6 +64,13 @@ __device__ __forceinline__ uint2 staged_pair(const T* at, bool has_tok) {
   return has_tok ? v : make_uint2(0u, 0u);
 }
 
+// The same for 8 activations (two k16 steps' B fragments in one 16-byte load).
+template <typename T>
+__device__ __forceinline__ uint4 staged_quad(const T* at, bool has_tok) {
+  const uint4 v = *reinterpret_cast<const uint4*>(at);
+  return has_tok ? v : make_uint4(0u, 0u, 0u, 0u);
+}
+
 // One thread's 8-element chunk of a staged token: T(x * norm_w) in place and x's squares
 // added to ss.
 template <typename T>
@@ -92,11 +99,11 @@ __device__ __forceinline__ void stage_sum_squares(float (*red_ss)[kGemvMaxTokens
 // Without perm every token's row is copied at once
 // by cp.async (one memory latency for all tokens, no registers held), then each thread
 // finishes the very chunks it copied (no barrier between the passes).
-template <typename T, bool kNorm, int kThreads>
+template <typename T, bool kNorm, int kThreads, int kPad = kGemvPad>
 __device__ __forceinline__ void gemv_stage_x(T* __restrict__ xs, float (*red_ss)[kGemvMaxTokens],
                                              const T* __restrict__ x, const int* __restrict__ perm,
                                              const T* __restrict__ norm_w, int in, int ntok) {
-  const int stride = in + kGemvPad;
+  const int stride = in + kPad;
   const int vecs = in >> 3;  // 8 elements (16 bytes) a thread and step
   alignas(16) T val[8];
   alignas(16) T nw[8];

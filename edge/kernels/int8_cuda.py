@@ -63,7 +63,7 @@ ARGMAX_MODES: dict[bool, str] = {False: "argmax_", True: "norm_argmax_"}
 MAX_GEMV_TOKENS = 4  # the per-token GEMV's most; more tokens (prefill): dequantize + matmul
 MIN_MMA_TOKENS = 2  # from 2 tokens one read of the weights beats a per-token GEMV each (docs/benchmarks.md)
 MAX_MMA_TOKENS = 8  # the tensor-core kernel's most (the mma's N)
-MMA_PAD = 16  # int8_mma.cu / gemv_epilogue.cuh kGemvPad: elements between staged token rows
+MMA_PAD = 8  # int8_mma.cu kStagePad: elements between staged token rows
 # Tensor-core modes with a direct variant (B fragments from global memory, nothing
 # staged): taken by default (Int8Tuning.mma_direct) and where the tokens' rows do not
 # fit one CTA's staging (the down projection).

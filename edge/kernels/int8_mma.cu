@@ -53,7 +53,6 @@ namespace {
 
 using edge::kArgmax;
 using edge::kGemvMaxTokens;
-using edge::kGemvPad;
 using edge::kResidual;
 using edge::kStore;
 using edge::kSwiglu;
@@ -71,6 +70,9 @@ constexpr int kThreads = 32 * kWarps;
 #endif
 constexpr int kUnroll = CFG_INT8_MMA_UNROLL;  // column tiles a register stage, per warp and row tile
 constexpr int kNormUnroll = CFG_INT8_MMA_NORM_UNROLL;  // the same for the one-tile norm mode (the qkv projection)
+// Elements between staged token rows (int8_cuda.py MMA_PAD): 16 bytes, so that rows of
+// different parity fall in different banks for the B fragments' 16-byte loads (below).
+constexpr int kStagePad = 8;
 
 // (a & b) ^ c in one instruction.
 __device__ __forceinline__ unsigned int and_xor(unsigned int a, unsigned int b, unsigned int c) {
@@ -102,7 +104,7 @@ struct Batch {
   static constexpr bool kLoadsX = !from_smem(kSrc);
   uint4 lo[kU][kTiles], hi[kU][kTiles];  // rows g, g + 8
   float s0[kU][kTiles], s1[kU][kTiles];
-  uint2 xv[kLoadsX ? kU : 1][4];
+  uint4 xv[kLoadsX ? kU : 1][2];  // columns 16t .. + 7 (steps 0, 1) and + 8 .. + 15 (steps 2, 3)
   float4 fc[kSrc == kPrestagedSrc ? kU : 1];
 };
 
@@ -144,8 +146,9 @@ __device__ __forceinline__ void load_x(Batch<kTiles, kSrc, kU>& b, const S* __re
   for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
-      b.xv[u][s] = has_tok ? __ldg(reinterpret_cast<const uint2*>(xrow + kb * 64 + 16 * t + 4 * s)) : make_uint2(0u, 0u);
+    for (int h = 0; h < 2; ++h)  // 16-byte loads: half the L1 wavefronts of 8-byte ones
+      b.xv[u][h] = has_tok ? __ldg(reinterpret_cast<const uint4*>(xrow + kb * 64 + 16 * t + 8 * h))
+                           : make_uint4(0u, 0u, 0u, 0u);
     if constexpr (kSrc == kPrestagedSrc)
       b.fc[u] = __ldg(reinterpret_cast<const float4*>(tiles + kb * kGemvMaxTokens + 2 * t));
   }
@@ -171,6 +174,16 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, floa
     const int kb = min(kb0 + u, kb_count - 1);
     const float live = kb0 + u < kb_count ? 1.f : 0.f;
     float pl[kTiles][4], ph[kTiles][4];  // ph: the direct path's high nibbles
+    // From shared memory: token g's 16 columns of the tile in two 16-byte loads (steps 0,
+    // 1 and 2, 3), which take a third of the wavefronts of four 8-byte loads at 5 tokens.
+    uint4 xa, xb;
+    if constexpr (from_smem(kSrc)) {
+      xa = edge::staged_quad(xrow + kb * 64 + 16 * t, has_tok);
+      xb = edge::staged_quad(xrow + kb * 64 + 16 * t + 8, has_tok);
+    } else {
+      xa = b.xv[u][0];
+      xb = b.xv[u][1];
+    }
 #pragma unroll
     for (int i = 0; i < kTiles; ++i)
 #pragma unroll
@@ -179,7 +192,10 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, floa
     for (int s = 0; s < 4; ++s) {
       // Token g's activations at columns 16t + 4s .. + 3: k 2t, 2t + 1 <- columns 0, 2;
       // k 2t + 8, 2t + 9 <- columns 1, 3.
-      const uint2 xv = from_smem(kSrc) ? edge::staged_pair(xrow + kb * 64 + 16 * t + 4 * s, has_tok) : b.xv[u][s];
+      const uint2 xv = s == 0   ? make_uint2(xa.x, xa.y)
+                       : s == 1 ? make_uint2(xa.z, xa.w)
+                       : s == 2 ? make_uint2(xb.x, xb.y)
+                                : make_uint2(xb.z, xb.w);
       const unsigned int b0 = __byte_perm(xv.x, xv.y, 0x5410);
       const unsigned int b1 = __byte_perm(xv.x, xv.y, 0x7632);
 #pragma unroll
@@ -306,8 +322,8 @@ __device__ __forceinline__ void stage_bytes(__half* __restrict__ xs, float (*red
                                             float2* __restrict__ tiles, const T* __restrict__ x,
                                             const T* __restrict__ norm_w, int in, int ntok) {
   T* xt = reinterpret_cast<T*>(xs);
-  edge::gemv_stage_x<T, false, kThreads>(xt, red_ss, x, nullptr, nullptr, in, ntok);
-  const int stride = in + kGemvPad, vecs = in >> 3;
+  edge::gemv_stage_x<T, false, kThreads, kStagePad>(xt, red_ss, x, nullptr, nullptr, in, ntok);
+  const int stride = in + kStagePad, vecs = in >> 3;
   for (int n = 0; n < ntok; ++n) {
     float ss = 0.f;
 #pragma unroll 1
@@ -340,7 +356,7 @@ __device__ __forceinline__ void copy_prestaged(unsigned char* __restrict__ smem_
   const __half* src = reinterpret_cast<const __half*>(pre + prestaged_xs(in));
   for (int n = 0; n < ntok; ++n)
     for (int v = threadIdx.x; v < vecs; v += kThreads)
-      edge::cp_async16(edge::smem_u32(xs + n * (in + kGemvPad) + 8 * v), src + (long long)n * in + 8 * v, 16);
+      edge::cp_async16(edge::smem_u32(xs + n * (in + kStagePad) + 8 * v), src + (long long)n * in + 8 * v, 16);
   edge::cp_async_commit();
   edge::cp_async_wait_all();
   __syncthreads();
@@ -384,7 +400,7 @@ __device__ __forceinline__ void int8_mma(T* __restrict__ y, const T* __restrict_
     tiles = reinterpret_cast<const float2*>(pre);
     xrow = reinterpret_cast<const __half*>(pre + prestaged_xs(in)) + (long long)(n0 + (has_tok ? g : 0)) * in;
   } else {
-    xrow = xs + (has_tok ? g : 0) * (in + kGemvPad);
+    xrow = xs + (has_tok ? g : 0) * (in + kStagePad);
   }
   const signed char* row_g[kTiles];
   const float* sc_g[kTiles];

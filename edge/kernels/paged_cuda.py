@@ -82,12 +82,20 @@ class DecodeTuning:
     rope_in_attention: bool = True
     # Extra CFG_DECODE_* defines of paged_decode.cu (benchmark sweeps).
     simt_defines: tuple[tuple[str, int], ...] = ()
+    # Row tiles a verify CTA may take (1 or 2). Two where a KV head has several and the
+    # one-tile grid fills a wave with no room for a second split: each of its CTAs then
+    # streams the whole length, a pair copies every K/V stage once for both tiles and
+    # halves the grid (on few SMs it ran in two waves). Where a wave holds several
+    # splits, single tiles spread the keys wider (docs/benchmarks.md).
+    verify_tiles: int = 2
 
     def __post_init__(self) -> None:
         if self.impl not in ("tc", "simt"):
             raise ValueError(f"impl must be 'tc' or 'simt', got {self.impl!r}")
         if not 1 <= self.max_splits <= MAX_SPLITS:
             raise ValueError(f"max_splits must be in [1, {MAX_SPLITS}], got {self.max_splits}")
+        if self.verify_tiles not in (1, 2) or self.tc_warps % self.verify_tiles:
+            raise ValueError(f"verify_tiles must be 1 or 2 and divide tc_warps ({self.tc_warps}), got {self.verify_tiles}")
 
     def min_blocks(self) -> int:
         if self.tc_min_blocks is not None:
@@ -113,11 +121,12 @@ def _tc_static_smem(warps: int, head_dim: int) -> int:
     return 2 * warps * 16 * 4 + 16 * head_dim * 2 + 64
 
 
-def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int) -> int:
+def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int, tiles: int = 1) -> int:
     """Dynamic shared memory of paged_decode_tc.cu (its TcCfg::SMEM_BYTES): ``stages``
-    K+V stages of 16 * warps padded rows, or the warps' float32 outputs if larger."""
+    K+V stages of 16 padded rows a warp of one of ``tiles`` row tiles, or the warps'
+    float32 outputs if larger."""
     esize = torch.empty((), dtype=dtype).element_size()
-    pipe = stages * 2 * 16 * warps * (head_dim + 8) * esize
+    pipe = stages * 2 * 16 * (warps // tiles) * (head_dim + 8) * esize
     return max(pipe, warps * 16 * head_dim * 4)
 
 
@@ -386,7 +395,7 @@ class PagedAttentionCuda:
         self.sms = int(sms) if sms is not None else launcher.sm_count()
         self._smem = nvrtc.shared_memory(launcher.device_index)
         self._plans: dict[tuple, _DecodePlan] = {}
-        self._verify_waves: dict[tuple, int] = {}  # (dtype, head_dim, rope) -> resident verify CTAs
+        self._verify_waves: dict[tuple, int] = {}  # (dtype, head_dim, rope, tiles) -> resident verify CTAs
         self.kv_kernel = launcher.kernel("kv_write.cu", "kv_write")
         self.dtypes = tuple(dtypes)
         for dtype in self.dtypes:
@@ -430,18 +439,19 @@ class PagedAttentionCuda:
         the dynamic shared memory its launches pass."""
         return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc")
 
-    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False) -> tuple[Any, int]:
+    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False, tiles: int = 1) -> tuple[Any, int]:
         """The tensor-core kernel of a verify step (several query tokens; ``rope``: from the
-        qkv rows, with the step's q/k norms, RoPE and K/V store) and its dynamic shared
-        memory (the decode kernel's)."""
-        return self._tc_kernel(dtype, head_dim, "paged_verify_tc_rope" if rope else "paged_verify_tc")
+        qkv rows, with the step's q/k norms, RoPE and K/V store; ``tiles`` row tiles a
+        CTA) and its dynamic shared memory."""
+        name = "paged_verify_tc" + ("_pair" if tiles == 2 else "") + ("_rope" if rope else "")
+        return self._tc_kernel(dtype, head_dim, name, tiles)
 
     def verify_rope_tokens(self) -> int:
         """The most tokens one fused verify launch takes (a warp holds two of the step's
         K/V rows); more go through ``qk_norm_rope`` and :meth:`verify_attention`."""
         return 2 * self.tuning.tc_warps
 
-    def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str) -> tuple[Any, int]:
+    def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str, tiles: int = 1) -> tuple[Any, int]:
         t = self.tuning
         stages = self.tc_stages(dtype, head_dim)
         defines = {
@@ -451,7 +461,7 @@ class PagedAttentionCuda:
             "CFG_TC_STAGES": stages,
         }
         kernel = self.launcher.kernel("paged_decode_tc.cu", name, defines)
-        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages)
+        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles)
         nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, smem)
         return kernel, smem
 
@@ -832,22 +842,18 @@ class PagedAttentionCuda:
     def _launch_verify_tc(self, out: torch.Tensor, q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                           block_table: torch.Tensor, pos_ptr: int, scale: float,
                           shape: tuple[int, int, int] | None = None, rope_args: tuple = ()) -> None:
-        """One tensor-core verify launch: ceil(T * group / 16) tiles a KV head, as many
-        splits as one wave holds. With ``rope_args`` q is the qkv rows of ``shape`` (T,
-        q_heads, D)."""
+        """One tensor-core verify launch: ceil(T * group / 16) row tiles a KV head, in
+        pairs a CTA where there are several and one CTA a tile would fill a wave
+        (``verify_tiles``), as many splits as one wave holds. With ``rope_args`` q is the
+        qkv rows of ``shape`` (T, q_heads, D)."""
         t, q_heads, d = q.shape if shape is None else shape
         kvh, page = k_pool.shape[2], k_pool.shape[1]
         plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: split caps
-        ctas = kvh * -(-(t * plan.group) // 16)
+        row_tiles = -(-(t * plan.group) // 16)
         rope = bool(rope_args)
-        kernel, smem = self.verify_tc_kernel(k_pool.dtype, d, rope)
-        # One wave of this kernel (its registers are not the decode kernel's): a merger
-        # waits for its splits only when all of them are resident.
-        key = (k_pool.dtype, d, rope)
-        wave = self._verify_waves.get(key)
-        if wave is None:
-            occ = nvrtc.max_active_blocks(kernel, plan.threads, self.launcher.device_index, dynamic_smem=smem)
-            wave = self._verify_waves[key] = self.sms * occ
+        ctas, (kernel, smem, wave) = kvh * row_tiles, self._verify_wave(k_pool.dtype, d, rope, 1, plan.threads)
+        if self.tuning.verify_tiles == 2 and row_tiles > 1 and ctas >= wave:
+            ctas, (kernel, smem, wave) = kvh * -(-row_tiles // 2), self._verify_wave(k_pool.dtype, d, rope, 2, plan.threads)
         splits = plan.wave_splits(ctas, wave)
         ws_ptr = cnt_ptr = 0
         if splits > 1:
@@ -865,6 +871,18 @@ class PagedAttentionCuda:
             ),
             shmem=smem,
         )
+
+    def _verify_wave(self, dtype: torch.dtype, d: int, rope: bool, tiles: int, threads: int) -> tuple[Any, int, int]:
+        """The verify kernel of ``tiles`` row tiles a CTA, its dynamic shared memory and
+        one wave of it (its registers are not the decode kernel's): a merger waits for its
+        splits only when all of them are resident."""
+        kernel, smem = self.verify_tc_kernel(dtype, d, rope, tiles)
+        key = (dtype, d, rope, tiles)
+        wave = self._verify_waves.get(key)
+        if wave is None:
+            occ = nvrtc.max_active_blocks(kernel, threads, self.launcher.device_index, dynamic_smem=smem)
+            wave = self._verify_waves[key] = self.sms * occ
+        return kernel, smem, wave
 
     # -- prefill ------------------------------------------------------------------------
 

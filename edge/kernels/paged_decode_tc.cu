@@ -7,7 +7,7 @@
 // matrix products per 16 keys instead of ~100 dependent CUDA-core instructions per
 // key: the kernel is left with nothing to do but stream K and V.
 //
-// Grid: x = kv_heads * ceil(group / 16), y = num_splits (each split's key range is
+// Grid: x = kv_heads * ceil(group / 16) (the verify step's: below), y = num_splits (each split's key range is
 // derived in-kernel from kv_len, read from the device `pos` when given, so one launch
 // configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
 // stage of 16 * W keys is gathered from the pages with cp.async into padded shared
@@ -38,10 +38,14 @@ namespace edge {
 
 constexpr int kTcRows = 16;  // query heads per CTA: one m16 tile
 
-template <typename T, int D, int W, int STAGES>
+// TILES row tiles a CTA (the verify step's pairs, below): its warps split between them,
+// W / TILES a tile, and a stage holds 16 keys a warp of one tile.
+template <typename T, int D, int W, int STAGES, int TILES = 1>
 struct TcCfg {
+  static_assert(W % TILES == 0, "the warps split evenly between the row tiles");
+  static constexpr int WT = W / TILES;  // warps a row tile
   static constexpr int THREADS = 32 * W;
-  static constexpr int KEYS = 16 * W;  // keys per stage
+  static constexpr int KEYS = 16 * WT;  // keys per stage
   static constexpr int LDS = D + 8;    // padded row: conflict-free ldmatrix
   static constexpr int STAGE_ELEMS = KEYS * LDS;
   static constexpr int KSTEPS = D / 16;
@@ -78,12 +82,18 @@ struct RopeArgs {
 // token's keys. Rows land in out at [token, head]; the split words of a CTA's rows are
 // contiguous (row kvh * tokens * group + its index).
 //
+// TILES = 2 (MULTI only): a CTA takes two adjacent row tiles of its KV head, half its
+// warps each, so every K/V stage is copied once for both and the grid has half the CTAs
+// (a verify step of 5..8 tokens at group 4 has two tiles a KV head: on few SMs, one CTA
+// each took two waves). A second tile past the KV head's rows is empty: its warps only
+// copy and wait at the barriers.
+//
 // MULTI and ROPE: q is the qkv projection's rows [tokens, (q_heads + 2 kv_heads) * D]
 // (at most 2 W tokens). The CTA normalises and rotates its rows' queries, and the step's
 // keys and values inside its split range (warp w: tokens w and w + W) come from
 // registers as the decode step's newest row does: stored into the pools by every CTA
 // whose range holds them (the same bytes), never copied from there.
-template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI>
+template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI, int TILES = 1>
 __device__ __forceinline__ void paged_decode_tc(
     T* __restrict__ out,             // [q_heads, D]
     const T* __restrict__ q,         // [q_heads, D] (ROPE: the qkv row)
@@ -99,15 +109,16 @@ __device__ __forceinline__ void paged_decode_tc(
     int min_rows,                    // fewest keys per active split (active_splits)
     RopeArgs rope,
     int tokens) {                    // MULTI: query tokens (1 otherwise)
-  using C = TcCfg<T, D, W, STAGES>;
-  constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS;
+  static_assert(TILES == 1 || MULTI, "row tiles in pairs for the verify step");
+  using C = TcCfg<T, D, W, STAGES, TILES>;
+  constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS, WT = C::WT;
   constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float sm_m[W][kTcRows];
   __shared__ float sm_l[W][kTcRows];
   __shared__ int sm_merger;
-  __shared__ __align__(16) T sm_q[ROPE ? kTcRows : 1][D];  // ROPE: the rotated query heads
+  __shared__ __align__(16) T sm_q[ROPE ? TILES * kTcRows : 1][D];  // ROPE: the rotated query heads
   if (dynamic_smem_bytes() < (unsigned int)C::SMEM_BYTES) __trap();  // launched with too little
   T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
   float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
@@ -117,18 +128,22 @@ __device__ __forceinline__ void paged_decode_tc(
   const int warp = tid >> 5;
   const int gid = lane >> 2;
   const int tig = lane & 3;
+  const int tile = warp / WT;        // this warp's row tile of the CTA's
+  const int wk = warp - tile * WT;   // its 16 keys of each stage
   const int rows_all = MULTI ? tokens * group : group;  // a KV head's query rows
-  const int hchunks = (rows_all + kTcRows - 1) / kTcRows;
-  const int kvh = blockIdx.x / hchunks;
-  const int chunk = blockIdx.x - kvh * hchunks;
-  const int gcount = min(kTcRows, rows_all - chunk * kTcRows);
+  const int ctas_head = (rows_all + TILES * kTcRows - 1) / (TILES * kTcRows);  // CTAs a KV head
+  const int kvh = blockIdx.x / ctas_head;
+  const int row0 = (blockIdx.x - kvh * ctas_head) * TILES * kTcRows;  // the CTA's first row of the KV head
+  const int crows = min(TILES * kTcRows, rows_all - row0);            // the CTA's rows
+  const int trow0 = tile * kTcRows;                                   // the warp's tile's first, among them
+  const int gcount = max(0, min(kTcRows, crows - trow0));             // its rows (0: an empty tile)
   const int q_heads = kv_heads * group;
-  // The first row's place among the split words' rows (MULTI), or its query head.
-  const int head0 = MULTI ? kvh * rows_all + chunk * kTcRows : kvh * group + chunk * kTcRows;
+  // The CTA's first row's place among the split words' rows (MULTI), or its query head.
+  const int head0 = MULTI ? kvh * rows_all + row0 : kvh * group + row0;
   const int split = blockIdx.y;
   const int len0 = pos != nullptr ? __ldg(pos) + 1 : host_len;  // token 0's keys
-  // MULTI: row r is token (chunk * 16 + r) / group; the CTA's range ends at its last token's.
-  const int kv_len = MULTI ? len0 + (chunk * kTcRows + gcount - 1) / group : len0;
+  // MULTI: row r is token (row0 + r) / group; the CTA's range ends at its last token's.
+  const int kv_len = MULTI ? len0 + (row0 + crows - 1) / group : len0;
   const int nsplit = active_splits(kv_len, gridDim.y, min_rows);
   if (split >= nsplit) return;
   const bool by_arrival = mergers == 0;
@@ -252,8 +267,8 @@ __device__ __forceinline__ void paged_decode_tc(
         vin[j] = *reinterpret_cast<const Rp*>(kx + (long long)kv_heads * D);
       }
     }
-    for (int g = warp; g < gcount; g += W) {
-      const int i = chunk * kTcRows + g;  // MULTI: the KV head's row i is token i / group
+    for (int g = warp; g < crows; g += W) {
+      const int i = row0 + g;  // MULTI: the KV head's row i is token i / group
       const int head = MULTI ? kvh * group + i % group : head0 + g;
       const int tok = MULTI ? i / group : 0;
       const Rp x = *reinterpret_cast<const Rp*>(q + (long long)tok * width + (long long)head * D + lane * E);
@@ -300,22 +315,23 @@ __device__ __forceinline__ void paged_decode_tc(
   const bool qv0 = gid < gcount;
   const bool qv1 = gid + 8 < gcount;
   // MULTI: row r's token and query head, its key limit and its place in out.
-  auto row_token = [&](int r) { return (chunk * kTcRows + r) / group; };
+  auto row_token = [&](int r) { return (row0 + r) / group; };  // r: a row of the CTA's
   auto out_row = [&](int r) {
-    const int i = chunk * kTcRows + r;
+    const int i = row0 + r;
     return MULTI ? (i / group) * q_heads + kvh * group + i % group : head0 + r;
   };
   const T* q0;
   const T* q1;
   if constexpr (MULTI && !ROPE) {
-    q0 = q + (long long)out_row(qv0 ? gid : 0) * D;
-    q1 = q + (long long)out_row(qv1 ? gid + 8 : 0) * D;
+    q0 = q + (long long)out_row(trow0 + (qv0 ? gid : 0)) * D;
+    q1 = q + (long long)out_row(trow0 + (qv1 ? gid + 8 : 0)) * D;
   } else {
-    const T* qtile = ROPE ? &sm_q[0][0] : q + (long long)head0 * D;
+    const T* qtile = ROPE ? &sm_q[trow0][0] : q + (long long)(head0 + trow0) * D;
     q0 = qtile + gid * D;
     q1 = qtile + (gid + 8) * D;
   }
-  const int lim[2] = {MULTI ? min(r1, len0 + row_token(gid)) : r1, MULTI ? min(r1, len0 + row_token(gid + 8)) : r1};
+  const int lim[2] = {MULTI ? min(r1, len0 + row_token(trow0 + gid)) : r1,
+                      MULTI ? min(r1, len0 + row_token(trow0 + gid + 8)) : r1};
   unsigned int qa[KSTEPS][4];
 #pragma unroll
   for (int ks = 0; ks < KSTEPS; ++ks) {
@@ -346,9 +362,9 @@ __device__ __forceinline__ void paged_decode_tc(
     cp_async_wait<STAGES - 1>();  // this thread's copies of stage s
     __syncthreads();              // everyone's
 
-    const int k0 = r0 + s * KEYS + warp * 16;
-    if (k0 < r1) {  // warp-uniform: this warp's 16 keys hold at least one valid key
-      const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + warp * 16 * LDS;
+    const int k0 = r0 + s * KEYS + wk * 16;
+    if (k0 < r1 && gcount > 0) {  // warp-uniform: this warp's 16 keys hold at least one valid key
+      const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + wk * 16 * LDS;
       const T* sv = sk + C::STAGE_ELEMS;
 
       float sc[2][4];
@@ -402,11 +418,12 @@ __device__ __forceinline__ void paged_decode_tc(
   // Merge the warps: output (one split) or this split's words (always written, also for
   // an empty split: lse = -inf, o = 0).
   const bool single = (nsplit == 1);
-  for (int i = tid; i < gcount * (D / 4); i += THREADS) {
-    const int g = i / (D / 4);
+  for (int i = tid; i < crows * (D / 4); i += THREADS) {
+    const int g = i / (D / 4);  // a row of the CTA's: row g % 16 of tile g / 16's warps
     const int d = (i - g * (D / 4)) * 4;
+    const int w0 = (g / kTcRows) * WT;
     float M, L;
-    const float4 o = merge_warp_partials<W>(sm_m, sm_l, sm_o, g, d, M, L);
+    const float4 o = merge_warp_partials<WT>(sm_m + w0, sm_l + w0, sm_o + w0, g % kTcRows, d, M, L);
     store_split_words(single, out + (long long)out_row(g) * D,
                       ws + ((long long)split * tokens * q_heads + head0 + g) * D, o, M, L, d);
   }
@@ -414,7 +431,7 @@ __device__ __forceinline__ void paged_decode_tc(
 
   const int k = split_merger(by_arrival, counters + blockIdx.x, split, nsplit, mergers, sm_merger);
   if (k >= 0)
-    merge_split_words<THREADS, D>(out, ws + (long long)head0 * D, (long long)tokens * q_heads * D, nsplit, gcount, k,
+    merge_split_words<THREADS, D>(out, ws + (long long)head0 * D, (long long)tokens * q_heads * D, nsplit, crows, k,
                                   mergers, out_row);
 }
 
@@ -459,6 +476,25 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
   edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true>(
       EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);
 }
+
+#if CFG_TC_WARPS % 2 == 0  // the pairs split the warps between two row tiles
+// The same with two row tiles a CTA (TILES above).
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
+    paged_verify_tc_pair(EDGE_TC_PARAMS(q), int tokens) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true, 2>(EDGE_TC_ARGS(q),
+                                                                                          edge::RopeArgs{}, tokens);
+}
+
+// And from the qkv rows.
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
+    paged_verify_tc_pair_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,
+                              const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
+                              float eps) {
+  if (tokens > 2 * CFG_TC_WARPS) __trap();  // a warp holds two of the step's rows
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true, 2>(
+      EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);
+}
+#endif
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
 extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
