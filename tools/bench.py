@@ -22,10 +22,15 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
             achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
             as a fraction of the copy bandwidth measured in the same run; --floor adds
             kernels that only read the same bytes (the attention's gather, and a
-            contiguous read): the floor under the attention's time.
+            contiguous read): the floor under the attention's time; --verify-tokens
+            times the speculative verify step's attention as a model step serves it
+            (from the qkv rows, RoPE and the K/V store in the launch, each of --layers
+            layers' pools, one sequence) for T tokens, T = 1 being the decode step's
+            launch, per call of a CUDA graph.
 
     python tools/bench.py kernels [--dtype bfloat16] [--kv-lens 512,2048,8192]
                                   [--sweep | --tunings JSON] [--prefill] [--floor]
+                                  [--verify-tokens 1,5,8] [--sms N]
 """
 
 from __future__ import annotations
@@ -156,16 +161,20 @@ def _kv_sequences(
 
 
 def _capture(fn: Callable[[], None]) -> Any:
-    """fn captured in a CUDA graph after a warm-up run on a side stream."""
+    """fn captured in a CUDA graph after a warm-up run, on the current stream unless it
+    is the default one (graphs are captured on a side stream). With --sms the current
+    stream is the green context's: a stream of torch's own (as torch.cuda.graph takes
+    when given none) would run the graph on every SM of the GPU."""
     import torch
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
+    cur = torch.cuda.current_stream()
+    s = cur if cur != torch.cuda.default_stream() else torch.cuda.Stream()
+    s.wait_stream(cur)
     with torch.cuda.stream(s):
         fn()
-    torch.cuda.current_stream().wait_stream(s)
+    cur.wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=s):
         fn()
     return graph
 
@@ -269,6 +278,58 @@ def _decode_case(
         },
         "tuning": dataclasses.asdict(pc.tuning),
     }
+
+
+def _verify_case(
+    pc: Any, dtype, kv_len: int, qh: int, kvh: int, d: int, page: int, layers: int, reps: int, tokens: int
+) -> dict[str, Any]:
+    """The verify step's attention as a model step serves it: ``tokens`` tokens at
+    positions [kv_len, kv_len + tokens) (one token: the decode step's launch) in each of
+    ``layers`` layers' pools, one sequence's block table: per-call time of the calls
+    captured in one CUDA graph (serialised launches), the kernel that ran, and the last
+    layer's error against the float32 reference."""
+    import torch
+
+    from edge.kernels import reference
+
+    g = torch.Generator(device="cuda").manual_seed(kv_len + tokens)
+    max_pos = kv_len + tokens
+    blocks = -(-max_pos // page)
+    pools = [(torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype),
+              torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype)) for _ in range(layers)]
+    table = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32)
+    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d))
+    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64, device="cuda"), inv)
+    emb, half = torch.cat((ang, ang), dim=-1), d // 2
+    sin_signed = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
+    norm = torch.rand(qh + kvh, d, device="cuda", generator=g) * 0.4 + 0.8
+    rope = reference.Rope(norm.to(dtype), emb.cos().to(dtype), sin_signed.to(dtype), qh, kvh, 1e-6)
+    rope32 = reference.Rope(norm, emb.cos().float(), sin_signed.float(), qh, kvh, 1e-6)
+    qkv = torch.randn(layers, tokens, (qh + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
+    outs = torch.empty(layers, tokens, qh, d, device="cuda", dtype=dtype)
+    pos = torch.tensor([kv_len], dtype=torch.int32, device="cuda")
+    scale = 1.0 / math.sqrt(d)
+
+    def run() -> None:
+        for i, (k_pool, v_pool) in enumerate(pools):
+            if tokens == 1:
+                pc.decode_attention_rope(qkv[i], rope, k_pool, v_pool, table, 0, scale, pos, outs[i, 0])
+            else:
+                pc.verify_attention_rope(qkv[i], rope, k_pool, v_pool, table, pos, scale, outs[i])
+
+    before = dict(pc.launcher.counts)
+    run()  # compile / load / workspace
+    ran = sorted(k for k, n in pc.launcher.counts.items() if n != before.get(k, 0))
+    graph = _capture(run)
+    graph_ms, _ = _median_ms(graph.replay, reps)
+    k32, v32 = pools[-1][0].float(), pools[-1][1].float()  # the step's rows as the replays stored them
+    outs.fill_(float("nan"))
+    graph.replay()
+    want = reference.verify_attention_rope(qkv[-1].float(), rope32, k32, v32, table, pos, scale)
+    err = ((outs[-1].double() - want.double()).norm() / want.double().norm()).item()
+    del graph
+    return {"kv_len": kv_len, "tokens": tokens, "kernels": ran, "layers": layers,
+            "graph_us_per_call": graph_ms * 1e3 / layers, "rel_err_vs_reference": err}
 
 
 def _floor_case(
@@ -425,17 +486,26 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
             torch.cuda.empty_cache()
         return rows
 
+    verify_tokens = [int(x) for x in args.verify_tokens.split(",") if x]
+
+    def verify_all(tuning: paged_cuda.DecodeTuning) -> list[dict[str, Any]]:
+        pc = attention(tuning)["serial"]
+        return [_verify_case(pc, dtype, kv_len, args.q_heads, args.kv_heads, args.head_dim, args.page, args.layers,
+                             args.reps, t) for kv_len in kv_lens for t in verify_tokens]
+
     if args.sweep or args.tunings:
         sweep = []
         for tuning in json.loads(args.tunings) if args.tunings else SWEEP:
             try:
-                sweep.append({"tuning": tuning, "decode": decode_all(paged_cuda.DecodeTuning(**tuning))})
+                t = paged_cuda.DecodeTuning(**tuning)
+                sweep.append({"tuning": tuning, "decode": decode_all(t), "verify": verify_all(t)})
             except Exception as exc:  # report, keep going
                 sweep.append(
                     {"tuning": tuning, "error": f"{type(exc).__name__}: {exc}"}
                 )
         result["sweep"] = sweep
     result["decode"] = decode_all(paged_cuda.DecodeTuning())
+    result["verify"] = verify_all(paged_cuda.DecodeTuning())
     if args.floor:
         result["floor"] = [
             _floor_case(dtype, x["kv_len"], args.kv_heads, args.head_dim, args.page, l2, args.reps, x["splits"])
@@ -491,6 +561,9 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
             f"# sweep {tag} regs={k.get('num_regs')} ctas/sm={k.get('ctas_per_sm')} -> {cells}",
             file=out,
         )
+        for v in sw["verify"]:
+            print(f"# sweep {tag} verify kv_len={v['kv_len']} T={v['tokens']}: {v['graph_us_per_call']:.2f} us "
+                  f"({', '.join(v['kernels'])})", file=out)
     print(
         f"{'kv_len':>7} {'splits':>6} {'kern us':>8} {'GB/s':>6} {'of copy':>8} {'graph us':>9} {'of copy':>8}"
         f" {'overl us':>9} {'of copy':>8} {'eager us':>9} {'host us':>8} {'rel err':>8}",
@@ -505,6 +578,9 @@ def _print_kernels_table(r: dict[str, Any]) -> None:
             f" {max(x['rel_err_vs_reference'].values()):>8.1e}",
             file=out,
         )
+    for v in r.get("verify", []):
+        print(f"# verify kv_len={v['kv_len']} T={v['tokens']}: {v['graph_us_per_call']:.2f} us a call, "
+              f"rel err {v['rel_err_vs_reference']:.1e} ({', '.join(v['kernels'])})", file=out)
     for f in r.get("floor", []):
         cells = "  ".join(
             f"{k.removesuffix('_us')} {v:.2f} us ({f[k.removesuffix('_us') + '_fraction_of_copy']:.1%})"
@@ -552,6 +628,10 @@ def build_parser() -> argparse.ArgumentParser:
         help='JSON list of tunings to sweep instead of SWEEP, e.g. \'[{"impl": "tc", "max_splits": 32}]\'',
     )
     k.add_argument("--prefill", action="store_true", help="also time prefill attention")
+    k.add_argument("--verify-tokens", default="",
+                   help="also time the verify step's attention (RoPE fused) for these token counts, e.g. 1,5,8 "
+                   "(1: the decode step's launch)")
+    k.add_argument("--layers", type=int, default=36, help="layers' pools the verify calls cycle through, as a step does")
     k.add_argument("--sms", type=int, default=None,
                    help="restrict the process to N SMs (green context): the read floors are then the "
                    "bandwidth ceiling an Orin-shaped projection needs")
