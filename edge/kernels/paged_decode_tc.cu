@@ -7,17 +7,17 @@
 // matrix products per 16 keys instead of ~100 dependent CUDA-core instructions per
 // key: the kernel is left with nothing to do but stream K and V.
 //
-// Grid: x = kv_heads * ceil(group / 16) (the verify step's: below), y = num_splits (each split's key range is
-// derived in-kernel from kv_len, read from the device `pos` when given, so one launch
-// configuration serves every length: CUDA-graph safe), z = 1. A CTA has W warps; a
-// stage of 16 * W keys is gathered from the pages with cp.async into padded shared
-// memory (STAGES deep, dynamic shared memory: the host picks STAGES per device so that
-// CFG_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w takes keys
-// [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2 domain);
-// the warps merge through shared memory, then the CTA writes the output (one split) or
-// its partial as flagged words, and the last `mergers` splits of the KV head each merge a
-// share of the outputs as the words arrive (common.cuh, the split merge; as in
-// paged_decode.cu).
+// Grid: x = kv_heads * ceil(group / 16) (the verify step's: below), y = num_splits
+// (each split's key range is derived in-kernel from kv_len, read from the device `pos`
+// when given, so one launch configuration serves every length: CUDA-graph safe), z = 1.
+// A CTA has W warps; a stage of 16 * W keys is gathered from the pages with cp.async
+// into padded shared memory (STAGES deep, dynamic shared memory: the host picks STAGES
+// per device so that CFG_TC_MIN_BLOCKS CTAs fit an SM, paged_cuda.tc_stages), warp w
+// takes keys [16 w, 16 w + 16) of each stage with its own online softmax (float32, exp2
+// domain); the warps merge through shared memory, then the CTA writes the output (one
+// split) or its partial as flagged words, and the last `mergers` splits of the KV head
+// each merge a share of the outputs as the words arrive (common.cuh, the split merge; as
+// in paged_decode.cu).
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
 #include "common.cuh"
 
@@ -459,41 +459,27 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
                                                                                         edge::RopeArgs{}, 1);
 }
 
-// The speculative verify step: `tokens` query tokens at *pos .. (MULTI above).
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_verify_tc(EDGE_TC_PARAMS(q), int tokens) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true>(EDGE_TC_ARGS(q),
-                                                                                       edge::RopeArgs{}, tokens);
-}
+// The speculative verify step: `tokens` query tokens at *pos .. (MULTI above), TILES row
+// tiles a CTA: NAME from q, NAME_rope from the qkv projection's rows (its q/k norms, RoPE
+// and K/V store in the launch; at most 2 * CFG_TC_WARPS tokens).
+#define EDGE_VERIFY_ENTRIES(NAME, TILES)                                                                      \
+  extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)                          \
+      NAME(EDGE_TC_PARAMS(q), int tokens) {                                                                   \
+    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true, TILES>(              \
+        EDGE_TC_ARGS(q), edge::RopeArgs{}, tokens);                                                           \
+  }                                                                                                           \
+  extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)                          \
+      NAME##_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,                        \
+                  const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,        \
+                  float eps) {                                                                                \
+    if (tokens > 2 * CFG_TC_WARPS) __trap(); /* a warp holds two of the step's rows */                        \
+    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true, TILES>(               \
+        EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);                  \
+  }
 
-// The verify step from the qkv projection's rows: its q/k norms, RoPE and K/V store in
-// the launch (at most 2 * CFG_TC_WARPS tokens).
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_verify_tc_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,
-                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
-                         float eps) {
-  if (tokens > 2 * CFG_TC_WARPS) __trap();  // a warp holds two of the step's rows
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true>(
-      EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);
-}
-
+EDGE_VERIFY_ENTRIES(paged_verify_tc, 1)
 #if CFG_TC_WARPS % 2 == 0  // the pairs split the warps between two row tiles
-// The same with two row tiles a CTA (TILES above).
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_verify_tc_pair(EDGE_TC_PARAMS(q), int tokens) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true, 2>(EDGE_TC_ARGS(q),
-                                                                                          edge::RopeArgs{}, tokens);
-}
-
-// And from the qkv rows.
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_verify_tc_pair_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,
-                              const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
-                              float eps) {
-  if (tokens > 2 * CFG_TC_WARPS) __trap();  // a warp holds two of the step's rows
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true, 2>(
-      EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);
-}
+EDGE_VERIFY_ENTRIES(paged_verify_tc_pair, 2)
 #endif
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
