@@ -146,7 +146,7 @@ __device__ __forceinline__ void load_x(Batch<kTiles, kSrc, kU>& b, const S* __re
   for (int u = 0; u < kU; ++u) {
     const int kb = min(kb0 + u, kb_count - 1);
 #pragma unroll
-    for (int h = 0; h < 2; ++h)  // 16-byte loads: half the L1 wavefronts of 8-byte ones
+    for (int h = 0; h < 2; ++h)  // two 16-byte loads, not four 8-byte ones: half the L1 requests
       b.xv[u][h] = has_tok ? __ldg(reinterpret_cast<const uint4*>(xrow + kb * 64 + 16 * t + 8 * h))
                            : make_uint4(0u, 0u, 0u, 0u);
     if constexpr (kSrc == kPrestagedSrc)
@@ -175,7 +175,7 @@ __device__ __forceinline__ void mma_batch(const Batch<kTiles, kSrc, kU>& b, floa
     const float live = kb0 + u < kb_count ? 1.f : 0.f;
     float pl[kTiles][4], ph[kTiles][4];  // ph: the direct path's high nibbles
     // From shared memory: token g's 16 columns of the tile in two 16-byte loads (steps 0,
-    // 1 and 2, 3), which take a third of the wavefronts of four 8-byte loads at 5 tokens.
+    // 1 and 2, 3); four 8-byte loads, rows 16 elements apart, conflicted in the banks.
     uint4 xa, xb;
     if constexpr (from_smem(kSrc)) {
       xa = edge::staged_quad(xrow + kb * 64 + 16 * t, has_tok);
