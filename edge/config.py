@@ -175,6 +175,22 @@ def _rope_scaling(rs: dict[str, Any]) -> RopeScaling | None:
         raise ConfigError(f"rope_scaling of type llama3 lacks field {exc.args[0]!r}") from None
 
 
+def rope_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE rows ``[..., D]`` of ``angles [..., D / 2]``: cos, and sin with rotate_half's
+    sign folded in (``cat(-sin[:D/2], sin[D/2:])``), in the angles' dtype."""
+    emb = torch.cat((angles, angles), dim=-1)
+    half = angles.shape[-1]
+    sin = emb.sin()
+    return emb.cos(), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope_tables(inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 RoPE tables ``[max_pos, 2 * len(inv_freq)]`` (:func:`rope_cos_sin`), row p
+    for position p."""
+    return rope_cos_sin(torch.outer(torch.arange(max_pos, dtype=torch.float64, device=inv_freq.device),
+                                    inv_freq.double()))
+
+
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (float64 for exactness), Llama 3 scaling applied if configured."""
     d = cfg.head_dim

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.backend import Backend, StepKernels, reference_backend
-from edge.config import ModelConfig, rope_inv_freq
+from edge.config import ModelConfig, rope_inv_freq, rope_tables
 from edge.kernels.reference import Rope
 from edge.kv import SequenceKV
 from edge.int4 import DEFAULT_GROUP_SIZE as DEFAULT_INT4_GROUP_SIZE
@@ -76,13 +76,9 @@ class Model:
         self.int8_projections = all(
             isinstance(lw[k], (Int8Weight, Int4Weight)) for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
         )
-        positions = torch.arange(max_seq_len, dtype=torch.float64)
-        angles = torch.outer(positions, rope_inv_freq(cfg))
-        emb = torch.cat((angles, angles), dim=-1)
-        self.cos = emb.cos().to(device=self.device, dtype=self.dtype)
-        half = emb.shape[-1] // 2
-        sin = emb.sin()
-        self.sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).to(device=self.device, dtype=self.dtype)
+        cos, sin_signed = rope_tables(rope_inv_freq(cfg), max_seq_len)
+        self.cos = cos.to(device=self.device, dtype=self.dtype)
+        self.sin_signed = sin_signed.to(device=self.device, dtype=self.dtype)
         # Each layer's q/k norm + RoPE arguments for the decode attention that applies them.
         self.ropes = [
             Rope(lw["qk_norm"], self.cos, self.sin_signed, cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps)

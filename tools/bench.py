@@ -290,6 +290,7 @@ def _verify_case(
     layer's error against the float32 reference."""
     import torch
 
+    from edge.config import rope_tables
     from edge.kernels import reference
 
     g = torch.Generator(device="cuda").manual_seed(kv_len + tokens)
@@ -298,13 +299,10 @@ def _verify_case(
     pools = [(torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype),
               torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype)) for _ in range(layers)]
     table = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32)
-    inv = 1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d))
-    ang = torch.outer(torch.arange(max_pos, dtype=torch.float64, device="cuda"), inv)
-    emb, half = torch.cat((ang, ang), dim=-1), d // 2
-    sin_signed = torch.cat((-emb.sin()[:, :half], emb.sin()[:, half:]), dim=-1)
+    cos, sin_signed = rope_tables(1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d)), max_pos)
     norm = torch.rand(qh + kvh, d, device="cuda", generator=g) * 0.4 + 0.8
-    rope = reference.Rope(norm.to(dtype), emb.cos().to(dtype), sin_signed.to(dtype), qh, kvh, 1e-6)
-    rope32 = reference.Rope(norm, emb.cos().float(), sin_signed.float(), qh, kvh, 1e-6)
+    rope = reference.Rope(norm.to(dtype), cos.to(dtype), sin_signed.to(dtype), qh, kvh, 1e-6)
+    rope32 = reference.Rope(norm, cos.float(), sin_signed.float(), qh, kvh, 1e-6)
     qkv = torch.randn(layers, tokens, (qh + 2 * kvh) * d, device="cuda", generator=g).to(dtype)
     outs = torch.empty(layers, tokens, qh, d, device="cuda", dtype=dtype)
     pos = torch.tensor([kv_len], dtype=torch.int32, device="cuda")

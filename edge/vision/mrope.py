@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import torch
 
+from edge.config import rope_cos_sin
+
 Span = tuple[int, int, tuple[int, int, int]]  # (first token, end, merged grid (t, h, w))
 
 
@@ -63,8 +65,5 @@ def mrope_tables(
     ``[3, T]``: the layout of ``Model.cos`` / ``Model.sin_signed``, angles in float64."""
     angles = positions.to(torch.float64)[:, :, None] * inv_freq.to(torch.float64)  # [3, T, D/2]
     picked = angles.gather(0, axes.view(1, 1, -1).expand(1, angles.shape[1], -1))[0]
-    half = picked.shape[-1]
-    emb = torch.cat((picked, picked), dim=-1)
-    sin = emb.sin()
-    sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
-    return emb.cos().to(device=device, dtype=dtype), sin_signed.to(device=device, dtype=dtype)
+    cos, sin_signed = rope_cos_sin(picked)
+    return cos.to(device=device, dtype=dtype), sin_signed.to(device=device, dtype=dtype)
