@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, NoReturn
 from edge.settings import non_negative_float, positive_int, power_of_two
 
 if TYPE_CHECKING:
-    from edge.chat_client import ChatClient, InProcessService
-    from edge.vision.runtime import MultimodalPrompt
+    from edge.serving.chat_client import ChatClient, InProcessService
+    from edge.model.vision.runtime import MultimodalPrompt
 
 DEFAULT_PROMPT = "The robot on the kiosk said hello and explained how the paged cache works:"
 
@@ -101,7 +101,7 @@ RESERVE_HELP = "memory kept free for the OS and other processes on an integrated
 
 
 def _byte_size(text: str) -> int:
-    from edge.budget import parse_bytes
+    from edge.runtime.budget import parse_bytes
 
     try:
         return parse_bytes(text)
@@ -110,7 +110,7 @@ def _byte_size(text: str) -> int:
 
 
 def _reserve_size(text: str) -> int:
-    from edge.budget import parse_reserve
+    from edge.runtime.budget import parse_reserve
 
     try:
         return parse_reserve(text)
@@ -141,7 +141,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def check_engine_args(model: str | None, device: str | None, dtype: str | None) -> None:
     """Model directory, device and dtype, checked before anything loads."""
-    from edge.validate import check_device_and_dtype, model_directory
+    from edge.model.validate import check_device_and_dtype, model_directory
 
     if model is not None:
         model_directory(model)
@@ -149,7 +149,7 @@ def check_engine_args(model: str | None, device: str | None, dtype: str | None) 
 
 
 def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of `edge --help`
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
     check_engine_args(args.model, args.device, args.dtype)
     return Engine.from_pretrained(
@@ -199,7 +199,7 @@ def _prompt_ids(text: str) -> list[int]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """One request through the scheduler the service runs, in this process."""
-    from edge.scheduler import Scheduler
+    from edge.scheduling import Scheduler
 
     prompt: str | list[int] | None = None  # None: the chat template places --image
     if args.image:
@@ -273,7 +273,7 @@ def cmd_info(args: argparse.Namespace) -> int:
             "integrated": bool(getattr(props, "is_integrated", False)),
             "bf16": torch.cuda.is_bf16_supported(),
         }
-    from edge.platform_info import probe_platform
+    from edge.runtime.platform_info import probe_platform
 
     info["platform"] = probe_platform().as_dict()
     info["model"] = load_engine(args).info()
@@ -305,7 +305,7 @@ def _chat_params(args: argparse.Namespace) -> dict:
 
 def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], InProcessService | None]:
     """The service a front-end talks to: --url/--uds, or started here with --in-process."""
-    from edge.chat_client import ChatClient, InProcessService
+    from edge.serving.chat_client import ChatClient, InProcessService
 
     api_key = os.environ.get("EDGE_API_KEY")
     if args.api_key_file:
@@ -331,8 +331,8 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    """Interactive front-end for the service (see edge.chat_client)."""
-    from edge.chat_client import ServiceError, run_chat
+    """Interactive front-end for the service (see edge.serving.chat_client)."""
+    from edge.serving.chat_client import ServiceError, run_chat
 
     connect, local = _open_service(args)
     client = connect()
@@ -350,7 +350,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def cmd_voice(args: argparse.Namespace) -> int:
     """Voice front-end for the service (see edge.voice)."""
-    from edge.chat_client import ServiceError
+    from edge.serving.chat_client import ServiceError
     from edge.voice.cli import run_voice
 
     connect, local = _open_service(args)
@@ -377,13 +377,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     export_file_vars(file_vars)
     if not args.verbose:
         logging.getLogger().setLevel(settings.log_level.upper())
-    from edge.server import serve
+    from edge.serving.server import serve
 
     return serve(settings)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from edge.verify import main as verify_main
+    from edge.runtime.verify import main as verify_main
 
     return verify_main(args.verify_args)
 

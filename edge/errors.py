@@ -1,6 +1,6 @@
 """Errors a request can meet in the engine, the scheduler or the sampler.
 
-Torch-free, so the HTTP layer can map each class to its answer (edge/api/errors.py)
+Torch-free, so the HTTP layer can map each class to its answer (edge/serving/errors.py)
 without importing the engine. The modules that raise them re-export their names.
 """
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from edge.budget import parse_bytes, parse_reserve
+from edge.runtime.budget import parse_bytes, parse_reserve
 from edge.speculative.params import SpeculativeParams
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ class Settings:
     max_seq_len: int | None = None
     kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
     kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
-    memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.budget.DEFAULT_RESERVE)
+    memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.runtime.budget.DEFAULT_RESERVE)
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
     prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from edge.api.errors import (
+from edge.serving.errors import (
     BadRequest,
     BodyTooLarge,
     HostNotAllowed,

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from edge.api.errors import HostNotAllowed, UnsupportedMediaType
-from edge.api.guard import HostPolicy, check_request, host_of
+from edge.serving.errors import HostNotAllowed, UnsupportedMediaType
+from edge.serving.guard import HostPolicy, check_request, host_of
 
 
 def scope(method: str = "GET", **headers: str) -> dict:

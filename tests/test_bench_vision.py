@@ -15,7 +15,7 @@ pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
 from PIL import Image
 
-from edge.vision.random_model import preprocessor_config
+from edge.model.vision.random_model import preprocessor_config
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [(64, 48), (96, 64)]

@@ -136,7 +136,7 @@ def test_cancel_retries_a_dropped_connection_once_and_reports_timeouts() -> None
     timeout or a second drop reports None (unreachable), never a false 200."""
     import httpx
 
-    from edge.chat_client import ChatClient
+    from edge.serving.chat_client import ChatClient
 
     def client(*responses):
         calls = []
@@ -172,7 +172,7 @@ def test_a_late_second_ctrl_c_is_dropped_until_the_prompt() -> None:
     import os
     import signal
 
-    from edge.chat_client import run_chat
+    from edge.serving.chat_client import run_chat
 
     class Client:
         cancelled: list[str] = []

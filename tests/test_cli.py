@@ -74,9 +74,9 @@ def test_cuda_without_usable_kernels_stops_with_one_line_naming_the_fix() -> Non
 
 def test_explicit_reference_choice_is_not_an_error(tmp_path: Path) -> None:
     """The operator may choose the reference explicitly; the backend then says so."""
-    from edge.backend import select_backend
-    from edge.config import ModelConfig
-    from edge.random_model import default_model_path
+    from edge.runtime.backend import select_backend
+    from edge.model.config import ModelConfig
+    from edge.model.random_model import default_model_path
 
     cfg = ModelConfig.from_pretrained(default_model_path())
     b = select_backend(cfg, __import__("torch").device("cuda"), __import__("torch").bfloat16, kernels="reference")
@@ -114,8 +114,8 @@ def test_bad_flags_fail_before_loading_in_one_line() -> None:
 def test_generate_goes_through_the_scheduler(monkeypatch, capsys) -> None:
     """`edge generate` drives the scheduler the service runs, never Engine.stream/generate."""
     from edge import cli
-    from edge.engine import Engine
-    from edge.scheduler import Scheduler
+    from edge.runtime.engine import Engine
+    from edge.scheduling import Scheduler
 
     def refuse(*_args, **_kwargs):
         raise AssertionError("edge generate must not call Engine.stream/generate")

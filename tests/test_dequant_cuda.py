@@ -14,7 +14,7 @@ pytestmark = [
 ]
 
 from edge.kernels import reference  # noqa: E402
-from edge.quant import Int8Weight, int8_linear_reference, quantize_tensor  # noqa: E402
+from edge.quant.q8_0 import Int8Weight, int8_linear_reference, quantize_tensor  # noqa: E402
 from tests.test_int4_cuda import random_weight  # noqa: E402
 
 DTYPES16 = (torch.float16, torch.bfloat16)
@@ -108,8 +108,8 @@ def test_int8_prefill_matches_the_reference(dtype, chunk_rows) -> None:
 def test_quantized_engines_prefill_in_one_long_chunk(tmp_path) -> None:
     """On the GPU a quantized model's engine takes the longer chunk and its prompts
     score as on the torch reference (512-token chunks)."""
-    from edge.budget import EXPANDED_PREFILL_CHUNK, FLOAT_PREFILL_CHUNK
-    from edge.engine import Engine
+    from edge.runtime.budget import EXPANDED_PREFILL_CHUNK, FLOAT_PREFILL_CHUNK
+    from edge.runtime.engine import Engine
     from tests.conftest import build_hf_model
 
     build_hf_model("Qwen3ForCausalLM", tmp_path, hidden_size=256, intermediate_size=512, tie_word_embeddings=False)

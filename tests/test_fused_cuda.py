@@ -356,7 +356,7 @@ def test_engine_uses_fused_ops_and_matches_the_reference():
     """The CUDA backend plans the fused ops; the model's logits stay close to the same
     model on an engine with the reference backend (bf16), and neither engine changes
     the other."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
     engine = Engine.from_pretrained(device="cuda", dtype="bfloat16", page_size=16, cuda_graph=False, kernels="cuda")
     assert set(engine.backend.eager.layer.names.values()) == {"cuda"}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
 
 pytestmark = pytest.mark.cuda
@@ -144,7 +144,7 @@ def test_capture_survives_the_collection_of_an_unreachable_old_graph(engines, mo
     decode as the engine that captured in peace does."""
     import gc
 
-    from edge.graph import SlotDecoder
+    from edge.runtime.graph import SlotDecoder
 
     graph, _ = engines
     olds = []

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
 
 PROMPT_LENGTHS = [1, 7, 33, 100]

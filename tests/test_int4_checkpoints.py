@@ -20,11 +20,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from edge.engine import Engine
-from edge.int4 import Int4Weight
-from edge.int4_checkpoints import detect_format
-from edge.loader import CheckpointError
-from edge.quant import Int8Weight
+from edge.runtime.engine import Engine
+from edge.quant.int4 import Int4Weight
+from edge.quant.int4_checkpoints import detect_format
+from edge.model.loader import CheckpointError
+from edge.quant.q8_0 import Int8Weight
 from edge.sampling import SamplingParams
 from tests.conftest import build_hf_model
 

@@ -6,7 +6,7 @@ lm_head), float16 and bfloat16 activations, float16 / bfloat16 / float32 scales.
 GEMV multiplies the exact ``q - z`` on tensor cores in float32 and scales the group
 sums, so it is compared elementwise with a float64 oracle (dequantize and multiply in
 float64: only the output rounding and float32 summation order separate them), and
-as a vector with :class:`edge.int4.Int4ReferenceLinear` (weights rounded to the
+as a vector with :class:`edge.quant.int4.Int4ReferenceLinear` (weights rounded to the
 activation dtype first)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch.cuda.is_available() is False)"),
 ]
 
-from edge.int4 import Int4Codes, Int4ReferenceLinear, Int4Weight, pack_weight  # noqa: E402
+from edge.quant.int4 import Int4Codes, Int4ReferenceLinear, Int4Weight, pack_weight  # noqa: E402
 from edge.kernels import reference  # noqa: E402
 
 # (out, in): 8B qkv, 8B o, 8B gate_up, 8B down, 0.6B lm_head, a ragged row count.
@@ -402,7 +402,7 @@ def test_int4_engine_on_the_gpu_tracks_the_reference(tmp_path) -> None:
     """A random model quantized to int4 while loading: the CUDA engine (GEMV decode with
     the fused plan, dequantize + cuBLAS prefill, graphs, launches serialised by default)
     against the same weights on the torch reference."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
     from edge.sampling import SamplingParams
     from tests.conftest import build_hf_model
 

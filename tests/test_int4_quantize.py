@@ -13,10 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edge.config import ModelConfig
-from edge.engine import Engine
-from edge.int4_quantize import _layer_groups, awq_plan, calibration_inputs
-from edge.random_model import make_model
+from edge.model.config import ModelConfig
+from edge.runtime.engine import Engine
+from edge.quant.int4_quantize import _layer_groups, awq_plan, calibration_inputs
+from edge.model.random_model import make_model
 from edge.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent

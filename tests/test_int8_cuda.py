@@ -34,7 +34,7 @@ pytestmark = [
     ),
 ]
 
-from edge import quant
+from edge.quant import q8_0 as quant
 from edge.kernels import reference
 from edge.kernels.int8_cuda import (
     MAX_GEMV_TOKENS,
@@ -46,8 +46,8 @@ from edge.kernels.int8_cuda import (
     weight_support,
 )
 from edge.kernels.nvrtc import UnplannedArguments
-from edge.linear import Int8ReferenceLinear, Linears
-from edge.quant import QUANT_METHOD, Int8Weight, int8_linear_reference, quantize_tensor
+from edge.quant.linear import Int8ReferenceLinear, Linears
+from edge.quant.q8_0 import QUANT_METHOD, Int8Weight, int8_linear_reference, quantize_tensor
 
 # (out, in): 0.6B o_proj-like, qkv-like, down-like, 0.6B lm_head, 8B o_proj, 8B
 # gate_up, 8B down.
@@ -384,7 +384,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_engine_enables_the_gemv_for_int8_models() -> None:
     """An int8 engine on CUDA plans the GEMV for its q8_0 weights and decodes through
     it; its logits agree with an engine on the reference backend (same model)."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
     engine = Engine.from_pretrained(None, device="cuda", dtype="float16", quantize="int8", cuda_graph=False, num_blocks=64)
     assert engine.model.int8_projections
@@ -406,8 +406,8 @@ def test_reference_engine_after_a_cuda_int8_engine_runs_the_reference() -> None:
     in the same process, runs the torch reference (no kernel of the first engine's
     launcher, logits of the reference computed on the CPU from the same weights), and
     the first engine still runs its GEMV afterwards."""
-    from edge.engine import Engine
-    from edge.model import Model
+    from edge.runtime.engine import Engine
+    from edge.model.decoder import Model
 
     first = Engine.from_pretrained(None, device="cuda", dtype="bfloat16", quantize="int8", num_blocks=64)
     assert first.backend.kind == "cuda" and first.cuda_graph
@@ -937,7 +937,7 @@ def _unfused(engine, **options):
     """An eager engine on ``engine``'s model whose backend is ``engine``'s with the q8_0
     linear replaced by the same GEMV, not fusing (no captured step: the graph kernels
     would still fuse)."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
     b = engine.backend
     gemv = b.eager.linears.impls[QUANT_METHOD]
@@ -972,7 +972,7 @@ def test_int8_model_fused_plan_matches_unfused_plan(hf_checkpoint, tmp_path) -> 
     the float32 model's greedy tokens the fused plan is at least as close to it as
     the unfused one, picks the same tokens but for near-ties, and graph decode with
     the fused plan gives exactly the eager fused plan's tokens."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
     from edge.sampling import SamplingParams
 
     name, _, src = hf_checkpoint
@@ -1082,7 +1082,7 @@ def test_int8_decode_runs_the_fused_kernels(monkeypatch) -> None:
 
 def _int8_engine(**options):
     """The embedded default model (tied float lm_head), bf16, int8 projections, on CUDA."""
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
     return Engine.from_pretrained(None, device="cuda", dtype="bfloat16", quantize="int8", **options)
 
@@ -1349,8 +1349,8 @@ def test_greedy_graph_decode_takes_the_token_from_the_lm_head(tmp_path) -> None:
     capture, are exactly the fused int8 plan's."""
     from torch.profiler import ProfilerActivity, profile
 
-    from edge.engine import Engine
-    from edge.random_model import make_model
+    from edge.runtime.engine import Engine
+    from edge.model.random_model import make_model
     from edge.sampling import SamplingParams
 
     path = make_model(tmp_path / "m", preset="tiny", tie_word_embeddings=False, dtype="bfloat16")

@@ -328,8 +328,8 @@ def test_missing_cuda_python_raises_kernels_unavailable(monkeypatch, fresh_disco
 
     import torch
 
-    from edge.backend import BackendUnavailable, select_backend
-    from edge.config import ModelConfig
+    from edge.runtime.backend import BackendUnavailable, select_backend
+    from edge.model.config import ModelConfig
 
     cfg = ModelConfig("qwen3", 64, 64, 128, 1, 2, 1, 32, 1e-6, 1e6, 64, True, False, True)
     with pytest.raises(BackendUnavailable, match="kernels cannot be used.*--kernels reference"):
@@ -381,8 +381,8 @@ def test_no_gpu_is_backend_unavailable():
 
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
-    from edge.backend import BackendUnavailable, select_backend
-    from edge.config import ModelConfig
+    from edge.runtime.backend import BackendUnavailable, select_backend
+    from edge.model.config import ModelConfig
 
     cfg = ModelConfig("qwen3", 64, 64, 128, 1, 2, 1, 32, 1e-6, 1e6, 64, True, False, True)
     with pytest.raises(BackendUnavailable, match="GPU"):

@@ -21,9 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from edge.loader import READ_CHUNK_BYTES
-from edge.quant import QUANTIZE_CHUNK_ELEMENTS, quantize_checkpoint
-from edge.random_model import make_model
+from edge.model.loader import READ_CHUNK_BYTES
+from edge.quant.q8_0 import QUANTIZE_CHUNK_ELEMENTS, quantize_checkpoint
+from edge.model.random_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20

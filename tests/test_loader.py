@@ -10,10 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge.config import ConfigError, ModelConfig
-from edge.engine import Engine
-from edge.loader import CheckpointError, fuse_weights, iter_tensor_rows, load_weights
-from edge.random_model import make_model
+from edge.model.config import ConfigError, ModelConfig
+from edge.runtime.engine import Engine
+from edge.model.loader import CheckpointError, fuse_weights, iter_tensor_rows, load_weights
+from edge.model.random_model import make_model
 
 
 @pytest.fixture(scope="module")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from edge.budget import DEFAULT_RESERVE
-from edge.config import ModelConfig
-from edge.engine import Engine
-from edge.random_model import make_model
+from edge.runtime.budget import DEFAULT_RESERVE
+from edge.model.config import ModelConfig
+from edge.runtime.engine import Engine
+from edge.model.random_model import make_model
 
 ROOT = Path(__file__).resolve().parents[1]
 

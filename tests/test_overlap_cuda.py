@@ -25,7 +25,7 @@ pytestmark = [
 
 from edge.kernels import reference
 from edge.kernels.reference import PagedKV
-from edge.quant import Int8Weight, quantize_tensor
+from edge.quant.q8_0 import Int8Weight, quantize_tensor
 
 HEADS, KV_HEADS, D, HIDDEN, INTER, PAGE, MAX_LEN = 32, 8, 128, 2048, 4096, 16, 8192
 EPS = 1e-6

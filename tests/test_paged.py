@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from edge.config import ModelConfig
-from edge.engine import Engine
+from edge.model.config import ModelConfig
+from edge.runtime.engine import Engine
 from edge.kernels import reference
-from edge.kv import KVOutOfMemory
-from edge.kv.paged import BlockPool, PagedKVCache
+from edge.model.kv import KVOutOfMemory
+from edge.runtime.kv_paged import BlockPool, PagedKVCache
 from edge.sampling import SamplingParams
 
 CFG = ModelConfig.from_dict(

@@ -7,7 +7,7 @@ import importlib.metadata
 import pytest
 import torch
 
-from edge.platform_info import driver_version, probe_platform
+from edge.runtime.platform_info import driver_version, probe_platform
 
 
 def test_report_on_this_machine() -> None:

@@ -1,4 +1,4 @@
-"""The prefill chunk of quantized models (edge.budget.default_prefill_chunk), its wiring
+"""The prefill chunk of quantized models (edge.runtime.budget.default_prefill_chunk), its wiring
 into the engine, the KV budget and the scheduler, and the chunked expand-then-multiply
 of edge.kernels.dequant_cuda.expanded_linear, all on the CPU."""
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from edge.backend import reference_backend
-from edge.budget import (
+from edge.runtime.backend import reference_backend
+from edge.runtime.budget import (
     EXPANDED_PREFILL_CHUNK,
     FLOAT_PREFILL_CHUNK,
     PREFILL_MEMORY_SHARE,
@@ -22,17 +22,17 @@ from edge.budget import (
     estimate_activation_bytes,
     plan_kv_budget,
 )
-from edge.config import ModelConfig
-from edge.engine import Engine
-from edge.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
-from edge.int4 import Int4ReferenceLinear, Int4Weight, pack_weight, quantize_rtn
+from edge.model.config import ModelConfig
+from edge.runtime.engine import Engine
+from edge.quant.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
+from edge.quant.int4 import Int4ReferenceLinear, Int4Weight, pack_weight, quantize_rtn
 from edge.kernels.dequant_cuda import expanded_linear
-from edge.linear import Int8ReferenceLinear, Linears
-from edge.model import Model
-from edge.quant import Int8Weight, quantize_tensor
-from edge.random_model import make_model, model_config
-from edge.scheduler.loop import Scheduler
-from edge.scheduler.pacing import Pacing
+from edge.quant.linear import Int8ReferenceLinear, Linears
+from edge.model.decoder import Model
+from edge.quant.q8_0 import Int8Weight, quantize_tensor
+from edge.model.random_model import make_model, model_config
+from edge.scheduling.loop import Scheduler
+from edge.scheduling.pacing import Pacing
 from tests.test_scheduler_policy import Device, run_chunks
 
 GiB = 1 << 30

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from edge.kv import prefix as prefix_mod
-from edge.kv.paged import BlockPool, PagedKVCache
-from edge.kv.prefix import ROOT_KEY, PrefixCache, block_hash
+from edge.scheduling import prefix as prefix_mod
+from edge.runtime.kv_paged import BlockPool, PagedKVCache
+from edge.scheduling.prefix import ROOT_KEY, PrefixCache, block_hash
 
 PS = 4
 

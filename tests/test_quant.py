@@ -12,12 +12,12 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from edge import quant
-from edge.backend import reference_backend
-from edge.engine import Engine
-from edge.linear import FloatLinear, Int8ReferenceLinear, Linears
-from edge.loader import CheckpointError
-from edge.quant import (
+from edge.quant import q8_0 as quant
+from edge.runtime.backend import reference_backend
+from edge.runtime.engine import Engine
+from edge.quant.linear import FloatLinear, Int8ReferenceLinear, Linears
+from edge.model.loader import CheckpointError
+from edge.quant.q8_0 import (
     Int8Weight,
     QuantError,
     dequantize,
@@ -26,7 +26,7 @@ from edge.quant import (
     quantize_checkpoint,
     quantize_tensor,
 )
-from edge.random_model import make_model
+from edge.model.random_model import make_model
 from edge.sampling import SamplingParams
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -477,7 +477,7 @@ def test_bad_quantized_checkpoints(tiny_src: Path, tmp_path: Path) -> None:
 def test_row_chunked_loading_is_the_same(tiny_src: Path, tmp_path: Path) -> None:
     """Routes A (with standard and flat scales) and B read in small row chunks load what
     whole-tensor reads load."""
-    from edge.config import ModelConfig
+    from edge.model.config import ModelConfig
 
     dst = Path(quantize_checkpoint(tiny_src, tmp_path / "q8")["dst"])
     flat = Path(quantize_checkpoint(tiny_src, tmp_path / "flat")["dst"])

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from edge import random_model as rm
-from edge.random_model import (
+from edge.model import random_model as rm
+from edge.model.random_model import (
     PRESETS,
     default_model_path,
     make_model,
@@ -218,7 +218,7 @@ def test_same_seed_same_bytes_other_seed_other_weights(tmp_path: Path) -> None:
 
 
 def test_tokenizer_training_is_deterministic_across_processes() -> None:
-    code = "import hashlib; from edge.random_model import tokenizer_json; print(hashlib.sha256(tokenizer_json().encode()).hexdigest())"
+    code = "import hashlib; from edge.model.random_model import tokenizer_json; print(hashlib.sha256(tokenizer_json().encode()).hexdigest())"
     env = {**os.environ, "PYTHONHASHSEED": "123", "RAYON_NUM_THREADS": "3", "PYTHONPATH": str(REPO_ROOT)}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == hashlib.sha256(rm.tokenizer_json().encode()).hexdigest()
@@ -227,7 +227,7 @@ def test_tokenizer_training_is_deterministic_across_processes() -> None:
 def test_presets_tokenizer_covers_the_model_vocabulary(transformers) -> None:
     from tokenizers import Tokenizer
 
-    from edge.tokenizer import Tokenizer as EdgeTokenizer
+    from edge.model.tokenizer import Tokenizer as EdgeTokenizer
 
     vocab = PRESETS["qwen3-0.6b"]["vocab_size"]
     covering = Tokenizer.from_str(rm.covering_tokenizer_json(vocab))
@@ -248,7 +248,7 @@ def test_presets_tokenizer_covers_the_model_vocabulary(transformers) -> None:
 def test_default_model_path_created_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
     # Two processes race to create it; both must end up with the same complete model.
-    code = "from edge.random_model import default_model_path; print(default_model_path())"
+    code = "from edge.model.random_model import default_model_path; print(default_model_path())"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True) for _ in range(2)
@@ -269,7 +269,7 @@ def test_default_model_path_created_once(tmp_path: Path, monkeypatch: pytest.Mon
 
 def test_a_killed_build_leaves_nothing_behind(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    code = "from edge.random_model import default_model_path; default_model_path()"
+    code = "from edge.model.random_model import default_model_path; default_model_path()"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
     proc = subprocess.Popen([sys.executable, "-c", code], env=env)
     models = tmp_path / "models"

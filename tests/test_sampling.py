@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplerState, SamplingError, SamplingParams, StopChecker, sample
 
 VOCAB = 50

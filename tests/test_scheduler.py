@@ -13,10 +13,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from edge.engine import Engine, PromptTooLong
+from edge.runtime.engine import Engine, PromptTooLong
 from edge.monitor.governor import DeviceTooHot
 from edge.sampling import SamplingError, SamplingParams
-from edge.scheduler import InvalidPrompt, QueueFull, RequestHandle, Scheduler
+from edge.scheduling import InvalidPrompt, QueueFull, RequestHandle, Scheduler
 
 PS = 16
 

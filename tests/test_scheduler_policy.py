@@ -16,14 +16,14 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from edge.config import ModelConfig
+from edge.model.config import ModelConfig
 from edge.errors import DuplicateRequestId, QueueFull
-from edge.kv import KVOutOfMemory
-from edge.kv.paged import BlockPool, PagedKVCache
-from edge.kv.prefix import PrefixCache
+from edge.model.kv import KVOutOfMemory
+from edge.runtime.kv_paged import BlockPool, PagedKVCache
+from edge.scheduling.prefix import PrefixCache
 from edge.sampling import SamplingParams
-from edge.scheduler.pacing import Pacing
-from edge.scheduler.policy import (
+from edge.scheduling.pacing import Pacing
+from edge.scheduling.policy import (
     Activate,
     Admit,
     Decode,

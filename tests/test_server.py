@@ -420,7 +420,7 @@ def test_sigterm_during_streaming_exits_cleanly(tmp_path: Path) -> None:
 
 
 def test_sse_event_survives_unicode_line_separators() -> None:
-    from edge.api.completions import sse_event
+    from edge.serving.completions import sse_event
 
     event = sse_event({"text": "a\u2028b\u2029c\x85d\né"})
     assert event.splitlines() == [event.rstrip("\n"), ""]  # one line + the blank, however split

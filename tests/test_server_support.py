@@ -24,7 +24,7 @@ HELLO = [{"role": "user", "content": "Hello there"}]
 def ensure_default_model() -> Path:
     """Build the embedded model once per session (in $EDGE_CACHE_DIR, set by conftest)
     so servers started concurrently do not each build it."""
-    from edge.random_model import default_model_path
+    from edge.model.random_model import default_model_path
 
     return default_model_path()
 

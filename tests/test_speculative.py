@@ -11,18 +11,18 @@ import math
 import pytest
 import torch
 
-from edge.api.errors import BadRequest
-from edge.api_schema import (
+from edge.serving.errors import BadRequest
+from edge.serving.schema import (
     ChatCompletionRequest,
     parse_request,
     sampling_params,
     usage_body,
 )
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.errors import SamplingError
-from edge.random_model import make_model
+from edge.model.random_model import make_model
 from edge.sampling import SamplerState, SamplingParams, sample
-from edge.scheduler import Scheduler
+from edge.scheduling import Scheduler
 from edge.speculative.params import SpeculativeParams
 from edge.speculative.proposers import DraftModel, PromptLookup
 from edge.speculative.verify import accept, verify
@@ -204,7 +204,7 @@ class _RingDecoder:
         self.events.append("bind")
 
     def launch(self, seq, greedy: bool) -> int:
-        from edge.kv import KVOutOfMemory
+        from edge.model.kv import KVOutOfMemory
 
         if self.launched == self.room:
             raise KVOutOfMemory("full")
@@ -225,7 +225,7 @@ def test_draft_graph_steps_launch_ahead_of_their_reads(twin: Engine) -> None:
     up to the ring's depth are launched before the first is read (none past k); the
     tokens, and the fed ones, come out in order; a full pool stops the launches, the
     steps in flight are still read, and the proposals so far are returned."""
-    from edge.kv import KVOutOfMemory
+    from edge.model.kv import KVOutOfMemory
 
     draft = DraftModel(twin)
     for k, room, want_events in (
@@ -401,7 +401,7 @@ def test_api_bad_speculative_values_are_a_400_naming_the_field(value, param) -> 
 
 
 def test_usage_carries_the_speculative_counts() -> None:
-    from edge.generation import Usage
+    from edge.model.generation import Usage
 
     body = usage_body(Usage(prompt_tokens=3, completion_tokens=5, speculative={"steps": 2, "acceptance_rate": 0.5}))
     assert body["speculative"] == {"steps": 2, "acceptance_rate": 0.5}

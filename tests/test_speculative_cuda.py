@@ -10,7 +10,7 @@
   with no capture while serving and the graph path reported; sampled runs repeat with a
   seed; rollback across page crossings gives every block back.
 
-The bf16 / int8 models are ``qwen3-peaked``-shaped (edge/random_model.py), built on the
+The bf16 / int8 models are ``qwen3-peaked``-shaped (edge/model/random_model.py), built on the
 GPU: their greedy tokens win by wide margins, so the multi-token path's other rounding
 (GEMM instead of GEMV, the CUDA-core attention) cannot flip a near-tie.
 """
@@ -24,14 +24,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from edge.config import ModelConfig
-from edge.engine import Engine
+from edge.model.config import ModelConfig
+from edge.runtime.engine import Engine
 from edge.kernels import reference
-from edge.loader import fuse_weights
-from edge.model import Model
-from edge.random_model import iter_random_tensors, model_config
+from edge.model.loader import fuse_weights
+from edge.model.decoder import Model
+from edge.model.random_model import iter_random_tensors, model_config
 from edge.sampling import SamplingParams
-from edge.scheduler import Scheduler
+from edge.scheduling import Scheduler
 from edge.speculative.params import SpeculativeParams
 from tests.test_kernels_cuda import rope_tables
 

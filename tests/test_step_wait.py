@@ -1,11 +1,11 @@
-"""edge.step_wait.StepWait: polls until the event completes, naps between polls (none
+"""edge.runtime.step_wait.StepWait: polls until the event completes, naps between polls (none
 with nap 0), and returns at once for a finished step."""
 
 from __future__ import annotations
 
 import pytest
 
-from edge.step_wait import NAP_S, StepWait
+from edge.runtime.step_wait import NAP_S, StepWait
 
 
 class Step:

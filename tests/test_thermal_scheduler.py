@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.monitor import EnergyMeter, FakeSource, Sampler, ThermalGovernor
 from edge.monitor.governor import DeviceTooHot
 from edge.sampling import SamplingParams
-from edge.scheduler import Scheduler
+from edge.scheduling import Scheduler
 
 
 class Clock:

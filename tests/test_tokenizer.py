@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from edge.random_model import make_model, special_token_ids
-from edge.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from edge.model.random_model import make_model, special_token_ids
+from edge.model.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

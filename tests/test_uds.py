@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from edge.uds import SocketUnavailable, UnixListener
+from edge.serving.uds import SocketUnavailable, UnixListener
 
 
 def connects(path: Path) -> bool:

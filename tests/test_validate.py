@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from edge.config import ConfigError, ModelConfig
-from edge.engine import Engine
-from edge.loader import CheckpointError
-from edge.random_model import make_model
+from edge.model.config import ConfigError, ModelConfig
+from edge.runtime.engine import Engine
+from edge.model.loader import CheckpointError
+from edge.model.random_model import make_model
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,16 +15,16 @@ pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
 from PIL import Image
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
-from edge.vision.preprocess import (
+from edge.model.vision.preprocess import (
     ImageError,
     ImageLimits,
     ProcessorConfig,
     decode_image,
     preprocess,
 )
-from edge.vision.random_model import make_vl_model
+from edge.model.vision.random_model import make_vl_model
 
 PRESETS = ["qwen3-vl-tiny", "qwen2.5-vl-tiny"]
 # (width, height): upscaled to min_pixels, landscape, tall and narrow, downscaled to max_pixels.
@@ -198,7 +198,7 @@ def test_prefix_cache_keys_image_tokens_by_content(vl) -> None:
     """A follow-up about the same image reuses the KV blocks up to the first turn's end
     (the tower does not run again) and decodes what an uncached engine decodes; another
     image of the same size shares nothing from its first token on."""
-    from edge.scheduler import Scheduler
+    from edge.scheduling import Scheduler
 
     engine = vl[4]
     params = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -228,7 +228,7 @@ def test_prefix_cache_keys_image_tokens_by_content(vl) -> None:
 def test_int8_decoder_follows_float(vl) -> None:
     """``quantize="int8"`` quantizes the decoder's projections while loading (under the
     VL checkpoint's tensor names); the tower stays float. Logits stay close to float's."""
-    from edge.quant import Int8Weight
+    from edge.quant.q8_0 import Int8Weight
 
     _, path, _, _, engine = vl
     int8 = Engine.from_pretrained(path, device="cpu", dtype="float32", quantize="int8", quant_group_size=32)
@@ -251,7 +251,7 @@ def test_int8_decoder_follows_float(vl) -> None:
 def test_non_finite_weights_are_named_by_checkpoint_tensor(tmp_path: Path, name: str, row: int) -> None:
     from safetensors.torch import load_file, save_file
 
-    from edge.validate import CheckpointError
+    from edge.model.validate import CheckpointError
 
     path = make_vl_model(tmp_path / "vl", "qwen3-vl-tiny")
     tensors = load_file(path / "model.safetensors")

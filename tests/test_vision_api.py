@@ -17,9 +17,9 @@ pytest.importorskip("PIL")
 from PIL import Image
 from test_server_support import CHAT, ROOT, ServerProc, server_env
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
-from edge.vision.random_model import make_vl_model
+from edge.model.vision.random_model import make_vl_model
 
 
 def png_bytes(width: int, height: int, seed: int) -> bytes:
@@ -137,7 +137,7 @@ def test_remote_images_are_fetched_only_when_allowed(tmp_path: Path) -> None:
     from functools import partial
 
     from edge.errors import ImageError
-    from edge.vision.request import ImageLimits, ImagePolicy, fetch_images, resolve_images
+    from edge.model.vision.request import ImageLimits, ImagePolicy, fetch_images, resolve_images
 
     image = png_bytes(40, 30, seed=5)
     (tmp_path / "cat.png").write_bytes(image)

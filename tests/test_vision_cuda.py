@@ -13,9 +13,9 @@ import torch
 pytest.importorskip("PIL")
 from PIL import Image
 
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
-from edge.vision.random_model import make_vl_model
+from edge.model.vision.random_model import make_vl_model
 
 pytestmark = pytest.mark.cuda
 

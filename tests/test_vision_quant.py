@@ -25,12 +25,12 @@ pytest.importorskip("PIL")
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file
 
-from edge.engine import Engine
-from edge.int4 import Int4Weight
-from edge.quant_embedding import Int8Embedding
+from edge.runtime.engine import Engine
+from edge.quant.int4 import Int4Weight
+from edge.quant.embedding import Int8Embedding
 from edge.sampling import SamplingParams
-from edge.validate import CheckpointError
-from edge.vision.random_model import make_vl_model
+from edge.model.validate import CheckpointError
+from edge.model.vision.random_model import make_vl_model
 from tests.test_int4_checkpoints import (
     LINEARS,
     Codes,

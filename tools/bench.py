@@ -290,7 +290,7 @@ def _verify_case(
     layer's error against the float32 reference."""
     import torch
 
-    from edge.config import rope_tables
+    from edge.model.config import rope_tables
     from edge.kernels import reference
 
     g = torch.Generator(device="cuda").manual_seed(kv_len + tokens)

@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from edge.config import ModelConfig, parse_dtype
-from edge.engine import Engine
-from edge.loader import fuse_weights
-from edge.model import Model
-from edge.int4_checkpoints import quantize_fused_weights
-from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor, weight_tensors
-from edge.random_model import default_model_path, iter_random_tensors, model_config
+from edge.model.config import ModelConfig, parse_dtype
+from edge.runtime.engine import Engine
+from edge.model.loader import fuse_weights
+from edge.model.decoder import Model
+from edge.quant.int4_checkpoints import quantize_fused_weights
+from edge.quant.q8_0 import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_tensor, weight_tensors
+from edge.model.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
-from edge.tokenizer import Tokenizer
+from edge.model.tokenizer import Tokenizer
 from orin_shape import restrict_sms, stream_factory
 
 

@@ -38,7 +38,7 @@ import torch  # noqa: E402
 
 
 def _weight(out: int, inp: int, g: torch.Generator):
-    from edge.int4 import Int4Codes, pack_weight
+    from edge.quant.int4 import Int4Codes, pack_weight
 
     q = torch.randint(0, 16, (out, inp), generator=g, device="cuda", dtype=torch.uint8)
     scale = ((torch.rand(out, inp // 128, generator=g, device="cuda") + 0.5) * 1e-2).half()
@@ -84,11 +84,11 @@ def gemv(args: argparse.Namespace) -> dict:
 def prefill(args: argparse.Namespace) -> dict:
     import torch.nn.functional as F
 
-    from edge.config import ModelConfig
+    from edge.model.config import ModelConfig
     from edge.kernels import reference
     from edge.kernels.int4_cuda import Int4CudaLinear
     from edge.kernels.launcher import Launcher
-    from edge.random_model import model_config
+    from edge.model.random_model import model_config
 
     cfg = ModelConfig.from_dict(model_config(preset=args.preset))
     h, inter = cfg.hidden_size, cfg.intermediate_size
@@ -130,9 +130,9 @@ def prefill(args: argparse.Namespace) -> dict:
 def load(args: argparse.Namespace) -> dict:
     import tempfile
 
-    from edge.engine import Engine
-    from edge.int4_quantize import quantize_checkpoint_int4
-    from edge.random_model import make_model
+    from edge.runtime.engine import Engine
+    from edge.quant.int4_quantize import quantize_checkpoint_int4
+    from edge.model.random_model import make_model
 
     root = Path(tempfile.mkdtemp())
     src = make_model(root / "float", preset=args.preset, dtype="bfloat16")
@@ -152,13 +152,13 @@ def ttft(args: argparse.Namespace) -> dict:
     prefill chunk, int4 also at ``--prefill-chunk`` tokens and with the int4 GEMM."""
     import gc
 
-    from edge.config import ModelConfig, parse_dtype
-    from edge.engine import Engine
-    from edge.int4_checkpoints import quantize_fused_weights
+    from edge.model.config import ModelConfig, parse_dtype
+    from edge.runtime.engine import Engine
+    from edge.quant.int4_checkpoints import quantize_fused_weights
     from edge.kernels.int4_cuda import Int4Tuning
-    from edge.loader import fuse_weights
-    from edge.model import Model
-    from edge.random_model import iter_random_tensors, model_config
+    from edge.model.loader import fuse_weights
+    from edge.model.decoder import Model
+    from edge.model.random_model import iter_random_tensors, model_config
     from tools.bench_decode import quantize_projections, time_ttft
 
     dtype = parse_dtype("bfloat16")

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 
 def _weight(out: int, inp: int, g: torch.Generator):
-    from edge.quant import Int8Weight
+    from edge.quant.q8_0 import Int8Weight
 
     q = torch.randint(-127, 128, (out, inp), generator=g, device="cuda", dtype=torch.int8)
     scale = (torch.rand(out, inp // 128, generator=g, device="cuda") + 0.5) * 1e-3

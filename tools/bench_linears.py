@@ -41,8 +41,8 @@ def time_graph(fn: Callable[[], None], reps: int = 20) -> float:
 
 def model_layers(preset: str, make: Callable[[int, int, torch.Generator], Any]) -> tuple[Any, list[dict[str, Any]]]:
     """The preset's config and, per layer, its four projections made by ``make(out, in, g)``."""
-    from edge.config import ModelConfig
-    from edge.random_model import model_config
+    from edge.model.config import ModelConfig
+    from edge.model.random_model import model_config
 
     cfg = ModelConfig.from_dict(model_config(preset=preset))
     h, inter = cfg.hidden_size, cfg.intermediate_size

@@ -18,10 +18,10 @@ import time
 
 import torch
 
-from edge.engine import Engine
-from edge.random_model import default_model_path
+from edge.runtime.engine import Engine
+from edge.model.random_model import default_model_path
 from edge.sampling import SamplingParams
-from edge.scheduler import Scheduler
+from edge.scheduling import Scheduler
 
 from bench_decode import build_engine, prompt_ids  # same presets and prompts as the decode mode
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench_decode import build_engine, serial_engine
-from edge.engine import Engine
+from edge.runtime.engine import Engine
 from edge.sampling import SamplerState, SamplingParams
 from edge.speculative.decoding import SpeculativeDecoder
 from edge.speculative.params import SpeculativeParams
@@ -242,7 +242,7 @@ def verify_step_ms(engine: Engine, prompt: list[int], k: int, reps: int, busy: b
     """One verify step of k proposals at ``len(prompt)`` (replay and read back), the
     context held fixed by rolling every step back; and the path that ran. ``busy``: the
     readback polled without naps (what the naps cost the round trip)."""
-    from edge.step_wait import StepWait
+    from edge.runtime.step_wait import StepWait
 
     with _held_verify_step(engine, prompt, k) as (once, decoder):
         waits = decoder.waits

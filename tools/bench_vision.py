@@ -18,24 +18,24 @@ import numpy as np
 import torch
 from PIL import Image
 
-from edge.config import parse_dtype
-from edge.engine import Engine
-from edge.loader import fuse_weights
-from edge.model import Model
-from edge.random_model import random_tensor, tokenizer_config, tokenizer_json
+from edge.model.config import parse_dtype
+from edge.runtime.engine import Engine
+from edge.model.loader import fuse_weights
+from edge.model.decoder import Model
+from edge.model.random_model import random_tensor, tokenizer_config, tokenizer_json
 from edge.sampling import SamplingParams
-from edge.tokenizer import Tokenizer
-from edge.vision.config import VLConfig
-from edge.vision.preprocess import ProcessorConfig, preprocess
-from edge.vision.random_model import (
+from edge.model.tokenizer import Tokenizer
+from edge.model.vision.config import VLConfig
+from edge.model.vision.preprocess import ProcessorConfig, preprocess
+from edge.model.vision.random_model import (
     VL_PRESETS,
     VL_SPECIAL_TOKENS,
     preprocessor_config,
     vl_model_config,
     vl_state_dict_shapes,
 )
-from edge.vision.runtime import VisionLanguage
-from edge.vision.tower import VisionTower
+from edge.model.vision.runtime import VisionLanguage
+from edge.model.vision.tower import VisionTower
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,8 +28,8 @@ def status_kib(field: str) -> int:
 def measure(model_dir: str, device: str, dtype: str, quantize: str | None) -> dict:
     import torch
 
-    from edge.config import ModelConfig, parse_dtype
-    from edge.model import Model
+    from edge.model.config import ModelConfig, parse_dtype
+    from edge.model.decoder import Model
 
     dev = torch.device(device)
     cfg = ModelConfig.from_pretrained(model_dir)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""Write a random-weight model directory in Hugging Face format (see edge/random_model.py;
-the vision-language presets qwen3-vl-tiny, qwen2.5-vl-tiny and qwen3-vl-8b: edge/vision/random_model.py).
+"""Write a random-weight model directory in Hugging Face format (see edge/model/random_model.py;
+the vision-language presets qwen3-vl-tiny, qwen2.5-vl-tiny and qwen3-vl-8b: edge/model/vision/random_model.py).
 
 python tools/make_model.py OUT_DIR [--arch qwen3] [--preset tiny] [--seed 0]
     [--dtype float32] [--max-shard-mb N] [--vocab-size N] [--num-layers N]
@@ -17,8 +17,8 @@ if importlib.util.find_spec("edge") is None:
     # Run from a checkout without installing the package.
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edge.random_model import ARCHITECTURES, PRESETS, make_model
-from edge.vision.random_model import VL_PRESETS, make_vl_model
+from edge.model.random_model import ARCHITECTURES, PRESETS, make_model
+from edge.model.vision.random_model import VL_PRESETS, make_vl_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -39,10 +39,10 @@ def main() -> None:
     from orin_shape import restrict_sms
 
     green = restrict_sms(args.sms) if args.sms else None  # kept alive: the context is gone with it
-    from edge.config import ModelConfig
+    from edge.model.config import ModelConfig
     from edge.kernels import reference
     from edge.kernels.launcher import Launcher
-    from edge.random_model import model_config
+    from edge.model.random_model import model_config
 
     launcher = Launcher(torch.cuda.current_device())
     if args.format == "int4":

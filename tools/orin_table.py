@@ -1,5 +1,5 @@
 """The tables of docs/orin.md: which presets fit each Orin board in which format, with the
-engine's default KV budget (edge/budget.py), and the decode roofline at the board's bandwidth.
+engine's default KV budget (edge/runtime/budget.py), and the decode roofline at the board's bandwidth.
 
     python tools/orin_table.py [--max-seq-len 4096] [--fraction 16:int4=0.23 ...] [--fraction 'AGX Orin 64 GB=0.8']
 
@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edge.budget import (  # noqa: E402
+from edge.runtime.budget import (  # noqa: E402
     GRAPH_OVERHEAD,
     GRAPH_SLOTS,
     BudgetError,
@@ -33,17 +33,17 @@ from edge.budget import (  # noqa: E402
     estimate_activation_bytes,
     kv_block_bytes,
 )
-from edge.config import ModelConfig  # noqa: E402
-from edge.loader import expected_shapes  # noqa: E402
-from edge.quant import DEFAULT_GROUP_SIZE, LM_HEAD, quantized_names  # noqa: E402
-from edge.random_model import model_config  # noqa: E402
+from edge.model.config import ModelConfig  # noqa: E402
+from edge.model.loader import expected_shapes  # noqa: E402
+from edge.quant.q8_0 import DEFAULT_GROUP_SIZE, LM_HEAD, quantized_names  # noqa: E402
+from edge.model.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
 EMBED = "model.embed_tokens.weight"
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 FORMATS = ("bf16", "int8", "int4")
-# The presets with the shapes of published checkpoints (edge/random_model.py).
+# The presets with the shapes of published checkpoints (edge/model/random_model.py).
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-8b", "llama-3.2-1b")
 
 
@@ -74,7 +74,7 @@ def preset_config(preset: str) -> ModelConfig:
 def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
     """What the loaded model holds (``Model.weight_bytes``): bf16 tensors; for int8 the
     projections (and an untied lm_head) as int8 with one float32 scale per group; for int4
-    (edge/int4.py, as loaded by default) the projections as 4-bit codes with a float16
+    (edge/quant/int4.py, as loaded by default) the projections as 4-bit codes with a float16
     scale and a uint8 zero point per group, the lm_head and the embedding as int8 rows."""
     shapes = expected_shapes(cfg)
     quantized = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt != "bf16" else set()

@@ -11,7 +11,7 @@ quantized unless tied to the embedding or --keep-lm-head-float. The safetensors
 __metadata__ says {"quantization": "q8_0", "group_size": "128"}.
 
 int4 (--bits 4): compressed-tensors pack-quantized, asymmetric groups (the format
-llm-compressor writes; edge.int4_quantize says how), round-to-nearest or AWQ scaling
+llm-compressor writes; edge.quant.int4_quantize says how), round-to-nearest or AWQ scaling
 calibrated on a text shipped in the repository (needs transformers and the
 checkpoint's tokenizer.json). lm_head and embeddings stay float in the file.
 
@@ -48,8 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from edge.int4_quantize import quantize_checkpoint_int4
-    from edge.quant import SCALE_DTYPES, quantize_checkpoint
+    from edge.quant.int4_quantize import quantize_checkpoint_int4
+    from edge.quant.q8_0 import SCALE_DTYPES, quantize_checkpoint
 
     try:
         if args.bits == 4:

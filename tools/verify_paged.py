@@ -12,7 +12,7 @@ try:
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from edge.verify import main
+from edge.runtime.verify import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -1,12 +1,12 @@
 """Prefill of quantized linears on CUDA: the weight expanded by a kernel (``dequant.cu``),
 then multiplied by cuBLAS.
 
-:class:`DequantCuda` launches the expansion kernels (int4 layout of :mod:`edge.int4`,
-int8 of :class:`edge.quant.Int8Weight`), bit for bit what the torch references'
+:class:`DequantCuda` launches the expansion kernels (int4 layout of :mod:`edge.quant.int4`,
+int8 of :class:`edge.quant.q8_0.Int8Weight`), bit for bit what the torch references'
 dequantization gives. :func:`expanded_linear` is the prefill product: the weight
 expanded a row chunk at a time into one bounded buffer, each chunk's product written
 into its columns of the one result. Every weight is expanded once per call, so the
-engine gives quantized models longer prefill chunks (:func:`edge.budget.default_prefill_chunk`).
+engine gives quantized models longer prefill chunks (:func:`edge.runtime.budget.default_prefill_chunk`).
 
 Graph-safe: a launch allocates nothing, reads nothing back to the host, and its grid
 depends only on shapes.
@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from edge.int4 import BLOCK_ROWS, Int4Weight
+from edge.quant.int4 import BLOCK_ROWS, Int4Weight
 from edge.kernels.launcher import Launcher
-from edge.quant import Int8Weight
+from edge.quant.q8_0 import Int8Weight
 
 __all__ = ["SOURCE", "DequantCuda", "expanded_linear"]
 
@@ -65,7 +65,7 @@ class DequantCuda:
 
     def int4(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:
         """Rows ``[16 rb0, 16 rb1)`` of ``w`` (padding included, physical column order)
-        into ``out`` ``[16 (rb1 - rb0), in]``: :meth:`edge.int4.Int4Weight.dequantize_blocks`."""
+        into ``out`` ``[16 (rb1 - rb0), in]``: :meth:`edge.quant.int4.Int4Weight.dequantize_blocks`."""
         if not 0 <= rb0 < rb1 <= w.packed.shape[0]:
             raise ValueError(f"row blocks [{rb0}, {rb1}) outside the weight's {w.packed.shape[0]}")
         self._check_out(out, ((rb1 - rb0) * BLOCK_ROWS, w.in_features), w.device)

@@ -124,7 +124,7 @@ class FusedCuda:
     def embedding(self, ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Rows ``table[ids]`` (``[T]`` int64 / int32 ids -> ``[T, hidden]``), one launch
         that reads the ids on the device and lets the next kernel start beside it. A
-        quantized table (:class:`edge.quant_embedding.Int8Embedding`) dequantizes its rows."""
+        quantized table (:class:`edge.quant.embedding.Int8Embedding`) dequantizes its rows."""
         if not isinstance(table, torch.Tensor):
             return table.rows(ids)
         row_bytes = table.shape[-1] * table.element_size() if table.dim() == 2 else 0

@@ -1,8 +1,8 @@
-"""CUDA W4A16 linear for :class:`edge.int4.Int4Weight`: the decode GEMV on tensor cores
+"""CUDA W4A16 linear for :class:`edge.quant.int4.Int4Weight`: the decode GEMV on tensor cores
 with the int8 GEMV's fused epilogues, and dequantize + cuBLAS for prefill chunks.
 
 :class:`Int4CudaLinear` is the backend's linear for the int4 format (``linear`` /
-``fuses`` / ``argmax`` with :func:`edge.quant.fused_linear_reference`'s semantics). It
+``fuses`` / ``argmax`` with :func:`edge.quant.q8_0.fused_linear_reference`'s semantics). It
 loads its kernels (``int4_gemv.cu``, one module per scale dtype, compiled with its
 :class:`Int4Tuning`) through the backend's launcher at construction; which weights they
 take is checked once per weight (:func:`weight_support`) when the backend is planned.
@@ -34,13 +34,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from edge.int4 import BLOCK_ROWS, Int4Weight
+from edge.quant.int4 import BLOCK_ROWS, Int4Weight
 from edge.kernels import nvrtc
 from edge.kernels.args import is_vector, overlap
 from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
-from edge.quant import Norm, fused_linear_reference
+from edge.quant.q8_0 import Norm, fused_linear_reference
 
 __all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MODES", "Int4CudaLinear", "Int4Tuning", "weight_support"]
 
@@ -251,7 +251,7 @@ class Int4CudaLinear:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x @ dequant(w).T + bias`` in ``x``'s dtype, ``x`` ``[..., in]`` -> ``[..., out]``,
-        with the fusions of :func:`edge.quant.fused_linear_reference`. ``out``
+        with the fusions of :func:`edge.quant.q8_0.fused_linear_reference`. ``out``
         (contiguous, the result's shape) receives a plain or SwiGLU result; with
         ``residual`` the result is ``residual`` itself (updated in place)."""
         if residual is not None and out is not None:
@@ -387,7 +387,7 @@ class Int4CudaLinear:
 
     def dequantize_blocks(self, w: Int4Weight, rb0: int, rb1: int, out: torch.Tensor) -> torch.Tensor:
         """Rows ``[16 rb0, 16 rb1)`` into ``out`` (contiguous ``[16 (rb1 - rb0), in]``,
-        float16 / bfloat16): :meth:`edge.int4.Int4Weight.dequantize_blocks` by a kernel."""
+        float16 / bfloat16): :meth:`edge.quant.int4.Int4Weight.dequantize_blocks` by a kernel."""
         return self._dq.int4(w, rb0, rb1, out)
 
     def _prefill(self, x: torch.Tensor, w: Int4Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,7 +1,7 @@
-"""CUDA W8A16 linear for int8 weights (:class:`edge.quant.Int8Weight`): the decode GEMV.
+"""CUDA W8A16 linear for int8 weights (:class:`edge.quant.q8_0.Int8Weight`): the decode GEMV.
 
 :class:`Int8CudaLinear` is the backend's linear for the q8_0 format. ``linear`` has
-the semantics of :func:`edge.quant.int8_linear_reference` (``x @ dequant(w).T + bias``
+the semantics of :func:`edge.quant.q8_0.int8_linear_reference` (``x @ dequant(w).T + bias``
 in ``x``'s dtype) and runs the kernel of ``int8_gemv.cu`` for decode (one token, or up to
 :data:`MAX_GEMV_TOKENS` where the tensor-core kernel does not apply), the tensor-core
 kernel of ``int8_mma.cu`` for :data:`MIN_MMA_TOKENS` to :data:`MAX_MMA_TOKENS` tokens (the speculative
@@ -15,7 +15,7 @@ tuning stages them where they fit); a prefill chunk expands the weight by a kern
 and cuBLAS multiplies, which is the plan, not a fallback. Which weights the kernel takes
 is checked once per weight (:func:`weight_support`) when the backend is planned.
 
-It also takes the fusions of :func:`edge.quant.fused_linear_reference` and runs these
+It also takes the fusions of :func:`edge.quant.q8_0.fused_linear_reference` and runs these
 combinations in the kernel (:data:`MODES`), which lets an int8 decoder layer run 7
 launches instead of 10: ``norm`` (qkv: RMSNorm of the residual stream folded in),
 ``residual`` (o and down: ``x += y`` in place), ``norm`` + ``swiglu`` (gate_up: norm,
@@ -39,7 +39,7 @@ from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
 from edge.kernels import nvrtc
 from edge.kernels.nvrtc import UnplannedArguments
-from edge.quant import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
+from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
 __all__ = ["DTYPES", "MAX_GEMV_TOKENS", "MAX_MMA_TOKENS", "MIN_MMA_TOKENS", "MODES", "PAIR_MODES", "Int8CudaLinear",
            "Int8Tuning", "mma_support", "weight_support"]
@@ -322,7 +322,7 @@ class Int8CudaLinear:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``x @ dequant(w).T + bias`` in ``x``'s dtype, ``x`` ``[..., in]`` -> ``[..., out]``,
-        with the fusions of :func:`edge.quant.fused_linear_reference`. ``out``
+        with the fusions of :func:`edge.quant.q8_0.fused_linear_reference`. ``out``
         (contiguous, ``x``'s dtype, the result's shape) receives the result when given;
         with ``residual`` the result is ``residual`` itself (updated in place)."""
         if residual is not None and out is not None:

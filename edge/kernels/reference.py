@@ -181,7 +181,7 @@ def verify_attention_rope(
 
 def embedding(ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """Rows ``table[ids]``: token ids ``[T]`` (int64 or int32) -> ``[T, hidden]``. A
-    quantized table (:class:`edge.quant_embedding.Int8Embedding`) dequantizes its rows."""
+    quantized table (:class:`edge.quant.embedding.Int8Embedding`) dequantizes its rows."""
     if not isinstance(table, torch.Tensor):
         return table.rows(ids)
     return F.embedding(ids, table)

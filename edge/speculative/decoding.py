@@ -7,15 +7,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from edge.kv import KVOutOfMemory, SequenceKV
-from edge.kv.paged import PagedSequence
+from edge.model.kv import KVOutOfMemory, SequenceKV
+from edge.runtime.kv_paged import PagedSequence
 from edge.sampling import SamplerState
 from edge.speculative.params import SpeculativeParams
 from edge.speculative.proposers import DraftModel, PromptLookup, Proposer
 from edge.speculative.verify import Verdict, verify, verify_step
 
 if TYPE_CHECKING:
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

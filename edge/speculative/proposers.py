@@ -29,11 +29,11 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
-from edge.kv import KVOutOfMemory
+from edge.model.kv import KVOutOfMemory
 from edge.sampling import SamplerState
 
 if TYPE_CHECKING:
-    from edge.engine import Engine
+    from edge.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
 

@@ -21,13 +21,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from edge.kv import SequenceKV
-from edge.kv.paged import PagedSequence
+from edge.model.kv import SequenceKV
+from edge.runtime.kv_paged import PagedSequence
 from edge.sampling import SamplerState, sample, target_probs, uniform_noise
 
 if TYPE_CHECKING:
-    from edge.engine import Engine
-    from edge.speculative.graph import VerifyDecoder
+    from edge.runtime.engine import Engine
+    from edge.runtime.verify_graph import VerifyDecoder
 
 
 @dataclass
@@ -133,7 +133,7 @@ def verify_step(
     greedy: bool,
     draft_probs: torch.Tensor | None = None,
 ) -> Verdict:
-    """:func:`verify` through the slot's verify decoder (edge/speculative/graph.py: a
+    """:func:`verify` through the slot's verify decoder (edge/runtime/verify_graph.py: a
     CUDA graph per token count with the position on the device, or the same step run
     eagerly on the reference backend). Greedy requests without penalties get the argmax
     ids from the step itself; the others its logits, decided here."""

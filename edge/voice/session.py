@@ -29,7 +29,7 @@ from typing import Any, TextIO
 import httpx
 import numpy as np
 
-from edge.chat_client import ChatClient, ServiceError
+from edge.serving.chat_client import ChatClient, ServiceError
 from edge.voice.asr import Recognizer
 from edge.voice.audio_io import FRAME_S, AudioSource
 from edge.voice.phrases import PhraseCutter, has_words

@@ -1,0 +1,241 @@
+"""Safetensors checkpoint directory -> tensors on the target device.
+
+Tensors are read in row chunks of at most ``READ_CHUNK_BYTES``: each chunk is read from a
+fresh memory map of its file, which is unmapped before the chunk is copied to its device
+and dtype, and the chunk dropped right after. No shard stays mapped, so the process's
+resident memory while loading is the weights loaded so far plus about two chunks. On
+Orin the mapped pages and the "device" copy live in the same DRAM: keeping a shard mapped
+would double the footprint of its weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from edge.model.config import ModelConfig
+from edge.model.validate import CheckpointError, check_tensor
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+READ_CHUNK_BYTES = 64 << 20
+
+
+def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
+    """Map every tensor name to the safetensors file that holds it."""
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise FileNotFoundError(f"model directory {root} does not exist")
+    index = root / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"unreadable index {index}: {exc}") from exc
+        files = {name: root / shard for name, shard in weight_map.items()}
+        for shard in set(files.values()):
+            if not shard.is_file():
+                raise CheckpointError(f"shard {shard.name} named in {INDEX_FILE} is missing from {root}")
+        return files
+    single = root / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
+    with _open(single) as f:
+        return {name: single for name in f.keys()}
+
+
+def _open(path: Path):  # noqa: ANN202 - safetensors' handle type is private
+    try:
+        return safe_open(str(path), framework="pt", device="cpu")
+    except Exception as exc:  # safetensors raises several private error types
+        raise CheckpointError(f"cannot read safetensors file {path}: {exc}") from exc
+
+
+def file_metadata(model_dir: str | Path) -> dict[str, str]:
+    """``__metadata__`` of the checkpoint (of its first shard when sharded)."""
+    files = checkpoint_files(model_dir)
+    with _open(next(iter(sorted(set(files.values()))))) as f:
+        return dict(f.metadata() or {})
+
+
+@dataclass(frozen=True)
+class TensorRows:
+    """Rows ``[row, row + len(data))`` of the checkpoint tensor ``name`` of ``shape``; ``data``
+    is a host tensor that owns its memory (no view of a file mapping)."""
+
+    name: str
+    shape: tuple[int, ...]
+    row: int
+    data: torch.Tensor
+
+
+def iter_tensor_rows(
+    model_dir: str | Path, names: list[str], chunk_bytes: int = READ_CHUNK_BYTES
+) -> Iterator[TensorRows]:
+    """Yield every tensor of ``names`` as row chunks of at most ``chunk_bytes`` (one row at
+    least), file by file, each chunk read through a mapping that is closed before it is
+    yielded. The caller copies each chunk to its destination and drops it."""
+    files = checkpoint_files(model_dir)
+    missing = [n for n in names if n not in files]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise CheckpointError(f"checkpoint in {model_dir} lacks tensors: {shown}")
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(files[n], []).append(n)
+    for path, shard_names in sorted(by_file.items()):
+        for n in shard_names:
+            try:
+                yield from _rows(path, n, chunk_bytes)
+            except CheckpointError:
+                raise
+            except Exception as exc:
+                raise CheckpointError(f"cannot read tensor {n} from {path.name}: {exc}") from exc
+
+
+def tensor_shape(path: Path, name: str) -> tuple[int, ...]:
+    """The shape of tensor ``name`` in the safetensors file ``path`` (its header only)."""
+    try:
+        with _open(path) as f:
+            return tuple(f.get_slice(name).get_shape())
+    except Exception as exc:
+        raise CheckpointError(f"cannot read tensor {name} from {path.name}: {exc}") from exc
+
+
+def _rows(path: Path, name: str, chunk_bytes: int) -> Iterator[TensorRows]:
+    with _open(path) as f:
+        shape = tuple(f.get_slice(name).get_shape())
+        if len(shape) == 0 or math.prod(shape) == 0:
+            yield TensorRows(name, shape, 0, f.get_tensor(name))
+            return
+        first = f.get_slice(name)[0:1]
+    row_bytes = first.element_size() * math.prod(shape[1:])
+    step = max(1, chunk_bytes // row_bytes)
+    for r0 in range(0, shape[0], step):
+        with _open(path) as f:  # a fresh mapping per chunk: its pages leave the process with it
+            data = f.get_slice(name)[r0 : r0 + step]
+        yield TensorRows(name, shape, r0, data)
+        del data
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a float checkpoint of this config must hold, with its shape."""
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (cfg.vocab_size, h),
+        "model.norm.weight": (h,),
+    }
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (cfg.q_size, h),
+            p + "self_attn.k_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.v_proj.weight": (cfg.kv_size, h),
+            p + "self_attn.o_proj.weight": (h, cfg.q_size),
+            p + "mlp.gate_proj.weight": (inter, h),
+            p + "mlp.up_proj.weight": (inter, h),
+            p + "mlp.down_proj.weight": (h, inter),
+        }
+        if cfg.qkv_bias:
+            shapes |= {
+                p + "self_attn.q_proj.bias": (cfg.q_size,),
+                p + "self_attn.k_proj.bias": (cfg.kv_size,),
+                p + "self_attn.v_proj.bias": (cfg.kv_size,),
+            }
+        if cfg.qk_norm:
+            shapes |= {p + "self_attn.q_norm.weight": (cfg.head_dim,), p + "self_attn.k_norm.weight": (cfg.head_dim,)}
+    return shapes
+
+
+FUSED = {
+    "self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+    "self_attn.qkv_proj.bias": ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"),
+    "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+}
+
+
+def fused_layout(shapes: dict[str, tuple[int, ...]]) -> dict[str, tuple[str, int]]:
+    """Where each checkpoint tensor goes: (destination name, first row in it).
+
+    q/k/v and gate/up are stacked along the output dimension so decode runs one
+    matmul where the checkpoint has three (or two): fewer, larger kernels.
+    """
+    layout: dict[str, tuple[str, int]] = {}
+    for name in shapes:
+        layout[name] = (name, 0)
+    for name in shapes:
+        prefix, _, tail = name.partition("layers.")
+        if not tail:
+            continue
+        idx, _, local = tail.partition(".")
+        for fused, parts in FUSED.items():
+            if local in parts:
+                row = sum(shapes[f"{prefix}layers.{idx}.{p}"][0] for p in parts[: parts.index(local)])
+                layout[name] = (f"{prefix}layers.{idx}.{fused}", row)
+    return layout
+
+
+def load_weights(
+    model_dir: str | Path,
+    cfg: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    chunk_bytes: int = READ_CHUNK_BYTES,
+    checkpoint_name: Callable[[str], str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Load and shape-check a float checkpoint into fused device tensors of ``dtype``.
+    ``checkpoint_name``: edge's tensor name -> the checkpoint's, where they differ (the
+    decoder of a vision-language model)."""
+    names = list(expected_shapes(cfg))
+    if checkpoint_name is None:
+        return place_rows(iter_tensor_rows(model_dir, names, chunk_bytes), cfg, device, dtype)
+    back = {checkpoint_name(n): n for n in names}
+    pieces = (TensorRows(back[p.name], p.shape, p.row, p.data) for p in iter_tensor_rows(model_dir, list(back), chunk_bytes))
+    return place_rows(pieces, cfg, device, dtype)
+
+
+def fuse_weights(
+    tensors: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Place whole (name, tensor) pairs into fused device tensors (see :func:`place_rows`)."""
+    return place_rows((TensorRows(n, tuple(t.shape), 0, t) for n, t in tensors), cfg, device, dtype)
+
+
+def place_rows(
+    pieces: Iterable[TensorRows], cfg: ModelConfig, device: torch.device, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """Place row chunks into fused destinations allocated once on the device: one copy
+    per chunk, no host-side concatenation. Every expected tensor must come whole."""
+    shapes = expected_shapes(cfg)
+    layout = fused_layout(shapes)
+    dest_shapes: dict[str, list[int]] = {}
+    for name, (dest, row) in layout.items():
+        shape = shapes[name]
+        current = dest_shapes.setdefault(dest, [0, *shape[1:]])
+        current[0] = max(current[0], row + shape[0])
+    out = {d: torch.empty(s, device=device, dtype=dtype) for d, s in dest_shapes.items()}
+    rows_seen: dict[str, int] = {}
+    for piece in pieces:
+        name = piece.name
+        if name not in shapes:
+            continue
+        check_tensor(name, piece.shape, piece.data.dtype, shapes[name])
+        dest, row = layout[name]
+        n = piece.data.shape[0]
+        out[dest][row + piece.row : row + piece.row + n].copy_(piece.data)
+        rows_seen[name] = rows_seen.get(name, 0) + n
+        del piece  # before the next chunk is read
+    missing = sorted(n for n in shapes if rows_seen.get(n, 0) != shapes[n][0])
+    if missing:
+        raise CheckpointError(f"tensors missing: {', '.join(missing[:5])}")
+    return out

@@ -1,0 +1,52 @@
+"""Contiguous KV cache: one ``[layers, max_seq_len, kv_heads, head_dim]`` buffer per K and V.
+
+The baseline every paged path is diffed against.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from edge.model.config import ModelConfig
+from edge.kernels.reference import causal_attention
+from edge.model.kv import KVOutOfMemory
+
+
+class ContiguousKV:
+    def __init__(self, cfg: ModelConfig, max_seq_len: int, device: torch.device, dtype: torch.dtype) -> None:
+        shape = (cfg.num_layers, max_seq_len, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.empty(shape, device=device, dtype=dtype)
+        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.max_seq_len = max_seq_len
+        self.scale = cfg.head_dim**-0.5
+        self.length = 0
+
+    def reserve(self, n: int) -> None:
+        if self.length + n > self.max_seq_len:
+            raise KVOutOfMemory(
+                f"sequence of {self.length + n} tokens exceeds the contiguous cache's {self.max_seq_len}"
+            )
+
+    def pages(self, layer: int) -> None:
+        return None
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, end = self.length, self.length + q.shape[0]
+        self.k[layer, start:end] = k
+        self.v[layer, start:end] = v
+        return causal_attention(q, self.k[layer, :end], self.v[layer, :end], start, self.scale)
+
+    def attend_rope(self, layer: int, qkv: torch.Tensor, rope: object) -> None:
+        return None  # the baseline keeps the separate qk_norm_rope
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def rollback(self, n: int) -> None:
+        """Forget the last ``n`` tokens (rejected speculative tokens)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot roll back {n} of {self.length} tokens")
+        self.length -= n
+
+    def release(self) -> None:
+        self.length = 0
