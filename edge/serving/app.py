@@ -29,6 +29,7 @@ from edge.serving.errors import (
     error_response,
 )
 from edge.serving.guard import HostPolicy, RequestGuard
+from edge.serving.json_body import BodyParser
 from edge.serving.prompts import PromptEncoder
 from edge.serving.service import Service
 from edge.model.vision.request import ImageLimits, ImagePolicy
@@ -67,7 +68,8 @@ def create_app(service: Service) -> FastAPI:
     s = service.settings
     images = ImagePolicy(ImageLimits(s.image_max_bytes, s.image_max_pixels), s.max_images, s.allow_remote_images)
     prompts = PromptEncoder(waiting=s.queue_size, images=images)
-    completions = Completions(service, prompts)
+    parser = BodyParser(waiting=s.queue_size)
+    completions = Completions(service, prompts, parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +79,7 @@ def create_app(service: Service) -> FastAPI:
         finally:
             await asyncio.to_thread(service.shutdown)
             prompts.close()
+            parser.close()
 
     app = FastAPI(title="edge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service

@@ -30,6 +30,7 @@ from edge.serving.errors import (
     error_body,
 )
 from edge.errors import DuplicateRequestId
+from edge.serving.json_body import BodyParser, ShapeLimits
 
 if TYPE_CHECKING:
     from edge.serving.prompts import PromptEncoder
@@ -76,18 +77,18 @@ def check_ready(service: Service) -> None:
         raise Unavailable(f"the engine is not healthy: {why}", code="engine_unhealthy")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes
+    (gathered part by part: no single copy of all of it on the event loop)."""
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise BodyTooLarge(f"request body exceeds {limit} bytes")
-    parts, total = [], 0
+    body = bytearray()
     async for part in request.stream():
-        total += len(part)
-        if total > limit:
+        if len(body) + len(part) > limit:
             raise BodyTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
+        body += part
+    return body
 
 
 def body_limit(max_body: int | None, max_seq_len: int, image_bytes: int = 0) -> int:
@@ -113,9 +114,10 @@ def request_id(service: Service, request: Request, prefix: str) -> str:
 class Completions:
     """The two generation endpoints over one service and one prompt encoder."""
 
-    def __init__(self, service: Service, prompts: PromptEncoder) -> None:
+    def __init__(self, service: Service, prompts: PromptEncoder, parser: BodyParser) -> None:
         self.service = service
         self.prompts = prompts
+        self.parser = parser
 
     async def handle(self, request: Request, kind: str) -> Response:
         svc = self.service
@@ -127,7 +129,8 @@ class Completions:
         image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
         body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes))
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
-        req = schema.parse_request(body, model)
+        limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len))
+        req = await self.parser.parse(body, model, limits)
         del body
         schema.check_unsupported(req)
         prompt = await self.prompts.prompt(engine, req, kind)
