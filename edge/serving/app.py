@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from edge.serving import schema
@@ -36,6 +37,7 @@ from edge.model.vision.request import ImageLimits, ImagePolicy
 
 log = logging.getLogger("edge.serving")
 
+CLIENT_GONE = 499  # nginx's status for "client closed request", in the request counts
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cancel", "/health", "/metrics")
 
 
@@ -103,6 +105,13 @@ def create_app(service: Service) -> FastAPI:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left (or its connection was closed for a stalled body) before its
+        # request was read: nobody to answer, nothing to report.
+        log.debug("%s %s: the client went away before its request was read", request.method, request.url.path)
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
