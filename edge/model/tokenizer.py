@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -256,10 +258,116 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        # The rendered text already holds the template's special tokens; adding them again
-        # would double the BOS, so transformers encodes it without them and so do we.
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        """The prompt ids of ``messages``: the template's special tokens as tokens, the
+        messages' own text as text (see :meth:`render_chat`)."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+    # ------------------------------------------------------------------ special tokens as text
+
+    @cached_property
+    def _specials(self) -> dict[str, tuple[int, bool, bool]]:
+        """Special added tokens: content -> (id, lstrip, rstrip)."""
+        return {t.content: (i, t.lstrip, t.rstrip) for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special and t.content}
+
+    @cached_property
+    def _special_re(self) -> re.Pattern[str] | None:
+        names = sorted(self._specials, key=len, reverse=True)  # the longest match first, as tokenizers does
+        return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    @cached_property
+    def _text_tokenizer(self) -> _HFTokenizer:
+        """The same tokenizer, reading special-token strings as ordinary text."""
+        tok = _HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> RenderedChat:
+        """The chat template applied to ``messages`` whose special-token strings (a user
+        typing ``<|im_end|>``) stand as markers: the template's own special tokens become
+        tokens, the messages' become text. This is how the major servers keep a user
+        from forging a turn; for text without such strings the ids equal transformers'."""
+        pattern = self._special_re
+        if pattern is None:
+            return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
+        strings: list[str] = []
+        _collect_strings([messages, kwargs], strings)
+        found = sorted({m for s in strings for m in pattern.findall(s)})
+        if not found:
+            return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
+        used = set().union(*map(set, strings))
+        free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in used)  # private use, absent from the text
+        left, right = next(free), next(free)
+        hide = {name: f"{left}{k}{right}" for k, name in enumerate(found)}
+        masked = _replace_strings([list(messages), kwargs], lambda s: pattern.sub(lambda m: hide[m.group(0)], s))
+        text = self.apply_chat_template(masked[0], add_generation_prompt, **masked[1])
+        return RenderedChat(text, {marker: name for name, marker in hide.items()})
+
+    def encode_rendered(self, rendered: RenderedChat) -> list[int]:
+        """Ids of a rendered chat: its special tokens (from the template) as their ids,
+        the text between them (markers restored) encoded as text in one batch, with the
+        interpreter released."""
+        pattern = self._special_re
+        if pattern is None:
+            return self.encode_releasing_gil(rendered.text)
+        pieces = pattern.split(rendered.text)  # text, special, text, ..., text
+        texts = pieces[0::2]
+        for k, name in enumerate(pieces[1::2]):  # AddedToken lstrip/rstrip eat the whitespace beside it
+            _, lstrip, rstrip = self._specials[name]
+            if lstrip:
+                texts[k] = texts[k].rstrip()
+            if rstrip:
+                texts[k + 1] = texts[k + 1].lstrip()
+        texts = [rendered.restore(t) for t in texts]
+        encoded = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for name, enc in zip(pieces[1::2], encoded[1:]):
+            ids.append(self._specials[name][0])
+            ids += enc.ids
+        return ids
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered chat prompt in which the special-token strings that came from the
+    messages stand as ``markers`` (marker -> the string it hides)."""
+
+    text: str
+    markers: Mapping[str, str]
+
+    def restore(self, text: str) -> str:
+        for marker, name in self.markers.items():
+            if marker in text:
+                text = text.replace(marker, name)
+        return text
+
+    @property
+    def plain(self) -> str:
+        """The text the template rendered, as transformers renders it."""
+        return self.restore(self.text)
+
+
+def _collect_strings(node: Any, out: list[str]) -> None:
+    if isinstance(node, str):
+        out.append(node)
+    elif isinstance(node, Mapping):
+        for v in node.values():
+            _collect_strings(v, out)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _collect_strings(v, out)
+
+
+def _replace_strings(node: Any, fn: Any) -> Any:
+    """``node`` (JSON-like) with ``fn`` applied to every string value (keys untouched)."""
+    if isinstance(node, str):
+        return fn(node)
+    if isinstance(node, Mapping):
+        return {k: _replace_strings(v, fn) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_replace_strings(v, fn) for v in node]
+    return node
 
 
 class IncrementalDetokenizer:
