@@ -353,8 +353,8 @@ def sampling_params(
         raise bad_request(f"top_p must be in [0, 1], got {top_p}", param="top_p", code="invalid_value")
     top_p = max(top_p, 1e-6)  # the most likely token always survives: 0 keeps just it
     top_k = 0 if req.top_k is None else req.top_k
-    if top_k < 0:
-        raise bad_request(f"top_k must be >= 0, got {top_k}", param="top_k", code="invalid_value")
+    if not 0 <= top_k < 1 << 63:  # (an int64 on the device; any k beyond the vocabulary keeps every token)
+        raise bad_request(f"top_k must be in [0, 2^63), got {top_k}", param="top_k", code="invalid_value")
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     if not (math.isfinite(rep) and 0.0 < rep <= 10.0):
         raise bad_request(f"repetition_penalty must be in (0, 10], got {rep}", param="repetition_penalty",
