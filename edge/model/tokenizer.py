@@ -3,10 +3,11 @@ the chat template through jinja2 rendered the way `transformers` renders it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
@@ -18,7 +19,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from edge.errors import ChatTemplateError
+from edge.errors import ChatTemplateError, InvalidPrompt
+from edge.model.files import MAX_TOKENIZER_BYTES, check_regular, read_json_object, read_text
 
 Message = Mapping[str, Any]
 
@@ -34,16 +36,19 @@ def _one_line(exc: Exception) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+    return read_json_object(path, TokenizerError) if path.exists() else {}
+
+
+@contextlib.contextmanager
+def _encoding() -> Iterator[None]:
+    """A text the tokenizer cannot encode (a WordLevel vocabulary without an unknown
+    token meeting a new word) is the request's fault: InvalidPrompt, one line."""
     try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot parse {path}: {_one_line(exc)}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"cannot parse {path}: expected a JSON object, got {type(data).__name__}")
-    return data
+        yield
+    except Exception as exc:  # tokenizers raises a bare Exception
+        if isinstance(exc, InvalidPrompt):
+            raise
+        raise InvalidPrompt(f"the model's tokenizer cannot encode this text: {_one_line(exc)}") from None
 
 
 def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
@@ -66,6 +71,11 @@ def _select_chat_template(template: str | Sequence[Mapping[str, str]] | None) ->
     # Some models ship several named templates ("default", "tool_use", "rag").
     if template is None or isinstance(template, str):
         return template
+    if not isinstance(template, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+            for e in template):
+        raise TokenizerError("chat_template in tokenizer_config.json must be a string or a list of "
+                             '{"name": ..., "template": ...} objects')
     by_name = {entry["name"]: entry["template"] for entry in template}
     if "default" in by_name:
         return by_name["default"]
@@ -126,22 +136,30 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file():
+        if not tokenizer_file.exists():
             raise FileNotFoundError(f"no tokenizer.json in model directory {root} (looked for {tokenizer_file})")
         template_file = root / "chat_template.jinja"
         # Recent transformers versions save the template next to the config instead of inside it.
-        chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        chat_template = read_text(template_file, TokenizerError) if template_file.exists() else None
+        check_regular(tokenizer_file, TokenizerError, MAX_TOKENIZER_BYTES)
         try:
             hf = _HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise TokenizerError(f"cannot parse {tokenizer_file}: {_one_line(exc)}") from None
-        return cls(
+        tok = cls(
             hf,
             tokenizer_config=_read_json(root / "tokenizer_config.json"),
             generation_config=_read_json(root / "generation_config.json"),
             model_config=_read_json(root / "config.json"),
             chat_template=chat_template,
         )
+        if tok.chat_template:  # a template that does not compile fails here, not at the first chat request
+            where = template_file if chat_template is not None else root / "tokenizer_config.json"
+            try:
+                tok._compiled_template
+            except jinja2.TemplateError as exc:
+                raise TokenizerError(f"the chat template in {where} does not compile: {_one_line(exc)}") from None
+        return tok
 
     # ------------------------------------------------------------------ ids
 
@@ -189,13 +207,16 @@ class Tokenizer:
     # ------------------------------------------------------------------ text
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+        with _encoding():
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids, add_special_tokens)
 
     def encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``encode``, with the GIL released while the Rust tokenizer runs (its
         ``encode_batch`` releases it, ``encode`` does not): other Python threads, such
         as an event loop or an engine loop, keep running during a long text."""
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        with _encoding():
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._with_bos(ids, add_special_tokens)
 
     @cached_property
@@ -320,7 +341,8 @@ class Tokenizer:
             if rstrip:
                 texts[k + 1] = texts[k + 1].lstrip()
         texts = [rendered.restore(t) for t in texts]
-        encoded = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
+        with _encoding():
+            encoded = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
         ids: list[int] = list(encoded[0].ids)
         for name, enc in zip(pieces[1::2], encoded[1:]):
             ids.append(self._specials[name][0])
