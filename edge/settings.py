@@ -312,12 +312,22 @@ def export_file_vars(file_vars: Mapping[str, str], environ: Any = None) -> None:
 
 
 def read_api_key(path: str | os.PathLike[str]) -> str:
-    """The bearer key: the file's first non-empty line, stripped."""
+    """The bearer key: the file's first non-empty line, stripped. A key file others may
+    read is used, with a warning."""
+    from edge.model.files import check_regular, read_text
+
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        check_regular(p, ValueError, 1 << 16)
     except FileNotFoundError:
         raise FileNotFoundError(f"API key file {p} does not exist") from None
+    except ValueError as exc:
+        raise ValueError(f"API key file: {exc}") from None
+    mode = p.stat().st_mode
+    if mode & 0o004:
+        log.warning("API key file %s is readable by every user (mode %03o); make it private: chmod 600 %s",
+                    p, mode & 0o777, p)
+    text = read_text(p, ValueError, 1 << 16)
     for line in text.splitlines():
         if line.strip():
             return line.strip()

@@ -59,9 +59,10 @@ def sse_event(obj: Any) -> str:
 def check_auth(service: Service, request: Request) -> None:
     if service.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
+    # Bytes as sent (Starlette decodes headers as Latin-1): a UTF-8 key matches as UTF-8.
+    header = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), service.api_key.encode()):
         raise Unauthorized("missing or incorrect API key: send 'Authorization: Bearer <key>'")
 
 
