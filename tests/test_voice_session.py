@@ -151,3 +151,23 @@ def test_a_barge_in_report_waits_for_the_cancel_answer() -> None:
     assert [t["transcript"] for t in turns] == ["hello", "stop"]
     assert turns[0]["interrupted_by"] == "barge-in" and turns[0]["cancel_status"] == 200, turns[0]
     assert turns[1]["interrupted_by"] == "end of input" and turns[1]["cancel_status"] == 200, turns[1]
+
+
+def test_a_cancel_that_beats_its_request_still_ends_the_answer() -> None:
+    """The cancel reaches the service before the request does (404): the answer's
+    stream is closed by the client instead of running to its end."""
+    script = Script([(SILENCE, 0.3), (SPEECH, 0.5), (SILENCE, 1.0), (SPEECH, 0.5), (SILENCE, 0.6)])
+
+    class Early(Service):
+        def connect(self) -> Client:
+            client = Client(self)
+
+            def too_early(request_id: str) -> int:
+                return 404  # not admitted yet: nothing to cancel
+
+            client.cancel_status = too_early  # type: ignore[method-assign]
+            return client
+
+    turns = run(script, Recognizer(["hello", "stop"]), Early())
+    assert [t["cancel_status"] for t in turns] == [404, 404]
+    assert all(len(t["answer"]) < 2 * 2000 for t in turns), turns  # neither stream ran to its end

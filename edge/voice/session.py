@@ -269,6 +269,8 @@ class VoiceSession:
                 turn.token_times.append(now)
                 turn.answer.append(delta)
                 if turn.cancelled.is_set():
+                    if "cancel_acked" in turn.marks and turn.cancel_status != 200:
+                        break  # the cancel came before the service had the request: leaving cancels it
                     continue  # read on: the stream ends once the service has cancelled
                 if self.synthesizer is None:
                     turn.add_spoken(delta)
