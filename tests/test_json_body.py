@@ -111,3 +111,18 @@ def test_dense_escapes_decode_in_pieces() -> None:
     assert decode_string(body, 1, len(body) - 1, piece=1 << 12) == text
     raw = json.dumps("\\" * 100_000).encode()  # escaped backslashes only
     assert decode_string(raw, 1, len(raw) - 1, piece=1 << 10) == "\\" * 100_000
+
+
+@settings(max_examples=100, deadline=None)
+@given(value=json_values, cuts=st.lists(st.integers(0, 10_000), max_size=6))
+def test_scanning_in_pieces_equals_one_scan(value: Any, cuts: list[int]) -> None:
+    from edge.serving.json_body import ShapeScanner
+
+    body = json.dumps({"v": value, "s": "x" * 40}).encode()
+    whole = scan(body, LIMITS, blob_bytes=8)
+    scanner = ShapeScanner(LIMITS, blob_bytes=8)
+    at = 0
+    for cut in sorted(c % (len(body) + 1) for c in cuts) + [len(body)]:
+        scanner.feed(body[at:cut])
+        at = cut
+    assert scanner.finish() == whole

@@ -30,7 +30,7 @@ from edge.serving.errors import (
     error_body,
 )
 from edge.errors import DuplicateRequestId
-from edge.serving.json_body import BodyParser, ShapeLimits
+from edge.serving.json_body import SCAN_STEP, BodyParser, ShapeLimits, ShapeScanner
 
 if TYPE_CHECKING:
     from edge.serving.prompts import PromptEncoder
@@ -78,17 +78,29 @@ def check_ready(service: Service) -> None:
         raise Unavailable(f"the engine is not healthy: {why}", code="engine_unhealthy")
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
+async def read_body(request: Request, limit: int, scanner: ShapeScanner | None = None) -> bytearray:
     """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes
-    (gathered part by part: no single copy of all of it on the event loop)."""
+    (gathered part by part: no single copy of all of it on the event loop). With a
+    ``scanner``, its shape is scanned as it arrives and a hostile one refused (400)
+    before the rest is read. A refusal closes the connection: the client's remaining
+    bytes are not read."""
+    close = {"Connection": "close"}
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise BodyTooLarge(f"request body exceeds {limit} bytes")
+        raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
     body = bytearray()
-    async for part in request.stream():
-        if len(body) + len(part) > limit:
-            raise BodyTooLarge(f"request body exceeds {limit} bytes")
-        body += part
+    try:
+        async for part in request.stream():
+            if len(body) + len(part) > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
+            body += part
+            if scanner is not None and len(body) - scanner.size >= SCAN_STEP:
+                scanner.feed(bytes(body[scanner.size:]))
+        if scanner is not None:
+            scanner.feed(bytes(body[scanner.size:]))
+    except BadRequest as exc:
+        exc.headers |= close
+        raise
     return body
 
 
@@ -128,10 +140,11 @@ class Completions:
         engine = svc.engine
         assert engine is not None
         image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
-        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes))
-        model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
         limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len))
-        req = await self.parser.parse(body, model, limits)
+        scanner = ShapeScanner(limits)
+        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes), scanner)
+        model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
+        req = await self.parser.parse(body, model, limits, scanner.finish())
         del body
         schema.check_unsupported(req)
         prompt = await self.prompts.prompt(engine, req, kind)

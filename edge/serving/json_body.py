@@ -31,7 +31,8 @@ from pydantic_core import from_json
 from edge.serving.errors import BadRequest, BodyTooLarge, PromptsBusy
 from edge.serving.schema import parse_request, validation_error
 
-SCAN_CHUNK = 1 << 20
+SCAN_CHUNK = 1 << 20  # the most the scanner looks at in one step
+SCAN_STEP = 64 << 10  # a body arriving is scanned each time this much more of it is in
 BLOB_BYTES = 16 << 10  # strings this long leave the skeleton
 PIECE_BYTES = 1 << 20  # a long string is decoded this much at a time
 MAX_PIECE_BYTES = 4 << 20  # escape sequences so dense that no cut is found within this: refused
@@ -79,59 +80,71 @@ def _invalid_json(why: str) -> BadRequest:
     return BadRequest(f"could not parse the JSON body of the request: {why}", code="invalid_json")
 
 
-def scan(body: bytes | bytearray, limits: ShapeLimits, blob_bytes: int = BLOB_BYTES) -> Shape:
-    """The body's shape, 1 MiB at a time; BadRequest as soon as a limit is passed.
+class ShapeScanner:
+    """:class:`Shape` of a body fed in pieces as it arrives (BadRequest as soon as a
+    limit is passed: a hostile body is refused before the rest of it is read).
 
     A quote preceded by an odd run of backslashes is escaped. Backslashes outside
     strings make the JSON invalid; the skeleton keeps them, so its parser says so."""
-    buf = np.frombuffer(body, dtype=np.uint8)
-    shape = Shape()
-    in_string = False
-    open_at = -1  # where the current string's content starts
-    depth = 0
-    bs_carry = 0  # backslashes ending the previous chunk
-    n_quotes = 0
-    start = 0
-    while start < buf.size:
-        # a small first chunk: a body that is hostile from its start is refused sooner
-        c = buf[start:start + (SCAN_CHUNK if start else SCAN_CHUNK >> 4)]
+
+    def __init__(self, limits: ShapeLimits, blob_bytes: int = BLOB_BYTES) -> None:
+        self.limits, self.blob_bytes = limits, blob_bytes
+        self.shape = Shape()
+        self.size = 0  # bytes fed so far
+        self._in_string = False
+        self._open_at = -1  # where the current string's content starts
+        self._depth = 0
+        self._bs_carry = 0  # backslashes ending the previous piece
+        self._quotes = 0
+
+    def feed(self, data: bytes) -> None:
+        buf = np.frombuffer(data, dtype=np.uint8)
+        for i in range(0, buf.size, SCAN_CHUNK):
+            self._chunk(buf[i:i + SCAN_CHUNK])
+
+    def finish(self) -> Shape:
+        if self._in_string:
+            raise _invalid_json("a string is not terminated")
+        return self.shape
+
+    def _chunk(self, c: np.ndarray) -> None:
+        shape, limits, start = self.shape, self.limits, self.size
         quotes = np.flatnonzero(c == _QUOTE)
         is_bs = c == _BACKSLASH
-        if quotes.size and (bs_carry or is_bs.any()):
-            quotes = quotes[_unescaped(is_bs, quotes, bs_carry)]
-        bs_carry = _trailing_run(is_bs, bs_carry)
+        if quotes.size and (self._bs_carry or is_bs.any()):
+            quotes = quotes[_unescaped(is_bs, quotes, self._bs_carry)]
+        self._bs_carry = _trailing_run(is_bs, self._bs_carry)
         # Structural characters and whether each lies outside strings: the quotes before
-        # it, plus the chunk's starting state, are even.
+        # it, plus the piece's starting state, are even.
         marks = (c == _COMMA) | (c == _OPENS[0]) | (c == _OPENS[1]) | (c == _CLOSES[0]) | (c == _CLOSES[1])
         pos = np.flatnonzero(marks)
         if pos.size:
             before = np.searchsorted(quotes, pos)
-            pos = pos[(before + in_string) % 2 == 0]
-            kinds = c[pos]
+            kinds = c[pos[(before + self._in_string) % 2 == 0]]
             opens = (kinds == _OPENS[0]) | (kinds == _OPENS[1])
             closes = (kinds == _CLOSES[0]) | (kinds == _CLOSES[1])
             n_opens = int(np.count_nonzero(opens))
             shape.containers += n_opens
             shape.separators += n_opens + int(np.count_nonzero(kinds == _COMMA))
-            steps = opens.astype(np.int32) - closes.astype(np.int32)
-            if steps.size:
-                levels = np.cumsum(steps) + depth
+            if kinds.size:
+                levels = np.cumsum(opens.astype(np.int32) - closes.astype(np.int32)) + self._depth
                 shape.depth = max(shape.depth, int(levels.max()))
-                depth = int(levels[-1])
-        n_quotes += quotes.size
-        if n_quotes > 4 * shape.separators + 2:  # more strings than values and keys
+                self._depth = int(levels[-1])
+        self._quotes += quotes.size
+        if self._quotes > 4 * shape.separators + 2:  # more strings than values and keys
             raise _invalid_json("strings without separators between them")
         # Quotes alternate opening and closing: pair them up, noting the long strings.
         seq = quotes + start
-        if in_string:
-            seq = np.concatenate(([open_at - 1], seq))
+        if self._in_string:
+            seq = np.concatenate(([self._open_at - 1], seq))
         n_pairs = seq.size // 2
         first, last = seq[0:2 * n_pairs:2] + 1, seq[1:2 * n_pairs:2]
-        long = (last - first) >= blob_bytes
+        long = (last - first) >= self.blob_bytes
         shape.blobs += zip(first[long].tolist(), last[long].tolist())
-        in_string = bool(seq.size % 2)
-        if in_string:
-            open_at = int(seq[-1]) + 1
+        self._in_string = bool(seq.size % 2)
+        if self._in_string:
+            self._open_at = int(seq[-1]) + 1
+        self.size += c.size
         if shape.containers > limits.max_containers:
             raise _too_big("arrays and objects", limits.max_containers)
         if shape.separators > limits.max_values:
@@ -139,10 +152,13 @@ def scan(body: bytes | bytearray, limits: ShapeLimits, blob_bytes: int = BLOB_BY
         if shape.depth > limits.max_depth:
             raise BadRequest(f"the request body nests arrays and objects more than {limits.max_depth} deep",
                              code="request_too_complex")
-        start += c.size
-    if in_string:
-        raise _invalid_json("a string is not terminated")
-    return shape
+
+
+def scan(body: bytes | bytearray, limits: ShapeLimits, blob_bytes: int = BLOB_BYTES) -> Shape:
+    """The body's shape (:class:`ShapeScanner` over all of it)."""
+    scanner = ShapeScanner(limits, blob_bytes)
+    scanner.feed(body)
+    return scanner.finish()
 
 
 def _unescaped(is_bs: np.ndarray, quotes: np.ndarray, carry: int) -> np.ndarray:
@@ -217,13 +233,15 @@ def _cut(body: bytes | bytearray, target: int, end: int, piece: int) -> int:
 # -- parsing ----------------------------------------------------------------------------------
 
 
-def parse_body(body: bytes | bytearray, model: type[BaseModel], limits: ShapeLimits, *,
+def parse_body(body: bytes | bytearray, model: type[BaseModel], limits: ShapeLimits, shape: Shape | None = None, *,
                small_body: int = SMALL_BODY, blob_bytes: int = BLOB_BYTES, piece: int = PIECE_BYTES) -> Any:
     """Validate a JSON body into ``model`` in bounded time: BadRequest (or BodyTooLarge
-    for text beyond ``limits.max_skeleton``) naming what is wrong."""
+    for text beyond ``limits.max_skeleton``) naming what is wrong. ``shape``: the body's,
+    when it was scanned as it arrived."""
     if len(body) <= small_body:
         return parse_request(bytes(body), model)
-    shape = scan(body, limits, blob_bytes)
+    if shape is None:
+        shape = scan(body, limits, blob_bytes)
     if not shape.blobs:
         if len(body) > limits.max_skeleton:
             raise BodyTooLarge(f"the request's text exceeds {limits.max_skeleton} bytes")
@@ -270,13 +288,15 @@ class BodyParser:
         self.capacity = workers + waiting
         self._admitted = 0  # touched on the event loop only
 
-    async def parse(self, body: bytes | bytearray, model: type[BaseModel], limits: ShapeLimits) -> Any:
+    async def parse(self, body: bytes | bytearray, model: type[BaseModel], limits: ShapeLimits,
+                    shape: Shape | None = None) -> Any:
         if self._admitted >= self.capacity:
             raise PromptsBusy(f"the server is busy: {self._admitted} request bodies are waiting to be parsed; "
                               "retry later")
         self._admitted += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._pool, parse_body, body, model, limits)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, parse_body, body, model, limits,
+                                                                    shape)
         finally:
             self._admitted -= 1
 
