@@ -41,8 +41,8 @@ class SamplingParams:
             raise SamplingError(f"max_tokens {self.max_tokens} exceeds the limit {max_allowed_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 1 << 63:  # the sampler holds it in an int64
+            raise SamplingError(f"top_k must be in [0, 2^63), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:

@@ -135,6 +135,11 @@ class Settings:
     image_max_pixels: int = 40_000_000
     max_images: int = 4
     allow_remote_images: bool = False  # fetch http(s) image URLs (off: data: URLs only)
+    # Connections: a request head and body must arrive in time; past the cap, 503.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int = 256  # lowered to fit the file descriptor limit
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 
@@ -174,6 +179,10 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_IMAGE_MAX_PIXELS": ("image_max_pixels", positive_int),
     "EDGE_MAX_IMAGES": ("max_images", positive_int),
     "EDGE_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_bool),
+    "EDGE_HEADER_TIMEOUT_S": ("header_timeout_s", positive_float),
+    "EDGE_BODY_TIMEOUT_S": ("body_timeout_s", positive_float),
+    "EDGE_KEEP_ALIVE_S": ("keep_alive_s", positive_float),
+    "EDGE_MAX_CONNECTIONS": ("max_connections", positive_int),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}
@@ -303,12 +312,22 @@ def export_file_vars(file_vars: Mapping[str, str], environ: Any = None) -> None:
 
 
 def read_api_key(path: str | os.PathLike[str]) -> str:
-    """The bearer key: the file's first non-empty line, stripped."""
+    """The bearer key: the file's first non-empty line, stripped. A key file others may
+    read is used, with a warning."""
+    from edge.model.files import check_regular, read_text
+
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        check_regular(p, ValueError, 1 << 16)
     except FileNotFoundError:
         raise FileNotFoundError(f"API key file {p} does not exist") from None
+    except ValueError as exc:
+        raise ValueError(f"API key file: {exc}") from None
+    mode = p.stat().st_mode
+    if mode & 0o004:
+        log.warning("API key file %s is readable by every user (mode %03o); make it private: chmod 600 %s",
+                    p, mode & 0o777, p)
+    text = read_text(p, ValueError, 1 << 16)
     for line in text.splitlines():
         if line.strip():
             return line.strip()

@@ -253,6 +253,8 @@ BAD_CASES = [
      "unsupported_parameter"),
     ("temperature out of range", CHAT, {"messages": M, "temperature": 3.5}, "temperature", "invalid_value"),
     ("top_p out of range", CHAT, {"messages": M, "top_p": 1.5}, "top_p", "invalid_value"),
+    ("top_k past an int64", CHAT, {"messages": M, "top_k": 2**63}, "top_k", "invalid_value"),
+    ("300 000 bad token ids", "/v1/completions", {"prompt": [None] + [0] * 300_000}, None, "request_too_complex"),
     ("empty stop", CHAT, {"messages": M, "stop": [""]}, "stop", "invalid_value"),
     ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type", "unsupported_parameter"),

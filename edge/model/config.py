@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,6 +9,7 @@ from typing import Any
 
 import torch
 
+from edge.model.files import read_json_object
 from edge.model.validate import ConfigError, check_config_fields
 
 SUPPORTED_ARCHITECTURES = {
@@ -85,13 +85,9 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"no config.json at {file}")
-        try:
-            data = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {file}: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(file, ConfigError))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":

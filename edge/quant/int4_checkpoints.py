@@ -30,7 +30,6 @@ packs the lm_head as int4 too.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from typing import Any
 import torch
 
 from edge.model.config import ModelConfig
+from edge.model.files import read_json_object
 from edge.quant.int4 import DEFAULT_GROUP_SIZE, SYMMETRIC_ZERO, Int4Codes, Int4Weight, pack_weight, quantize_rtn
 from edge.model.loader import (
     CheckpointError,
@@ -86,10 +86,7 @@ class Int4Format:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {path}: {exc}") from exc
+    return read_json_object(path, CheckpointError)
 
 
 def _bits(cfg: dict[str, Any], key: str, where: str) -> None:

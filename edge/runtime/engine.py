@@ -39,7 +39,7 @@ from edge.kernels.paged_cuda import DecodeTuning
 from edge.model.kv import KVOutOfMemory, SequenceKV
 from edge.runtime.kv_contiguous import ContiguousKV
 from edge.runtime.kv_paged import BlockPool, PagedKVCache
-from edge.model.loader import expected_shapes, fused_layout
+from edge.model.loader import check_checkpoint_matches_config, expected_shapes, fused_layout
 from edge.model.decoder import Model
 from edge.quant.q8_0 import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
@@ -231,6 +231,7 @@ class Engine:
 
         vl = is_vision_language(path)
         cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
+        check_checkpoint_matches_config(path, cfg)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
             # Fail before loading gigabytes of weights when the kernels cannot load.
@@ -243,7 +244,7 @@ class Engine:
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
-        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
         vision = None
         if vl:
             from edge.model.vision.loader import checked_tensors, load_vision_language

@@ -57,7 +57,8 @@ class ChatClient:
     def __init__(self, url: str | None = None, uds: str | None = None, api_key: str | None = None) -> None:
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.where = f"unix:{uds}" if uds else (url or DEFAULT_URL)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # bytes: httpx encodes str header values as ASCII, and a key may be any UTF-8
+        headers = {"Authorization": f"Bearer {api_key}".encode()} if api_key else {}
         self.http = httpx.Client(
             base_url=url or ("http://edge" if uds else DEFAULT_URL),
             transport=transport,

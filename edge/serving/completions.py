@@ -30,6 +30,7 @@ from edge.serving.errors import (
     error_body,
 )
 from edge.errors import DuplicateRequestId
+from edge.serving.json_body import SCAN_STEP, BodyParser, ShapeLimits, ShapeScanner
 
 if TYPE_CHECKING:
     from edge.serving.prompts import PromptEncoder
@@ -58,9 +59,10 @@ def sse_event(obj: Any) -> str:
 def check_auth(service: Service, request: Request) -> None:
     if service.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
+    # Bytes as sent (Starlette decodes headers as Latin-1): a UTF-8 key matches as UTF-8.
+    header = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), service.api_key.encode()):
         raise Unauthorized("missing or incorrect API key: send 'Authorization: Bearer <key>'")
 
 
@@ -76,18 +78,30 @@ def check_ready(service: Service) -> None:
         raise Unavailable(f"the engine is not healthy: {why}", code="engine_unhealthy")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(request: Request, limit: int, scanner: ShapeScanner | None = None) -> bytearray:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes
+    (gathered part by part: no single copy of all of it on the event loop). With a
+    ``scanner``, its shape is scanned as it arrives and a hostile one refused (400)
+    before the rest is read. A refusal closes the connection: the client's remaining
+    bytes are not read."""
+    close = {"Connection": "close"}
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise BodyTooLarge(f"request body exceeds {limit} bytes")
-    parts, total = [], 0
-    async for part in request.stream():
-        total += len(part)
-        if total > limit:
-            raise BodyTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
+        raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            if len(body) + len(part) > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
+            body += part
+            if scanner is not None and len(body) - scanner.size >= SCAN_STEP:
+                scanner.feed(bytes(body[scanner.size:]))
+        if scanner is not None:
+            scanner.feed(bytes(body[scanner.size:]))
+    except BadRequest as exc:
+        exc.headers |= close
+        raise
+    return body
 
 
 def body_limit(max_body: int | None, max_seq_len: int, image_bytes: int = 0) -> int:
@@ -113,9 +127,10 @@ def request_id(service: Service, request: Request, prefix: str) -> str:
 class Completions:
     """The two generation endpoints over one service and one prompt encoder."""
 
-    def __init__(self, service: Service, prompts: PromptEncoder) -> None:
+    def __init__(self, service: Service, prompts: PromptEncoder, parser: BodyParser) -> None:
         self.service = service
         self.prompts = prompts
+        self.parser = parser
 
     async def handle(self, request: Request, kind: str) -> Response:
         svc = self.service
@@ -125,9 +140,11 @@ class Completions:
         engine = svc.engine
         assert engine is not None
         image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
-        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes))
+        limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len))
+        scanner = ShapeScanner(limits)
+        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes), scanner)
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
-        req = schema.parse_request(body, model)
+        req = await self.parser.parse(body, model, limits, scanner.finish())
         del body
         schema.check_unsupported(req)
         prompt = await self.prompts.prompt(engine, req, kind)

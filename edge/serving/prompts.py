@@ -24,7 +24,7 @@ from edge.model.vision.request import ImagePolicy, count_images, fetch_images, r
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
-    from edge.model.tokenizer import Tokenizer
+    from edge.model.tokenizer import RenderedChat, Tokenizer
     from edge.model.vision.runtime import MultimodalPrompt
 
 
@@ -78,7 +78,7 @@ def encode_request(
                              code="unsupported_model")
         if count_images(messages):
             return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {})
-        ids = _encode_text(tok, tok.apply_chat_template(messages), ctx, param)
+        ids = _encode_text(tok, tok.render_chat(messages), ctx, param)
     else:
         param = "prompt"
         prompt = schema.completion_prompt(req)
@@ -97,6 +97,7 @@ def encode_request(
     if not ids:
         raise BadRequest("the prompt is empty", param=param, code="invalid_value")
     _check_fits(engine, ids, param)
+    _check_no_placeholders(engine, ids, param)
     return ids
 
 
@@ -109,21 +110,36 @@ def _image_prompt(
     assert vision is not None
     rendered, sources = split_images(resolve_images(messages, images, fetched))
     # The text first: a prompt too long for the context fails before any image is decoded.
-    ids = _encode_text(tok, tok.apply_chat_template(rendered), engine.max_seq_len, "messages")
+    ids = _encode_text(tok, tok.render_chat(rendered), engine.max_seq_len, "messages")
     prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
     _check_fits(engine, prompt.ids, "messages")
     return prompt
 
 
-def _encode_text(tok: Tokenizer, text: str, ctx: int, param: str) -> list[int]:
+def _encode_text(tok: Tokenizer, text: str | RenderedChat, ctx: int, param: str) -> list[int]:
+    """A raw prompt (special-token strings are tokens) or a rendered chat (only the
+    template's are), refused untokenized when too long to fit."""
+    n = len(text if isinstance(text, str) else text.text)
     limit = ctx * tok.chars_per_token
-    if len(text) > limit:
+    if n > limit:
         raise BadRequest(
-            f"this model's maximum context length is {ctx} tokens; the prompt has {len(text)} characters, more "
+            f"this model's maximum context length is {ctx} tokens; the prompt has {n} characters, more "
             f"than {ctx} tokens of at most {tok.chars_per_token} characters each can hold",
             param=param, code="context_length_exceeded",
         )
-    return tok.encode_releasing_gil(text)
+    return tok.encode_releasing_gil(text) if isinstance(text, str) else tok.encode_rendered(text)
+
+
+def _check_no_placeholders(engine: Engine, ids: list[int], param: str) -> None:
+    """Image and video placeholder tokens come only from real images (a prompt of text or
+    token ids holding them would run the model on placeholders without pixels)."""
+    vision = engine.vision
+    if vision is None:
+        return
+    pads = {vision.cfg.image_token_id, vision.cfg.video_token_id}
+    if not pads.isdisjoint(ids):
+        raise BadRequest("the prompt holds image placeholder tokens; images go in image_url content parts of "
+                         "a chat request", param=param, code="invalid_value")
 
 
 def _check_fits(engine: Engine, ids: list[int], param: str) -> None:

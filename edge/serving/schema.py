@@ -27,9 +27,10 @@ from __future__ import annotations
 
 import math
 import re
-from typing import TYPE_CHECKING, Any, Literal
+import reprlib
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edge.serving.errors import BadRequest
 
@@ -39,6 +40,11 @@ if TYPE_CHECKING:  # torch stays out of the import path until the model loads
 MAX_STOP_STRINGS = 16
 CHAT_ROLES = ("system", "developer", "user", "assistant")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+_T = TypeVar("_T")
+# A list validated up to its first bad item: a million bad items make one error, not a
+# million (building them held the interpreter for seconds).
+Items = Annotated[list[_T], Field(fail_fast=True)]
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> BadRequest:
@@ -65,7 +71,7 @@ class ContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Items[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
     function_call: Any = None
@@ -94,7 +100,7 @@ class _Common(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -108,7 +114,7 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: Items[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -120,7 +126,7 @@ class ChatCompletionRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Items[int] | Items[str] | Items[Items[int]]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -134,10 +140,10 @@ def parse_request(body: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
-def _validation_error(exc: ValidationError) -> BadRequest:
+def validation_error(exc: ValidationError) -> BadRequest:
     errors = exc.errors(include_url=False)
     err = errors[0]
     kind = err.get("type", "")
@@ -172,8 +178,18 @@ def _param_name(loc: list[Any]) -> str:
     return out or "body"
 
 
+def _brief_repr() -> reprlib.Repr:
+    r = reprlib.Repr()  # keyword arguments only from Python 3.12
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, 40, 40
+    return r
+
+
+_REPR = _brief_repr()
+
+
 def _short(value: Any) -> str:
-    s = repr(value)
+    # reprlib: a few items of a million-item list, not a repr of all of them
+    s = _REPR.repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -337,8 +353,8 @@ def sampling_params(
         raise bad_request(f"top_p must be in [0, 1], got {top_p}", param="top_p", code="invalid_value")
     top_p = max(top_p, 1e-6)  # the most likely token always survives: 0 keeps just it
     top_k = 0 if req.top_k is None else req.top_k
-    if top_k < 0:
-        raise bad_request(f"top_k must be >= 0, got {top_k}", param="top_k", code="invalid_value")
+    if not 0 <= top_k < 1 << 63:  # (an int64 on the device; any k beyond the vocabulary keeps every token)
+        raise bad_request(f"top_k must be in [0, 2^63), got {top_k}", param="top_k", code="invalid_value")
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     if not (math.isfinite(rep) and 0.0 < rep <= 10.0):
         raise bad_request(f"repetition_penalty must be in (0, 10], got {rep}", param="repetition_penalty",

@@ -191,14 +191,17 @@ class Service:
         """One short generation through the scheduler: compiles kernels, captures CUDA
         graphs and renders the chat template before the first real request; the
         tokenizer's longest token (the prompt length bound) is measured here too."""
+        from edge.errors import ChatTemplateError, InvalidPrompt
         from edge.sampling import SamplingParams
 
         if engine.tokenizer is not None:
             log.debug("longest token: %d characters", engine.tokenizer.chars_per_token)
+        ids = [1, 2, 3, 4]
         if engine.tokenizer is not None and engine.tokenizer.chat_template:
-            ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
-        else:
-            ids = [1, 2, 3, 4]
+            try:
+                ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+            except (InvalidPrompt, ChatTemplateError) as exc:  # the requests that meet it get a 400
+                log.warning("warming up with token ids: %s", exc)
         handle = sched.submit(ids, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                               request_id=f"warmup-{uuid.uuid4().hex[:8]}")
         final = None
