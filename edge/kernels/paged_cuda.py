@@ -18,6 +18,10 @@ Layouts: per-layer pools ``[num_blocks, page_size, kv_heads, head_dim]`` (contig
 a layer slice of ``[layers, num_blocks, page, kv_heads, D]`` is fine), ``page_size`` a
 power of two, block table int32 ``[max_blocks_per_seq]``, float16 / bfloat16 / float32,
 head_dim 64 or 128, any GQA ratio. Nothing at or beyond the sequence length is read.
+A pool pair may instead be :class:`~edge.kernels.kv_int8.Int8KV` (int8 codes and a
+float32 scale a row, scales ``[num_blocks, page_size, kv_heads]``): every method takes
+it with queries of any of the three dtypes, through the ``*_q8`` kernels (a second
+compile of each source with ``CFG_KV_INT8``).
 
 Constructing the object compiles (NVRTC, disk-cached) and loads every kernel it needs,
 which must not happen during a graph capture. Its :class:`DecodeTuning` is fixed for
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 from edge.kernels import nvrtc
+from edge.kernels.kv_int8 import Int8KV
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.kernels.reference import PagedKV, Rope
@@ -110,8 +115,13 @@ def _group_tile(group: int) -> int:
     return _GROUP_TILES[-1]
 
 
-def _variant(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
-    return {"CFG_DTYPE": _DTYPE_CODE[dtype], "CFG_HEAD_DIM": head_dim}
+def _variant(dtype: torch.dtype, head_dim: int, q8: bool = False) -> dict[str, int]:
+    return {"CFG_DTYPE": _DTYPE_CODE[dtype], "CFG_HEAD_DIM": head_dim, **({"CFG_KV_INT8": 1} if q8 else {})}
+
+
+def _q8(name: str, q8: bool) -> str:
+    """A kernel's name in the int8-KV program."""
+    return name + "_q8" if q8 else name
 
 
 def _tc_static_smem(warps: int, head_dim: int) -> int:
@@ -121,16 +131,24 @@ def _tc_static_smem(warps: int, head_dim: int) -> int:
     return 2 * warps * 16 * 4 + 16 * head_dim * 2 + 64
 
 
-def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int, tiles: int = 1) -> int:
+def tc_smem_bytes(
+    dtype: torch.dtype, head_dim: int, warps: int, stages: int, tiles: int = 1, q8: bool = False
+) -> int:
     """Dynamic shared memory of paged_decode_tc.cu (its TcCfg::SMEM_BYTES): ``stages``
-    K+V stages of 16 padded rows a warp of one of ``tiles`` row tiles, or the warps'
-    float32 outputs if larger."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    pipe = stages * 2 * 16 * (warps // tiles) * (head_dim + 8) * esize
+    K+V stages of 16 padded rows a warp of one of ``tiles`` row tiles (``q8``: int8 rows
+    of head_dim + 16 bytes, then the rows' float32 scales), or the warps' float32 outputs
+    if larger."""
+    keys = 16 * (warps // tiles)
+    if q8:
+        pipe = stages * 2 * keys * (head_dim + 16) + stages * 2 * keys * 4
+    else:
+        pipe = stages * 2 * keys * (head_dim + 8) * torch.empty((), dtype=dtype).element_size()
     return max(pipe, warps * 16 * head_dim * 4)
 
 
-def tc_stages(tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: torch.dtype, head_dim: int) -> int:
+def tc_stages(
+    tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: torch.dtype, head_dim: int, q8: bool = False
+) -> int:
     """Pipeline depth of the tensor-core decode kernel: ``tuning.tc_stages`` when set,
     else the most stages (at most ``tc_max_stages``) that still let ``min_blocks`` CTAs
     share an SM (``shared_memory``: per SM, per-CTA opt-in, reserved per CTA)."""
@@ -139,7 +157,7 @@ def tc_stages(tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: 
     per_sm, optin, reserved = shared_memory
     stages = 1
     for n in range(2, tuning.tc_max_stages + 1):
-        need = tc_smem_bytes(dtype, head_dim, tuning.tc_warps, n) + _tc_static_smem(tuning.tc_warps, head_dim)
+        need = tc_smem_bytes(dtype, head_dim, tuning.tc_warps, n, q8=q8) + _tc_static_smem(tuning.tc_warps, head_dim)
         if need <= optin and tuning.min_blocks() * (need + reserved) <= per_sm:
             stages = n
     return stages
@@ -151,10 +169,15 @@ def tc_stages(tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: 
 
 
 def _check_pools(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor
+    k_pool: torch.Tensor | Int8KV, v_pool: torch.Tensor | Int8KV, block_table: torch.Tensor
 ) -> tuple[int, int, int, int]:
-    if not isinstance(k_pool, torch.Tensor) or not isinstance(v_pool, torch.Tensor):
-        raise TypeError("k_pool and v_pool must be tensors")
+    if isinstance(k_pool, Int8KV) or isinstance(v_pool, Int8KV):
+        _check_int8_pools(k_pool, v_pool)
+        k_pool, v_pool = k_pool.codes, v_pool.codes  # their geometry is checked below
+    elif not isinstance(k_pool, torch.Tensor) or not isinstance(v_pool, torch.Tensor):
+        raise TypeError("k_pool and v_pool must be tensors (or both Int8KV)")
+    elif k_pool.dtype not in _DTYPE_CODE:
+        raise ValueError(f"pools must share one dtype of {DTYPES} (or be Int8KV), got {k_pool.dtype}")
     if k_pool.dim() != 4:
         raise ValueError(
             f"k_pool must be [num_blocks, page_size, kv_heads, head_dim], got {tuple(k_pool.shape)}"
@@ -163,7 +186,7 @@ def _check_pools(
         raise ValueError(
             f"v_pool shape {tuple(v_pool.shape)} != k_pool shape {tuple(k_pool.shape)}"
         )
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _DTYPE_CODE:
+    if k_pool.dtype != v_pool.dtype:
         raise ValueError(
             f"pools must share one dtype of {DTYPES}, got {k_pool.dtype} / {v_pool.dtype}"
         )
@@ -199,6 +222,27 @@ def _check_pools(
     if not block_table.is_contiguous():
         raise ValueError("block_table must be contiguous")
     return nb, page, kvh, d
+
+
+def _check_int8_pools(k_pool: Any, v_pool: Any) -> None:
+    if not (isinstance(k_pool, Int8KV) and isinstance(v_pool, Int8KV)):
+        raise TypeError("k_pool and v_pool must both be Int8KV or both tensors")
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if not p.is_contiguous():
+            raise ValueError(f"{name}'s codes and scales must be contiguous (a layer slice of the pool is)")
+        if p.scales.device != p.codes.device or p.scales.data_ptr() % 4:
+            raise ValueError(f"{name}'s scales must be float32 on the codes' device")
+
+
+def _q8_pools(k_pool: Any) -> bool:
+    return isinstance(k_pool, Int8KV)
+
+
+def _pool_ptrs(k_pool: Any, v_pool: Any) -> tuple[int, ...]:
+    """The kernels' pool arguments: the rows (codes), then for int8 pools the scales."""
+    if isinstance(k_pool, Int8KV):
+        return k_pool.codes.data_ptr(), v_pool.codes.data_ptr(), k_pool.scales.data_ptr(), v_pool.scales.data_ptr()
+    return k_pool.data_ptr(), v_pool.data_ptr()
 
 
 def _check_pos(pos: torch.Tensor | None, device: torch.device) -> int:
@@ -257,11 +301,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_q(
-    q: torch.Tensor, k_pool: torch.Tensor, kvh: int, d: int, what: str
+    q: torch.Tensor, k_pool: torch.Tensor | Int8KV, kvh: int, d: int, what: str
 ) -> None:
     if not isinstance(q, torch.Tensor):
         raise TypeError("q must be a tensor")
-    if q.dtype != k_pool.dtype:
+    if _q8_pools(k_pool):
+        if q.dtype not in _DTYPE_CODE:
+            raise ValueError(f"q dtype {q.dtype} is not one of {DTYPES}")
+    elif q.dtype != k_pool.dtype:
         raise ValueError(f"q dtype {q.dtype} != pool dtype {k_pool.dtype}")
     if q.device != k_pool.device:
         raise ValueError(f"q is on {q.device}, pools on {k_pool.device}")
