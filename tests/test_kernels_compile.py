@@ -34,6 +34,18 @@ VARIANTS = [
         for dt in (1, 2)
         for d in (64, 128)
     ],
+    # The int8-KV programs (pools of int8 codes and float32 scales, queries of any dtype).
+    *[
+        ("paged_decode.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for dt in (1, 2, 3)
+        for d in (64, 128)
+    ],
+    *[
+        (src, {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for src in ("paged_decode_tc.cu", "paged_prefill.cu")
+        for dt in (1, 2)
+        for d in (64, 128)
+    ],
     ("kv_write.cu", {}),
     (str(READ_FLOOR), {}),  # tools/bench.py kernels --floor
     ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
@@ -65,6 +77,8 @@ TUNINGS = [
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 3, "CFG_KV_INT8": 1}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 4, "CFG_KV_INT8": 1}),
     (
         "paged_decode_tc.cu",
         {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 1, "CFG_TC_MIN_BLOCKS": 3},
@@ -172,21 +186,22 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     _nvrtc_or_skip()
     for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
         for d in (64, 128):
-            defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
-            ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
-            entries = re.split(r"\.visible \.entry ", ptx)[1:]
-            names = sorted(e.split("(")[0] for e in entries)
-            # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
-            pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
-            assert names == sorted(["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc",
-                                    "paged_verify_tc_rope", *pairs]), names
-            for entry in entries:
-                name = entry.split("(")[0]
-                reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
-                op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
-                needed = int(n) + 1 if op == "gt" else int(n)
-                tiles = 2 if "_pair" in name else 1
-                assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles), (name, dtype, d)
+            for q8 in (False, True) if code == 2 else (False,):  # int8 KV: stages of codes and scales
+                defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
+                ptx = _ptx("paged_decode_tc.cu", "sm_87", defines | ({"CFG_KV_INT8": 1} if q8 else {}))
+                entries = re.split(r"\.visible \.entry ", ptx)[1:]
+                names = sorted(e.split("(")[0] for e in entries)
+                # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
+                pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
+                want = ["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc", "paged_verify_tc_rope", *pairs]
+                assert names == sorted(n + ("_q8" if q8 else "") for n in want), names
+                for entry in entries:
+                    name = entry.split("(")[0]
+                    reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
+                    op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
+                    needed = int(n) + 1 if op == "gt" else int(n)
+                    tiles = 2 if "_pair" in name else 1
+                    assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles, q8), (name, dtype, d)
 
 
 @pytest.mark.parametrize(

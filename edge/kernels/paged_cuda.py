@@ -50,6 +50,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (64, 128)
 MAX_SPLITS = 128  # most splits a launch takes (bounds the partials' workspace)
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _GROUP_TILES = (1, 2, 4, 8)
 _DECODE_THREADS = 128
 _PREFILL_THREADS = 128
@@ -273,16 +274,17 @@ def _check_len(name: str, length: int, page: int, block_table: torch.Tensor) -> 
 
 
 def _kv_source(
-    x: torch.Tensor, pool: torch.Tensor, name: str, shape: tuple[int, ...]
+    x: torch.Tensor, pool: torch.Tensor | Int8KV, name: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
+    """``x`` as the KV write kernel reads it: ``dtype``, rows contiguous and 16-byte aligned."""
     if x.dim() != 3 or tuple(x.shape[1:]) != shape:
         raise ValueError(
             f"{name} must be [T, {shape[0]}, {shape[1]}], got {tuple(x.shape)}"
         )
     if x.device != pool.device:
         raise ValueError(f"{name} is on {x.device}, pools on {pool.device}")
-    if x.dtype != pool.dtype:
-        x = x.to(pool.dtype)  # as the reference does
+    if x.dtype != dtype:
+        x = x.to(dtype)  # as the reference does
     es = x.element_size()
     ok = (
         x.stride(2) == 1
@@ -328,6 +330,13 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
         raise ValueError("out must be contiguous and 16-byte aligned")
 
 
+def _check_qkv(qkv: torch.Tensor, k_pool: torch.Tensor | Int8KV) -> None:
+    """qkv rows of the pools' dtype (any of DTYPES for int8 pools), on their device."""
+    if qkv.device != k_pool.device or (qkv.dtype != k_pool.dtype if not _q8_pools(k_pool) else qkv.dtype not in _DTYPE_CODE):
+        pools = "int8" if _q8_pools(k_pool) else str(k_pool.dtype)
+        raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {pools} on {k_pool.device}")
+
+
 def _fits_rope(t: torch.Tensor, qkv: torch.Tensor, d: int) -> bool:
     """A table the RoPE kernel reads in place: contiguous rows of head_dim, qkv's dtype."""
     return (
@@ -357,7 +366,7 @@ def _rope_args(rope: Rope, qkv: torch.Tensor, d: int, what: str) -> tuple:
 
 class _DecodePlan:
     """Launch constants of the decode kernel for one (dtype, head_dim, q_heads,
-    kv_heads, page, tokens > 1, rope) under one tuning."""
+    kv_heads, page, tokens > 1, rope, int8 pools) under one tuning."""
 
     def __init__(
         self,
@@ -369,6 +378,7 @@ class _DecodePlan:
         page: int,
         multi: bool,
         rope: bool,
+        q8: bool = False,
     ) -> None:
         tuning = att.tuning
         self.kvh = kvh
@@ -378,11 +388,11 @@ class _DecodePlan:
         self.rope = rope and tc and tuning.rope_in_attention
         if tc:
             tile = 16  # query heads per m16 tile
-            self.kernel, self.smem = att.decode_tc_kernel(dtype, d, self.rope)
+            self.kernel, self.smem = att.decode_tc_kernel(dtype, d, self.rope, q8)
             self.threads = 32 * tuning.tc_warps
         else:
             tile = _group_tile(self.group)
-            self.kernel = att.decode_simt_kernel(dtype, d, tile)
+            self.kernel = att.decode_simt_kernel(dtype, d, tile, q8)
             self.threads = _DECODE_THREADS
             self.smem = 0
         self.ctas = kvh * ((self.group + tile - 1) // tile)
@@ -432,10 +442,12 @@ class PagedAttentionCuda:
         dtypes: Iterable[torch.dtype] = (torch.float16, torch.bfloat16),
         head_dims: Iterable[int] = HEAD_DIMS,
         sms: int | None = None,
+        kv_int8: bool = False,
     ) -> None:
         """``layer_ops`` gives ``qk_norm_rope`` where RoPE is planned outside the
         attention launch; ``sms`` is the SM count plans fill (default: what the
-        launcher sees)."""
+        launcher sees); ``kv_int8`` loads the int8-pool kernels too (else they load at
+        their first call)."""
         self.launcher = launcher
         self.ops = layer_ops
         self.tuning = tuning
@@ -451,12 +463,15 @@ class PagedAttentionCuda:
             for hd in head_dims:
                 if hd not in HEAD_DIMS:
                     raise ValueError(f"unsupported head_dim {hd}; supported: {HEAD_DIMS}")
-                for gt in _GROUP_TILES:
-                    self.decode_simt_kernel(dtype, hd, gt)
-                if dtype != torch.float32:
-                    self.decode_tc_kernel(dtype, hd)
-                    self.decode_tc_kernel(dtype, hd, rope=True)
-                    self.prefill_kernel(dtype, hd)
+                for q8 in (False, True) if kv_int8 else (False,):
+                    for gt in _GROUP_TILES:
+                        self.decode_simt_kernel(dtype, hd, gt, q8)
+                    if dtype != torch.float32:
+                        self.decode_tc_kernel(dtype, hd, q8=q8)
+                        self.decode_tc_kernel(dtype, hd, rope=True, q8=q8)
+                        self.prefill_kernel(dtype, hd, q8)
+                if kv_int8:
+                    self.kv_q8_kernel(dtype, hd)
 
     @property
     def name(self) -> str:
@@ -474,77 +489,102 @@ class PagedAttentionCuda:
 
     # -- kernels ------------------------------------------------------------------------
 
-    def decode_simt_kernel(self, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
-        defines = {**_variant(dtype, head_dim), **dict(self.tuning.simt_defines)}
-        return self.launcher.kernel("paged_decode.cu", f"paged_decode_g{gt}", defines)
+    def decode_simt_kernel(self, dtype: torch.dtype, head_dim: int, gt: int, q8: bool = False) -> Any:
+        defines = {**_variant(dtype, head_dim, q8), **dict(self.tuning.simt_defines)}
+        return self.launcher.kernel("paged_decode.cu", f"paged_decode{'_q8' if q8 else ''}_g{gt}", defines)
 
-    def tc_stages(self, dtype: torch.dtype, head_dim: int) -> int:
-        return tc_stages(self.tuning, self._smem, dtype, head_dim)
+    def tc_stages(self, dtype: torch.dtype, head_dim: int, q8: bool = False) -> int:
+        return tc_stages(self.tuning, self._smem, dtype, head_dim, q8)
 
-    def decode_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False) -> tuple[Any, int]:
-        """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE) and
-        the dynamic shared memory its launches pass."""
-        return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc")
+    def decode_tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, rope: bool = False, q8: bool = False
+    ) -> tuple[Any, int]:
+        """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE;
+        ``q8``: over int8 pools) and the dynamic shared memory its launches pass."""
+        return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc", q8=q8)
 
-    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False, tiles: int = 1) -> tuple[Any, int]:
+    def verify_tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, rope: bool = False, tiles: int = 1, q8: bool = False
+    ) -> tuple[Any, int]:
         """The tensor-core kernel of a verify step (several query tokens; ``rope``: from the
         qkv rows, with the step's q/k norms, RoPE and K/V store; ``tiles`` row tiles a
-        CTA) and its dynamic shared memory."""
+        CTA; ``q8``: over int8 pools) and its dynamic shared memory."""
         name = "paged_verify_tc" + ("_pair" if tiles == 2 else "") + ("_rope" if rope else "")
-        return self._tc_kernel(dtype, head_dim, name, tiles)
+        return self._tc_kernel(dtype, head_dim, name, tiles, q8)
+
+    def kv_q8_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
+        """The KV write into int8 pools of K/V rows of ``dtype``."""
+        return self.launcher.kernel("kv_write.cu", f"kv_write_q8_{_SUFFIX[dtype]}_d{head_dim}")
 
     def verify_rope_tokens(self) -> int:
         """The most tokens one fused verify launch takes (a warp holds two of the step's
         K/V rows); more go through ``qk_norm_rope`` and :meth:`verify_attention`."""
         return 2 * self.tuning.tc_warps
 
-    def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str, tiles: int = 1) -> tuple[Any, int]:
+    def _tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, name: str, tiles: int = 1, q8: bool = False
+    ) -> tuple[Any, int]:
         t = self.tuning
-        stages = self.tc_stages(dtype, head_dim)
+        stages = self.tc_stages(dtype, head_dim, q8)
         defines = {
-            **_variant(dtype, head_dim),
+            **_variant(dtype, head_dim, q8),
             "CFG_TC_WARPS": t.tc_warps,
             "CFG_TC_MIN_BLOCKS": t.min_blocks(),
             "CFG_TC_STAGES": stages,
         }
-        kernel = self.launcher.kernel("paged_decode_tc.cu", name, defines)
-        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles)
+        kernel = self.launcher.kernel("paged_decode_tc.cu", _q8(name, q8), defines)
+        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles, q8)
         nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, smem)
         return kernel, smem
 
-    def prefill_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
-        return self.launcher.kernel("paged_prefill.cu", "paged_prefill", _variant(dtype, head_dim))
+    def prefill_kernel(self, dtype: torch.dtype, head_dim: int, q8: bool = False) -> Any:
+        return self.launcher.kernel("paged_prefill.cu", _q8("paged_prefill", q8), _variant(dtype, head_dim, q8))
 
     def tc_path(self, dtype: torch.dtype, multi: bool) -> bool:
         """Whether decode runs the tensor-core kernel (the only one with the RoPE variant)."""
         return dtype != torch.float32 and not multi and self.tuning.impl == "tc"
 
     def _plan(
-        self, dtype: torch.dtype, d: int, q_heads: int, kvh: int, page: int, multi: bool = False, rope: bool = False
+        self,
+        dtype: torch.dtype,
+        d: int,
+        q_heads: int,
+        kvh: int,
+        page: int,
+        multi: bool = False,
+        rope: bool = False,
+        q8: bool = False,
     ) -> _DecodePlan:
-        key = (dtype, d, q_heads, kvh, page, multi, rope)
+        key = (dtype, d, q_heads, kvh, page, multi, rope, q8)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _DecodePlan(self, dtype, d, q_heads, kvh, page, multi, rope)
+            plan = self._plans[key] = _DecodePlan(self, dtype, d, q_heads, kvh, page, multi, rope, q8)
         return plan
 
     def decode_splits(
-        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, kv_len: int | None, page_size: int = 16
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        q_heads: int,
+        kv_heads: int,
+        kv_len: int | None,
+        page_size: int = 16,
+        kv_int8: bool = False,
     ) -> int:
         """Split count the decode launch uses: one full wave of CTAs (resident CTAs per
         SM x SMs / CTAs per split), at most ``max_splits``, and for a host length
         (``kv_len`` not None) no split shorter than ``min_split_rows``. ``kv_len=None``
         gives the device-length (graph) count, which depends on nothing that changes
-        between steps."""
-        return self._plan(dtype, head_dim, q_heads, kv_heads, page_size).splits(kv_len)
+        between steps. ``kv_int8``: the int8-pool kernel's."""
+        return self._plan(dtype, head_dim, q_heads, kv_heads, page_size, q8=kv_int8).splits(kv_len)
 
     def graph_decode_options(
-        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, page_size: int = 16
+        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, page_size: int = 16, kv_int8: bool = False
     ) -> dict[str, int]:
         """Keyword arguments of the decode calls that make a host-length launch identical
         to a device-length (graph) one: its split count and its fewest keys per active
         split. Eager decode passes them so that it produces the graph's tokens."""
-        plan = self._plan(dtype, head_dim, q_heads, kv_heads, page_size)
+        plan = self._plan(dtype, head_dim, q_heads, kv_heads, page_size, q8=kv_int8)
         return {"num_splits": plan.splits(None), "min_split_rows": plan.graph_min_rows}
 
     # -- KV write -----------------------------------------------------------------------
@@ -563,8 +603,12 @@ class PagedAttentionCuda:
         pages in one launch. With ``pos`` (int32 CUDA ``[1]``) the start position is read
         on the device and ``start`` is ignored (graph-safe)."""
         _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
-        k = _kv_source(k, k_pool, "k", (kvh, d))
-        v = _kv_source(v, v_pool, "v", (kvh, d))
+        q8 = _q8_pools(k_pool)
+        source_dtype = k.dtype if q8 else k_pool.dtype  # int8 pools quantize the rows as given
+        if q8 and k.dtype not in _DTYPE_CODE:
+            raise ValueError(f"k/v dtype {k.dtype} is not one of {DTYPES}")
+        k = _kv_source(k, k_pool, "k", (kvh, d), source_dtype)
+        v = _kv_source(v, v_pool, "v", (kvh, d), source_dtype)
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k has {k.shape[0]} tokens, v has {v.shape[0]}")
         t = k.shape[0]
@@ -577,6 +621,21 @@ class PagedAttentionCuda:
         if t == 0:
             return
         es = k.element_size()
+        if q8:
+            if t > 65535:
+                raise ValueError("an int8 KV write takes at most 65535 tokens a launch")
+            self.launcher.launch(
+                self.kv_q8_kernel(k.dtype, d),
+                (-(-2 * kvh // (_KV_THREADS // 32)), t),
+                _KV_THREADS,
+                (
+                    *_pool_ptrs(k_pool, v_pool), block_table.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ptr,
+                    np.int32(0 if pos is not None else start), np.int32(kvh), np.int64(k.stride(0) * es),
+                    np.int64(k.stride(1) * es), np.int64(v.stride(0) * es), np.int64(v.stride(1) * es),
+                    np.int32(page.bit_length() - 1),
+                ),
+            )
+            return
         row_vecs = d * es // 16
         total = t * kvh * row_vecs
         blocks = min((total + _KV_THREADS - 1) // _KV_THREADS, 65535)
@@ -652,8 +711,7 @@ class PagedAttentionCuda:
             (
                 out.data_ptr(),
                 q.data_ptr(),
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
+                *_pool_ptrs(k_pool, v_pool),
                 block_table.data_ptr(),
                 pos_ptr,
                 np.int32(host_len),
@@ -702,7 +760,7 @@ class PagedAttentionCuda:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         else:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
-        plan = self._plan(k_pool.dtype, d, q.shape[-2], kvh, page)
+        plan = self._plan(q.dtype, d, q.shape[-2], kvh, page, q8=_q8_pools(k_pool))
         self._decode(plan, out, _dense(q), k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows)
         return out
 
@@ -732,14 +790,13 @@ class PagedAttentionCuda:
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[0] != 1 or qkv.shape[1] < width:
             raise ValueError(f"qkv must be [1, >= {width}] (one token), got {tuple(qkv.shape)}")
-        if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
-            raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+        _check_qkv(qkv, k_pool)
         shape = (heads, d)
         if out is None:
             out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
         else:
             _check_out(out, shape, qkv.dtype, qkv.device)
-        plan = self._plan(k_pool.dtype, d, heads, kvh, page, rope=True)
+        plan = self._plan(qkv.dtype, d, heads, kvh, page, rope=True, q8=_q8_pools(k_pool))
         options = {"num_splits": num_splits, "min_split_rows": min_split_rows}
         if not plan.rope:
             # torch.full: a fill launch with the value as its argument, not a host-to-device copy
@@ -833,10 +890,10 @@ class PagedAttentionCuda:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         else:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
-        if self.tc_path(k_pool.dtype, False):
+        if self.tc_path(q.dtype, False):
             self._launch_verify_tc(out, _dense(q), k_pool, v_pool, block_table, pos_ptr, float(scale))
             return out
-        plan = self._plan(k_pool.dtype, d, q.shape[1], kvh, page, multi=True)
+        plan = self._plan(q.dtype, d, q.shape[1], kvh, page, multi=True, q8=_q8_pools(k_pool))
         self._launch_decode(
             plan, out, _dense(q), k_pool, v_pool, block_table, pos_ptr, 0, t, plan.splits(None), float(scale),
             plan.graph_min_rows,
@@ -866,8 +923,7 @@ class PagedAttentionCuda:
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[1] != width or not 1 <= qkv.shape[0] <= 65535:
             raise ValueError(f"qkv must be [1..65535, {width}], got {tuple(qkv.shape)}")
-        if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
-            raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+        _check_qkv(qkv, k_pool)
         if pos is None:
             raise ValueError("verify_attention_rope reads its position on the device: pass pos")
         pos_ptr = _check_pos(pos, k_pool.device)
@@ -878,7 +934,8 @@ class PagedAttentionCuda:
         else:
             _check_out(out, shape, qkv.dtype, qkv.device)
         # RoPE inside attention where the decode plan has it, for as many tokens as a launch holds.
-        if not (self._plan(k_pool.dtype, d, heads, kvh, page, rope=True).rope and t <= self.verify_rope_tokens()):
+        q8 = _q8_pools(k_pool)
+        if not (self._plan(qkv.dtype, d, heads, kvh, page, rope=True, q8=q8).rope and t <= self.verify_rope_tokens()):
             positions = pos + torch.arange(t, dtype=torch.int32, device=qkv.device)  # a launch, not a copy
             q = self._qk_norm_rope(qkv, rope, positions, k_pool, v_pool, block_table)
             return self.verify_attention(q, k_pool, v_pool, block_table, pos, scale, out)
@@ -895,12 +952,13 @@ class PagedAttentionCuda:
         qkv rows of ``shape`` (T, q_heads, D)."""
         t, q_heads, d = q.shape if shape is None else shape
         kvh, page = k_pool.shape[2], k_pool.shape[1]
-        plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: split caps
+        q8 = _q8_pools(k_pool)
+        plan = self._plan(q.dtype, d, q_heads, kvh, page, q8=q8)  # the decode plan: split caps
         row_tiles = -(-(t * plan.group) // 16)
         rope = bool(rope_args)
-        ctas, (kernel, smem, wave) = kvh * row_tiles, self._verify_wave(k_pool.dtype, d, rope, 1, plan.threads)
+        ctas, (kernel, smem, wave) = kvh * row_tiles, self._verify_wave(q.dtype, d, rope, 1, plan.threads, q8)
         if self.tuning.verify_tiles == 2 and row_tiles > 1 and ctas >= wave:
-            ctas, (kernel, smem, wave) = kvh * -(-row_tiles // 2), self._verify_wave(k_pool.dtype, d, rope, 2, plan.threads)
+            ctas, (kernel, smem, wave) = kvh * -(-row_tiles // 2), self._verify_wave(q.dtype, d, rope, 2, plan.threads, q8)
         splits = plan.wave_splits(ctas, wave)
         ws_ptr = cnt_ptr = 0
         if splits > 1:
@@ -911,7 +969,7 @@ class PagedAttentionCuda:
             (ctas, splits),
             plan.threads,
             (
-                out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), pos_ptr,
+                out.data_ptr(), q.data_ptr(), *_pool_ptrs(k_pool, v_pool), block_table.data_ptr(), pos_ptr,
                 np.int32(0), np.int32(kvh), np.int32(plan.group), np.int32(plan.log2_page),
                 np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(plan.mergers(splits, 1, ctas, wave)),
                 np.int32(plan.graph_min_rows), np.int32(t), *rope_args,
@@ -919,12 +977,14 @@ class PagedAttentionCuda:
             shmem=smem,
         )
 
-    def _verify_wave(self, dtype: torch.dtype, d: int, rope: bool, tiles: int, threads: int) -> tuple[Any, int, int]:
+    def _verify_wave(
+        self, dtype: torch.dtype, d: int, rope: bool, tiles: int, threads: int, q8: bool = False
+    ) -> tuple[Any, int, int]:
         """The verify kernel of ``tiles`` row tiles a CTA, its dynamic shared memory and
         one wave of it (its registers are not the decode kernel's): a merger waits for its
         splits only when all of them are resident."""
-        kernel, smem = self.verify_tc_kernel(dtype, d, rope, tiles)
-        key = (dtype, d, rope, tiles)
+        kernel, smem = self.verify_tc_kernel(dtype, d, rope, tiles, q8)
+        key = (dtype, d, rope, tiles, q8)
         wave = self._verify_waves.get(key)
         if wave is None:
             occ = nvrtc.max_active_blocks(kernel, threads, self.launcher.device_index, dynamic_smem=smem)
@@ -962,24 +1022,24 @@ class PagedAttentionCuda:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
         if t == 0:
             return out
-        if k_pool.dtype == torch.float32:
+        q8 = _q8_pools(k_pool)
+        if q.dtype == torch.float32:
             # No tensor-core path for float32: token i is a decode of length start + i + 1.
             if t > 65535:
                 raise ValueError("float32 prefill chunks are limited to 65535 tokens")
-            plan = self._plan(k_pool.dtype, d, q_heads, kvh, page, multi=True)
+            plan = self._plan(q.dtype, d, q_heads, kvh, page, multi=True, q8=q8)
             self._launch_decode(plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale), 1)
             return out
         group = q_heads // kvh
         row_tiles = (t * group + _PREFILL_ROWS - 1) // _PREFILL_ROWS
         self.launcher.launch(
-            self.prefill_kernel(k_pool.dtype, d),
+            self.prefill_kernel(q.dtype, d, q8),
             (row_tiles, kvh),
             _PREFILL_THREADS,
             (
                 out.data_ptr(),
                 q.data_ptr(),
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
+                *_pool_ptrs(k_pool, v_pool),
                 block_table.data_ptr(),
                 np.int32(t),
                 np.int32(start),

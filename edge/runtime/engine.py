@@ -186,7 +186,8 @@ class Engine:
             self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, attention)
             if attention.graph_decode_options is not None:
                 self.kv.decode_options = attention.graph_decode_options(
-                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
+                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size,
+                    kv_int8=kv_dtype == "int8",
                 )
         # The captured step reads its position on the device: CUDA attention kernels only.
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok
