@@ -39,7 +39,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xf = x.float()
     amax = xf.abs().amax(dim=-1)
     scales = amax / CODE_MAX
-    inv = torch.where(amax > 0, CODE_MAX / amax, torch.zeros_like(amax))
+    # A true division (``127 / tensor`` would be a reciprocal times 127, off by an ulp).
+    inv = torch.where(amax > 0, torch.full_like(amax, CODE_MAX) / amax, torch.zeros_like(amax))
     codes = torch.round(xf * inv.unsqueeze(-1)).clamp_(-CODE_MAX, CODE_MAX).to(torch.int8)
     return codes, scales
 
