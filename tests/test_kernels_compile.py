@@ -170,7 +170,7 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "warps,stages", [(8, 1), (8, 2), (8, 3), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
+    "warps,stages", [(8, 1), (8, 2), (8, 3), (8, 4), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
 )
 def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
@@ -205,20 +205,21 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
 
 
 @pytest.mark.parametrize(
-    "per_sm,optin,want,want64",
+    "per_sm,optin,want,want64,want_q8",
     [
-        (233472, 232448, 3, 3),  # H100 / H200: 228 KB an SM
-        (167936, 166912, 2, 3),  # Orin (sm_87): 164 KB an SM
-        (102400, 101376, 1, 2),  # 100 KB an SM (sm_86 / sm_89)
+        (233472, 232448, 3, 3, 4),  # H100 / H200: 228 KB an SM
+        (167936, 166912, 2, 3, 4),  # Orin (sm_87): 164 KB an SM
+        (102400, 101376, 1, 2, 2),  # 100 KB an SM (sm_86 / sm_89)
     ],
 )
 def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
-    monkeypatch, per_sm, optin, want, want64
+    monkeypatch, per_sm, optin, want, want64, want_q8
 ):
     """One 8-warp CTA of 128-key bf16 stages (68 KB a stage at head_dim 128, 36 KB at
     64) holds each SM, so a pipeline allowed 3 stages is as deep as the SM's shared
     memory allows; the default allows two. 4-warp CTAs (34 KB / 18 KB a stage) are
-    sized for two an SM, and come to the same depths."""
+    sized for two an SM, and come to the same depths. Int8 stages (37 KB at 128) may go
+    twice as deep: four by default where they fit."""
     import torch
 
     from edge.kernels import paged_cuda
@@ -231,6 +232,8 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 128) == want
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 64) == want64
     assert paged_cuda.tc_stages(tune(tc_stages=4), smem, torch.bfloat16, 128) == 4  # a tuning wins
+    assert paged_cuda.tc_stages(tune(), smem, torch.bfloat16, 128, q8=True) == want_q8
+    assert paged_cuda.tc_stages(tune(tc_stages=3), smem, torch.bfloat16, 128, q8=True) == 3
 
 
 def test_verify_row_tiles_in_pairs_need_an_even_warp_count():

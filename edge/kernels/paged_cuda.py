@@ -72,6 +72,8 @@ class DecodeTuning:
     tc_warps: int = 8
     # Deepest K/V pipeline; fewer where shared memory would not hold tc_min_blocks CTAs
     # an SM. Deeper keeps the next overlapped GEMV's CTAs from starting beside them.
+    # Int8 pools go twice as deep: their stages are half the bytes, and the bytes in
+    # flight are what streams the keys.
     tc_max_stages: int = 2
     tc_stages: int | None = None  # a fixed depth instead of the derived one
     tc_min_blocks: int | None = None  # resident CTAs an SM the registers are set for
@@ -151,13 +153,14 @@ def tc_stages(
     tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: torch.dtype, head_dim: int, q8: bool = False
 ) -> int:
     """Pipeline depth of the tensor-core decode kernel: ``tuning.tc_stages`` when set,
-    else the most stages (at most ``tc_max_stages``) that still let ``min_blocks`` CTAs
-    share an SM (``shared_memory``: per SM, per-CTA opt-in, reserved per CTA)."""
+    else the most stages (at most ``tc_max_stages``, twice that over int8 pools: the same
+    bytes in flight) that still let ``min_blocks`` CTAs share an SM (``shared_memory``:
+    per SM, per-CTA opt-in, reserved per CTA)."""
     if tuning.tc_stages is not None:
         return tuning.tc_stages
     per_sm, optin, reserved = shared_memory
     stages = 1
-    for n in range(2, tuning.tc_max_stages + 1):
+    for n in range(2, tuning.tc_max_stages * (2 if q8 else 1) + 1):
         need = tc_smem_bytes(dtype, head_dim, tuning.tc_warps, n, q8=q8) + _tc_static_smem(tuning.tc_warps, head_dim)
         if need <= optin and tuning.min_blocks() * (need + reserved) <= per_sm:
             stages = n
