@@ -12,7 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
-from edge.settings import non_negative_float, positive_int, power_of_two
+from edge.runtime.budget import parse_kv_dtype
+from edge.settings import from_environment, non_negative_float, positive_int, power_of_two
 
 if TYPE_CHECKING:
     from edge.serving.chat_client import ChatClient, InProcessService
@@ -90,6 +91,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-blocks", type=POSITIVE_INT, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
     p.add_argument(
+        "--kv-dtype", type=_checked(parse_kv_dtype),
+        help="how K/V rows are held: auto (the model's dtype) or int8 (about twice the tokens in the same "
+        "memory; env EDGE_KV_DTYPE)",
+    )
+    p.add_argument(
         "--memory-utilization", type=_in_range(0, 1, low_open=True), default=0.9,
         help="fraction of available memory to use (default 0.9)"
     )
@@ -166,6 +172,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         quant_embedding=args.quant_embedding,
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
+        kv_dtype=args.kv_dtype or from_environment("kv_dtype") or "auto",
         memory_utilization=args.memory_utilization,
         memory_reserve=args.memory_reserve,
         check_weights=not args.skip_weight_check,
@@ -324,6 +331,7 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
             model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
             max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
             skip_weight_check=getattr(args, "skip_weight_check", False),
+            kv_dtype=args.kv_dtype or from_environment("kv_dtype") or "auto",
             log_level="debug" if args.verbose else "warning",
         )
     )
@@ -369,7 +377,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
-        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "prefill_budget_ms",
+        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "kv_dtype", "memory_reserve", "prefill_chunk",
+        "prefill_budget_ms",
         "speculative", "draft_model", "config", "log_level")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
@@ -446,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, help="context length [EDGE_MAX_SEQ_LEN]")
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
     s.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB [EDGE_KV_MEMORY]")
+    s.add_argument("--kv-dtype", help="K/V rows: auto (the model's dtype) or int8 [EDGE_KV_DTYPE] (default auto)")
     s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
     s.add_argument("--prefill-chunk", type=int, help="largest background prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--prefill-budget-ms", help="time one background prefill chunk may take [EDGE_PREFILL_BUDGET_MS] "

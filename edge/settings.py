@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from edge.runtime.budget import parse_bytes, parse_reserve
+from edge.runtime.budget import parse_bytes, parse_kv_dtype, parse_reserve
 from edge.speculative.params import SpeculativeParams
 
 log = logging.getLogger(__name__)
@@ -119,6 +119,7 @@ class Settings:
     max_seq_len: int | None = None
     kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
     kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
+    kv_dtype: str = "auto"  # how K/V rows are held: "auto" (the model's dtype) or "int8"
     memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.runtime.budget.DEFAULT_RESERVE)
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
     prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
@@ -164,6 +165,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_MAX_SEQ_LEN": ("max_seq_len", positive_int),
     "EDGE_KV_BLOCKS": ("kv_blocks", positive_int),
     "EDGE_KV_MEMORY": ("kv_memory", parse_bytes),
+    "EDGE_KV_DTYPE": ("kv_dtype", parse_kv_dtype),
     "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFILL_BUDGET_MS": ("prefill_budget_ms", positive_float),
@@ -189,6 +191,22 @@ FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in
 
 # Read elsewhere in the process (not by Settings): not typos when found in the file.
 OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE"})
+
+
+def from_environment(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Field ``name`` as its variable in ``environ`` (default ``os.environ``) sets it,
+    parsed, or None when unset (the commands other than ``serve`` take their defaults so)."""
+    environ = os.environ if environ is None else environ
+    for var, (field_name, parse) in ENV.items():
+        if field_name == name:
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                return None
+            try:
+                return parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"bad {var}={raw!r} (environment): {exc}") from None
+    raise KeyError(f"no variable sets {name!r}")
 
 
 def parse_env_file(text: str, source: str = "<config>") -> dict[str, str]:

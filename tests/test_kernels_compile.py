@@ -34,6 +34,18 @@ VARIANTS = [
         for dt in (1, 2)
         for d in (64, 128)
     ],
+    # The int8-KV programs (pools of int8 codes and float32 scales, queries of any dtype).
+    *[
+        ("paged_decode.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for dt in (1, 2, 3)
+        for d in (64, 128)
+    ],
+    *[
+        (src, {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for src in ("paged_decode_tc.cu", "paged_prefill.cu")
+        for dt in (1, 2)
+        for d in (64, 128)
+    ],
     ("kv_write.cu", {}),
     (str(READ_FLOOR), {}),  # tools/bench.py kernels --floor
     ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
@@ -65,6 +77,8 @@ TUNINGS = [
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 3, "CFG_KV_INT8": 1}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 4, "CFG_KV_INT8": 1}),
     (
         "paged_decode_tc.cu",
         {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 1, "CFG_TC_MIN_BLOCKS": 3},
@@ -156,7 +170,7 @@ def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "warps,stages", [(8, 1), (8, 2), (8, 3), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
+    "warps,stages", [(8, 1), (8, 2), (8, 3), (8, 4), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
 )
 def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
@@ -172,38 +186,40 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     _nvrtc_or_skip()
     for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
         for d in (64, 128):
-            defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
-            ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
-            entries = re.split(r"\.visible \.entry ", ptx)[1:]
-            names = sorted(e.split("(")[0] for e in entries)
-            # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
-            pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
-            assert names == sorted(["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc",
-                                    "paged_verify_tc_rope", *pairs]), names
-            for entry in entries:
-                name = entry.split("(")[0]
-                reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
-                op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
-                needed = int(n) + 1 if op == "gt" else int(n)
-                tiles = 2 if "_pair" in name else 1
-                assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles), (name, dtype, d)
+            for q8 in (False, True) if code == 2 else (False,):  # int8 KV: stages of codes and scales
+                defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
+                ptx = _ptx("paged_decode_tc.cu", "sm_87", defines | ({"CFG_KV_INT8": 1} if q8 else {}))
+                entries = re.split(r"\.visible \.entry ", ptx)[1:]
+                names = sorted(e.split("(")[0] for e in entries)
+                # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
+                pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
+                want = ["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc", "paged_verify_tc_rope", *pairs]
+                assert names == sorted(n + ("_q8" if q8 else "") for n in want), names
+                for entry in entries:
+                    name = entry.split("(")[0]
+                    reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
+                    op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
+                    needed = int(n) + 1 if op == "gt" else int(n)
+                    tiles = 2 if "_pair" in name else 1
+                    assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles, q8), (name, dtype, d)
 
 
 @pytest.mark.parametrize(
-    "per_sm,optin,want,want64",
+    "per_sm,optin,want,want64,want_q8",
     [
-        (233472, 232448, 3, 3),  # H100 / H200: 228 KB an SM
-        (167936, 166912, 2, 3),  # Orin (sm_87): 164 KB an SM
-        (102400, 101376, 1, 2),  # 100 KB an SM (sm_86 / sm_89)
+        (233472, 232448, 3, 3, 4),  # H100 / H200: 228 KB an SM
+        (167936, 166912, 2, 3, 4),  # Orin (sm_87): 164 KB an SM
+        (102400, 101376, 1, 2, 2),  # 100 KB an SM (sm_86 / sm_89)
     ],
 )
 def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
-    monkeypatch, per_sm, optin, want, want64
+    monkeypatch, per_sm, optin, want, want64, want_q8
 ):
     """One 8-warp CTA of 128-key bf16 stages (68 KB a stage at head_dim 128, 36 KB at
     64) holds each SM, so a pipeline allowed 3 stages is as deep as the SM's shared
     memory allows; the default allows two. 4-warp CTAs (34 KB / 18 KB a stage) are
-    sized for two an SM, and come to the same depths."""
+    sized for two an SM, and come to the same depths. Int8 stages (37 KB at 128) may go
+    twice as deep: four by default where they fit."""
     import torch
 
     from edge.kernels import paged_cuda
@@ -216,6 +232,8 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 128) == want
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 64) == want64
     assert paged_cuda.tc_stages(tune(tc_stages=4), smem, torch.bfloat16, 128) == 4  # a tuning wins
+    assert paged_cuda.tc_stages(tune(), smem, torch.bfloat16, 128, q8=True) == want_q8
+    assert paged_cuda.tc_stages(tune(tc_stages=3), smem, torch.bfloat16, 128, q8=True) == 3
 
 
 def test_verify_row_tiles_in_pairs_need_an_even_warp_count():

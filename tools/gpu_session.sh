@@ -59,6 +59,13 @@ for s in "$@"; do
         load-peak-int4) step load-peak-int4 sh -c "python3 tools/make_model.py /tmp/q8b --preset qwen3-8b --dtype bfloat16 && python3 tools/load_peak.py /tmp/q8b --device cuda --quantize int4 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int4 --bits 4 && python3 tools/load_peak.py /tmp/q8b-int4 --device cuda" ;;
         quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
         verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
+        kvint8-tests) step kvint8-tests python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kv_int8_cuda.py ;;
+        kvint8-verify) for q in none int8 int4; do step kvint8-verify-$q python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize $q --kv-dtype int8; done ;;
+        kvint8-drift) for q in none int4; do step kvint8-drift-$q sh -c "python3 tools/kv_drift.py --device cuda --quantize $q --skip-transformers --json > $OUT/kv-drift-$q.json"; done ;;
+        kvint8-bench)  # Qwen3-8B int4 at context 8192, 16 SMs: bf16 against int8 K/V (tok/s, attention's share, TTFT 2048)
+            for kv in auto int8; do step kvint8-bench-$kv sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --context 8192 --max-seq-len 9216 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 --kv-dtype $kv > $OUT/decode-8b-int4-8k-16sms-kv-$kv.json"; done ;;
+        kvint8-kernels)  # decode attention alone, bf16 and int8 pools, 16 SMs
+            for kv in auto int8; do step kvint8-kernels-$kv sh -c "$B kernels --sms 16 --kv-lens 2048,8192 --verify-tokens 1,5 --prefill --kv-dtype $kv > $OUT/kernels-16sms-kv-$kv.json"; done ;;
         vision16) step vision-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
         vision8) step vision-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
         vision) step vision python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_vision_cuda.py ;;

@@ -184,10 +184,12 @@ def select_backend(
     int8_tuning: Int8Tuning | None = None,
     int4_tuning: Int4Tuning | None = None,
     sms: int | None = None,
+    kv_int8: bool = False,
 ) -> Backend:
     """Plan the backend of one engine (see the module docstring). ``weights`` are the
     model's weights, checked once against what the linear kernels take; ``sms`` is the
-    SM count the plans fill (default: what the current CUDA context has)."""
+    SM count the plans fill (default: what the current CUDA context has); ``kv_int8``:
+    the KV cache holds int8 rows (the attention loads those kernels too)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     device = torch.device(device)
@@ -200,7 +202,7 @@ def select_backend(
         return reference_backend(device, "chosen by the operator (kernels='reference')")
     try:
         return _cuda_backend(
-            cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms
+            cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms, kv_int8
         )
     except BackendUnavailable:
         raise
@@ -222,6 +224,7 @@ def _cuda_backend(
     int8_tuning: Int8Tuning | None,
     int4_tuning: Int4Tuning | None,
     sms: int | None,
+    kv_int8: bool = False,
 ) -> Backend:
     from edge.kernels import fused_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
     from edge.kernels.launcher import Launcher
@@ -282,7 +285,7 @@ def _cuda_backend(
     att = None
     if attention_why is None:
         att = paged_cuda.PagedAttentionCuda(
-            launcher, None, decode_tuning, dtypes=(dtype,), head_dims=(cfg.head_dim,), sms=sms
+            launcher, None, decode_tuning, dtypes=(dtype,), head_dims=(cfg.head_dim,), sms=sms, kv_int8=kv_int8
         )
     i8 = None
     if dtype in int8_cuda.DTYPES and not (int8 and int8_why):

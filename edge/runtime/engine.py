@@ -26,6 +26,7 @@ from edge.runtime.budget import (
     MemoryBudget,
     MemoryInfo,
     default_prefill_chunk,
+    parse_kv_dtype,
     plan_kv_budget,
     probe_memory,
 )
@@ -88,6 +89,7 @@ class Engine:
         stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
         memory_reserve: int | str | None = None,
         vision: VisionLanguage | None = None,
+        kv_dtype: str = "auto",
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/runtime/budget.py):
@@ -110,7 +112,11 @@ class Engine:
         their weights once per forward).
         ``stream_factory(priority)`` makes the CUDA streams the engine's users create
         (default ``torch.cuda.Stream``; an SM-restricted green context passes its own).
-        ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision)."""
+        ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision).
+        ``kv_dtype``: how K/V rows are held, "auto" (the model's dtype) or "int8" (codes
+        and a scale a row, edge/kernels/kv_int8.py), in the paged pool and the contiguous
+        cache alike."""
+        kv_dtype = parse_kv_dtype(kv_dtype)
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -126,6 +132,7 @@ class Engine:
             int8_tuning=int8_tuning,
             int4_tuning=int4_tuning,
             sms=sms,
+            kv_int8=kv_dtype == "int8",
         )
         log.info("backend: %s", self.backend.describe())
         model = model.with_backend(self.backend)
@@ -137,6 +144,7 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self.kv_kind = kv_cache
+        self.kv_dtype = kv_dtype
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if prefill_chunk is None:
             prefill_chunk = self._default_prefill_chunk(memory_info)
@@ -160,6 +168,7 @@ class Engine:
                     memory=memory_info,
                     reserve=memory_reserve,
                     cuda_graph=cuda_graph is not False and graph_ok,
+                    kv_dtype=kv_dtype,
                 )
                 log.info("%s", self.budget.describe())
                 num_blocks = self.budget.num_blocks
@@ -172,11 +181,13 @@ class Engine:
                 self.device,
                 self.dtype,
                 poison=poison_kv,
+                kv_dtype=kv_dtype,
             )
             self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, attention)
             if attention.graph_decode_options is not None:
                 self.kv.decode_options = attention.graph_decode_options(
-                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
+                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size,
+                    kv_int8=kv_dtype == "int8",
                 )
         # The captured step reads its position on the device: CUDA attention kernels only.
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok
@@ -301,7 +312,7 @@ class Engine:
             seq.slot = slot
             return seq
         if self._contiguous is None:
-            self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype)
+            self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype, self.kv_dtype)
         self._contiguous.release()
         return self._contiguous
 
@@ -523,6 +534,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache": self.kv_kind,
+            "kv_dtype": self.kv_dtype if self.kv_dtype != "auto" else str(self.dtype).removeprefix("torch."),
             "max_seq_len": self.max_seq_len,
             "prefill_chunk": self.prefill_chunk,
             "cuda_graph": self.cuda_graph,

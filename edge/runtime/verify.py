@@ -5,7 +5,10 @@ the baseline is the contiguous cache on the torch reference backend. On a GPU on
 is the production decode step as it ships: paged KV, CUDA graphs, the fused layer
 kernels and, with ``--quantize int8`` / ``int4``, the int8 / int4 GEMV plan. A divergence is accepted
 only at a genuine near-tie: where the baseline's top-2 logit gap is below
-``--tie-tolerance``. Exit code 0 only when every mode agrees.
+``--tie-tolerance``. Exit code 0 only when every mode agrees. With ``--kv-dtype int8``
+every engine, the baseline included, holds its K/V in int8 (edge/kernels/kv_int8.py):
+the paths must agree with each other; the drift against float K/V is
+tools/kv_drift.py's to report.
 
 On a GPU the default model is the ``qwen3-peaked`` preset (built once into the cache):
 its logits are peaked, so bfloat16 runs compare hundreds of tokens per case instead of
@@ -26,6 +29,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge.runtime.budget import KV_DTYPES
 from edge.runtime.engine import Engine, default_device
 from edge.quant.int4 import Int4Weight
 from edge.runtime.kv_paged import PagedKVCache
@@ -187,7 +191,7 @@ def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
     def paged(name: str, **kw) -> None:
         out[name] = Engine(
             base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks,
-            page_size=base.page_size, max_seq_len=base.max_seq_len, vision=base.vision, **kw,
+            page_size=base.page_size, max_seq_len=base.max_seq_len, vision=base.vision, kv_dtype=base.kv_dtype, **kw,
         )
 
     paged("paged-reference", kernels="reference", cuda_graph=False)
@@ -249,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         "--quantize", choices=("none", "int8", "int4"), default="none",
         help="int8: q8_0 projections; int4: W4A16 (RTN) projections; quantized while loading",
     )
+    p.add_argument(
+        "--kv-dtype", choices=KV_DTYPES, default="auto",
+        help="how every engine (the baseline too) holds K/V: auto (the model's dtype) or int8",
+    )
     p.add_argument("--min-tokens", type=int, help="tokens each case generates (default: 200 on a GPU, 24 on the CPU)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = p.parse_args(argv)
@@ -273,12 +281,14 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph=False,
             kernels="reference",
             quantize=None if args.quantize == "none" else args.quantize,
+            kv_dtype=args.kv_dtype,
         )
         tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
         label, dtype = base.model_dir.name, str(base.dtype)
         headers.append(
             f"model {base.model_dir} ({base.cfg.architecture}{', images' if base.vision else ''}), {device}, "
-            f"{str(base.dtype).removeprefix('torch.')}, page {args.page_size}, quantize {args.quantize}; "
+            f"{str(base.dtype).removeprefix('torch.')}, page {args.page_size}, quantize {args.quantize}, "
+            f"kv {args.kv_dtype}; "
             "baseline: contiguous KV, reference backend"
         )
         engines = modes(base, device)

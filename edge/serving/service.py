@@ -120,6 +120,7 @@ class Service:
                 max_seq_len=s.max_seq_len,
                 cuda_graph=s.cuda_graph,
                 check_weights=not s.skip_weight_check,
+                kv_dtype=s.kv_dtype,
                 **options,
             )
             self.engine = engine
