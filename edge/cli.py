@@ -383,9 +383,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from edge.runtime.verify import main as verify_main
+    from edge.runtime.verify import run as verify_run
 
-    return verify_main(args.verify_args)
+    return verify_run(args)
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -464,8 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(i)
     i.set_defaults(func=cmd_info)
 
-    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token", add_help=False)
-    v.add_argument("verify_args", nargs=argparse.REMAINDER)
+    from edge.runtime.verify_args import DESCRIPTION as VERIFY_DESCRIPTION, add_verify_args
+
+    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token",
+                       description=VERIFY_DESCRIPTION)
+    add_verify_args(v)
     v.set_defaults(func=cmd_verify)
 
     m = sub.add_parser("monitor", help="print live temperature and power samples")

@@ -40,8 +40,18 @@ def test_missing_model_directory_is_a_clear_error() -> None:
     assert "does not exist" in r.stderr
 
 
-def test_verify_paged_script_exits_zero() -> None:
-    r = run("tools/verify_paged.py", "--json", timeout=600)
+def test_verify_options_and_help() -> None:
+    """`edge verify` takes the script's options (they were once all "unrecognized")."""
+    for cmd in (("-m", "edge.cli", "verify", "--help"), ("tools/verify_paged.py", "--help")):
+        r = run(*cmd)
+        assert r.returncode == 0, r.stderr
+        assert all(opt in r.stdout for opt in ("--quantize", "--json", "--model", "--min-tokens")), r.stdout
+    r = run("-m", "edge.cli", "verify", "--quantize", "int3")
+    assert r.returncode == 2 and "invalid choice: 'int3'" in r.stderr, r.stderr
+
+
+def test_edge_verify_exits_zero() -> None:
+    r = run("-m", "edge.cli", "verify", "--json", timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads(r.stdout)
     assert report["ok"]
@@ -135,3 +145,38 @@ def test_generate_goes_through_the_scheduler(monkeypatch, capsys) -> None:
     assert len(handles) == 1 and handles[0].finished
     assert out["token_ids"] == handles[0].result(1).token_ids and len(out["token_ids"]) == 6
     assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 6
+
+
+def test_image_for_a_text_model_is_one_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """`edge generate --image` on the embedded text model: one line, not the template's TypeError."""
+    from PIL import Image
+
+    from edge.cli import main
+
+    image = tmp_path / "green.png"
+    Image.new("RGB", (32, 32), (10, 200, 10)).save(image)
+    assert main(["generate", "--image", str(image), "--max-tokens", "2"]) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("edge:")]
+    assert err and "is not a vision-language model: it takes no images" in err[0], err
+
+
+def test_image_part_for_a_text_model_is_a_400() -> None:
+    """The API: an image_url part sent to a text model is a 400 naming the part, before any template runs."""
+    import pytest
+
+    from edge.model.random_model import default_model_path
+    from edge.runtime.engine import Engine
+    from edge.serving.errors import BadRequest
+    from edge.serving.prompts import encode_request
+    from edge.serving.schema import ChatCompletionRequest, parse_request
+
+    engine = Engine.from_pretrained(default_model_path(), device="cpu", max_seq_len=256)
+    body = {"messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        {"type": "text", "text": "What is it?"}]}]}
+    req = parse_request(json.dumps(body).encode(), ChatCompletionRequest)
+    with pytest.raises(BadRequest) as info:
+        encode_request(engine, req, "chat")
+    assert "\n" not in str(info.value) and "image" in str(info.value), info.value
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        engine.chat_prompt([{"role": "user", "content": [{"type": "image", "image": b"x"}, {"type": "text", "text": "hi"}]}])

@@ -490,11 +490,15 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
         if self.vision is not None:
             return self.vision.prompt_from_messages(self.tokenizer, messages)
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                                          for p in m["content"]) for m in messages):
+            self._vision()  # a text model's template cannot place an image: say so, in one line
         return self.tokenizer.encode_chat(messages)
 
     def _vision(self) -> VisionLanguage:
         if self.vision is None:
-            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images")
+            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images "
+                             "(images need a Qwen3-VL or Qwen2.5-VL checkpoint)")
         return self.vision
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
