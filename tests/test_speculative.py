@@ -429,11 +429,12 @@ def test_bench_speculative_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     import bench
 
     args = bench.build_parser().parse_args(
-        ["speculative", "--device", "cpu", "--preset", "tiny", "--context", "16", "--max-k", "2", "--reps", "1",
+        ["speculative", "--device", "cpu", "--context", "16", "--max-k", "2", "--reps", "1",
          "--tokens", "8", "--max-seq-len", "128"]
     )
     out = json.loads(json.dumps(args.func(args)))  # what the command prints
     assert out["mode"] == "speculative" and out["backend"] == "reference"
+    assert out["model"] == "tiny"  # the CPU's default preset (the GPU's, qwen3-8b, would not fit a small host)
     assert out["decode"]["step_ms"] > 0 and out["plain"]["tok_s"] > 0
     assert [r["k"] for r in out["verify"]] == [1, 2]
     assert all(r["step_ms"] > 0 and r["vs_decode"] > 0 and r["path"] == "eager" for r in out["verify"])
