@@ -307,6 +307,9 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
     """The service a front-end talks to: --url/--uds, or started here with --in-process."""
     from edge.serving.chat_client import ChatClient, InProcessService
 
+    if not args.verbose:  # one INFO line per HTTP request would land inside the conversation
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     api_key = os.environ.get("EDGE_API_KEY")
     if args.api_key_file:
         from edge.settings import read_api_key
