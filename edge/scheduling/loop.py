@@ -165,7 +165,9 @@ class Scheduler:
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         mm = None if isinstance(prompt_ids, list) else prompt_ids
-        if params.speculative is None and mm is None:
+        if params.speculative is not None and params.speculative.off:
+            params.speculative = None  # the request opts out of the server's default
+        elif params.speculative is None and mm is None:
             params.speculative = self.speculative
         elif params.speculative is not None:
             if mm is not None:
