@@ -180,3 +180,31 @@ def test_image_part_for_a_text_model_is_a_400() -> None:
     assert "\n" not in str(info.value) and "image" in str(info.value), info.value
     with pytest.raises(ValueError, match="not a vision-language model"):
         engine.chat_prompt([{"role": "user", "content": [{"type": "image", "image": b"x"}, {"type": "text", "text": "hi"}]}])
+
+
+def test_generate_at_the_end_of_the_context_counts_as_the_server(capsys) -> None:  # noqa: ANN001
+    """Prompt and completion fill the context at most, in `edge generate`, the Python API
+    and the server alike (the CLI once emitted one token more than the server)."""
+    from edge.cli import main
+    from edge.runtime.engine import Engine
+    from edge.sampling import SamplingParams
+    from edge.scheduling import Scheduler
+    from edge.serving.schema import CompletionRequest, parse_request, sampling_params
+
+    ctx, prompt = 32, list(range(5, 35))  # 30 tokens: room for 2
+    body = json.dumps({"prompt": prompt, "max_tokens": 10}).encode()
+    server = sampling_params(parse_request(body, CompletionRequest), len(prompt), ctx).max_tokens
+    engine = Engine.from_pretrained(device="cpu", max_seq_len=ctx)
+    api = engine.generate(prompt, SamplingParams(max_tokens=10, ignore_eos=True))
+    sched = Scheduler(engine, queue_size=1)
+    sched.start()
+    try:
+        scheduled = sched.submit(prompt, SamplingParams(max_tokens=10, ignore_eos=True)).result(timeout=120)
+    finally:
+        sched.stop()
+    assert main(["generate", "--max-seq-len", str(ctx), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-tokens", "10", "--ignore-eos", "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    assert server == 2
+    assert len(api.token_ids) == len(scheduled.token_ids) == len(cli["token_ids"]) == server
+    assert cli["finish_reason"] == "length" and "message" not in cli

@@ -423,6 +423,12 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_seq_len} tokens"
             )
 
+    def completion_room(self, prompt_len: int) -> int:
+        """Tokens a completion of a ``prompt_len``-token prompt may have: prompt and
+        completion together fill the context at most (as the API and transformers'
+        ``max_length`` count; the last token is never written to the cache)."""
+        return max(self.max_seq_len - prompt_len, 0)
+
     # -- one request on the calling thread ----------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -442,6 +448,7 @@ class Engine:
         mm = None if isinstance(prompt, (str, list)) else prompt
         prompt_ids = self.encode(prompt) if mm is None else mm.ids
         self.check_prompt(prompt_ids, params.max_tokens)
+        params.max_tokens = min(params.max_tokens, self.completion_room(len(prompt_ids)))
         gen = self.new_generation(prompt_ids, params, self._sampler)
         seq = self.new_sequence(slot=0)
         try:

@@ -176,6 +176,7 @@ class Scheduler:
                 raise SamplingError("speculative method 'draft' needs a draft model; this server has none")
         ids = [int(t) for t in (prompt_ids if mm is None else mm.ids)]
         self.engine.check_prompt(ids, params.max_tokens)
+        params.max_tokens = min(params.max_tokens, self.engine.completion_room(len(ids)))
         vocab = self.engine.cfg.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
