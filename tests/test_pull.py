@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from huggingface_hub import errors as hub_errors
+from huggingface_hub import utils as hub_errors
 from huggingface_hub.utils import filter_repo_objects
 
 from edge.cli import main

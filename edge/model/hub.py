@@ -72,7 +72,7 @@ def pull(repo: str, directory: Path, revision: str | None = None, token: str | N
     """Download ``repo`` (at ``revision``) into ``directory``; PullError in one line when
     the repository, the revision or the network is not there."""
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
+    from huggingface_hub.utils import (  # where every release since 0.23 exports them
         GatedRepoError,
         HfHubHTTPError,
         LocalEntryNotFoundError,
