@@ -1,4 +1,4 @@
-"""The ``edge`` command: generate, chat, voice, info, verify, monitor, serve."""
+"""The ``edge`` command: generate, chat, voice, info, verify, pull, monitor, serve."""
 
 from __future__ import annotations
 
@@ -314,6 +314,9 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
     """The service a front-end talks to: --url/--uds, or started here with --in-process."""
     from edge.serving.chat_client import ChatClient, InProcessService
 
+    if not args.verbose:  # one INFO line per HTTP request would land inside the conversation
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     api_key = os.environ.get("EDGE_API_KEY")
     if args.api_key_file:
         from edge.settings import read_api_key
@@ -392,9 +395,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from edge.runtime.verify import main as verify_main
+    from edge.runtime.verify import run as verify_run
 
-    return verify_main(args.verify_args)
+    return verify_run(args)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Download a checkpoint from the Hugging Face Hub (edge.model.hub); its directory on stdout."""
+    from edge.model.hub import CATALOGUE, default_directory, pull, recommended, resolve
+    from edge.model.random_model import cache_dir
+
+    if args.model is None:
+        from edge.runtime.budget import fmt_bytes, host_memory
+
+        width = max(len(c.name) for c in CATALOGUE)
+        print("checkpoints (edge pull NAME, or any Hugging Face repository id owner/name):")
+        for c in CATALOGUE:
+            print(f"  {c.name:<{width}}  {c.repo:<28} {c.format}; for {c.boards}")
+        total = host_memory()[0]
+        print(f"recommended for this machine ({fmt_bytes(total)} of memory): edge pull {recommended(total).name}")
+        return 0
+    repo = resolve(args.model)
+    directory = Path(args.dir).expanduser() if args.dir else default_directory(repo, cache_dir() / "models")
+    print(f"edge: downloading {repo} into {directory} (if interrupted, the same command resumes)", file=sys.stderr)
+    try:
+        path = pull(repo, directory, args.revision)
+    except KeyboardInterrupt:
+        print("\nedge: pull interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"edge: ready: edge generate --model {path}", file=sys.stderr)
+    print(path)
+    return 0
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -474,9 +505,19 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(i)
     i.set_defaults(func=cmd_info)
 
-    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token", add_help=False)
-    v.add_argument("verify_args", nargs=argparse.REMAINDER)
+    from edge.runtime.verify_args import DESCRIPTION as VERIFY_DESCRIPTION, add_verify_args
+
+    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token",
+                       description=VERIFY_DESCRIPTION)
+    add_verify_args(v)
     v.set_defaults(func=cmd_verify)
+
+    pl = sub.add_parser("pull", help="download a checkpoint from the Hugging Face Hub (no argument: the list, "
+                        "and the one recommended for this board)")
+    pl.add_argument("model", nargs="?", help="a name from the list (e.g. qwen3-4b-awq) or a repository id owner/name")
+    pl.add_argument("--dir", help="directory to download into (default: the cache, ~/.cache/edge/models/NAME)")
+    pl.add_argument("--revision", help="branch, tag or commit (default: main)")
+    pl.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("monitor", help="print live temperature and power samples")
     m.add_argument("--period", type=_in_range(0, 3600, low_open=True), default=1.0, help="seconds between samples")

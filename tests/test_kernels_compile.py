@@ -100,14 +100,69 @@ def _vid(v) -> str:
     )
 
 
+def _compile(source: str, arch: str, defines: dict) -> tuple[bytes, str]:
+    """(cubin, PTX) of one NVRTC compilation for a real arch, with the options the
+    production path builds (nvrtc.compile_cubin: cuda.core's ProgramOptions), so one
+    compile serves both checks. Any log output fails, as it does there."""
+    rt = nvrtc._nvrtc_module()
+    path = Path(source) if Path(source).is_absolute() else nvrtc.KERNEL_DIR / source
+    opts = nvrtc.core().ProgramOptions(
+        name=source, arch=arch, std=nvrtc.STD, include_path=[str(nvrtc.KERNEL_DIR), *nvrtc.cuda_include_dirs()],
+        define_macro=list(nvrtc._normalize_defines(defines)) or None,
+    ).as_bytes("nvrtc")
+    err, prog = rt.nvrtcCreateProgram(path.read_bytes(), source.encode(), 0, [], [])
+    assert int(err) == 0, err
+    try:
+        (err,) = rt.nvrtcCompileProgram(prog, len(opts), list(opts))
+        _, log_size = rt.nvrtcGetProgramLogSize(prog)
+        log = b" " * log_size
+        rt.nvrtcGetProgramLog(prog, log)
+        text = log.decode(errors="replace").replace("\x00", "").strip()
+        assert int(err) == 0 and not text, f"{source} ({arch}, {defines}):\n{text}"
+        _, size = rt.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = rt.nvrtcGetCUBIN(prog, cubin)
+        assert int(err) == 0, err
+        _, size = rt.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        (err,) = rt.nvrtcGetPTX(prog, ptx)
+        assert int(err) == 0, err
+        return cubin, ptx.decode(errors="replace")
+    finally:
+        rt.nvrtcDestroyProgram(prog)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
-def test_kernel_compiles_cleanly(arch, variant, tmp_path, monkeypatch):
+def test_kernel_compiles_cleanly_and_waits_for_its_predecessor(arch, variant):
+    """Every instantiation compiles for the arch without a warning. The decode graph
+    launches every kernel overlapped on sm_90 (nvrtc.overlapped): a kernel without
+    griddepcontrol.wait would read its inputs before they are written, so on sm_90 each
+    entry waits and lets the next kernel start; Orin (sm_87) has no such instruction.
+    Both from the PTX of the same compilation."""
+    _nvrtc_or_skip()
+    source, defines = variant
+    cubin, ptx = _compile(source, arch, defines)
+    assert cubin[:4] == b"\x7fELF"
+    if arch == "sm_87":
+        assert "griddepcontrol" not in ptx
+        return
+    entries = ptx.split(".entry ")[1:]
+    assert entries
+    for body in entries:
+        name = body.split("(", 1)[0]
+        assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
+        assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_checked_compile_is_the_production_compile(arch, tmp_path, monkeypatch):
+    """_compile builds the options as nvrtc.compile_cubin does: the same cubin, bit for bit."""
     _nvrtc_or_skip()
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    source, defines = variant
-    cubin = nvrtc.compile_cubin(source, arch, defines, use_cache=False)
-    assert cubin[:4] == b"\x7fELF"
+    defines = {"CFG_DTYPE": 2, "CFG_HEAD_DIM": 64}
+    assert _compile("paged_prefill.cu", arch, defines)[0] == nvrtc.compile_cubin(
+        "paged_prefill.cu", arch, defines, use_cache=False)
 
 
 def _ptx(source: str, arch: str, defines: dict) -> str:
@@ -127,24 +182,6 @@ def _ptx(source: str, arch: str, defines: dict) -> str:
         return buf.decode(errors="replace")
     finally:
         rt.nvrtcDestroyProgram(prog)
-
-
-@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
-def test_every_kernel_waits_for_its_predecessor(variant):
-    """The decode graph launches every kernel overlapped on sm_90 (nvrtc.overlapped): a
-    kernel without griddepcontrol.wait would read its inputs before they are written.
-    Orin (sm_87) has no such instruction: checked on each source's first variant (the
-    instructions come from common.cuh's arch-guarded helpers, whatever the defines)."""
-    _nvrtc_or_skip()
-    source, defines = variant
-    entries = _ptx(source, "sm_90", defines).split(".entry ")[1:]
-    assert entries
-    for body in entries:
-        name = body.split("(", 1)[0]
-        assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
-        assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
-    if next(v for v in VARIANTS if v[0] == source) is variant:
-        assert "griddepcontrol" not in _ptx(source, "sm_87", defines)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -184,7 +221,9 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
     from edge.kernels import paged_cuda
 
     _nvrtc_or_skip()
-    for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
+    # float16 and bfloat16 stage 2-byte elements alike: both at the default tuning, bf16 elsewhere.
+    dtypes = ((1, torch.float16), (2, torch.bfloat16)) if (warps, stages) == (8, 2) else ((2, torch.bfloat16),)
+    for code, dtype in dtypes:
         for d in (64, 128):
             for q8 in (False, True) if code == 2 else (False,):  # int8 KV: stages of codes and scales
                 defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}

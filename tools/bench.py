@@ -692,8 +692,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """A mode bound for a GPU on a machine where torch sees none stops in one line
+    naming the CPU run, where the mode has one."""
+    import torch
+
+    device = getattr(args, "device", None)
+    if (device or "cuda").startswith("cuda") and not torch.cuda.is_available():
+        cpu = " (on the CPU: --device cpu)" if device is not None else (
+            " (on the CPU: tools/bench.py scheduler, speculative or vision with --device cpu)")
+        raise SystemExit(f"bench.py {args.mode}: torch sees no CUDA GPU{cpu}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_device(args)
     result = args.func(args)
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")

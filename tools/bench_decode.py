@@ -123,6 +123,8 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
         )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
+    if device.type == "cpu":
+        check_host_memory(raw, dtype, args.preset)
     if getattr(args, "init_profile", None):
         raw["init_profile"] = args.init_profile
         if args.init_profile == "peaked":
@@ -145,6 +147,23 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
 
 def _kv_dtype(args: argparse.Namespace) -> str:
     return getattr(args, "kv_dtype", None) or "auto"
+def check_host_memory(raw: dict, dtype: torch.dtype, preset: str) -> None:
+    """A random preset built in host RAM: refused in one line when its weights cannot fit
+    in the memory available, with a warning on stderr when they take over half of it."""
+    import math
+    import sys
+
+    from edge.runtime.budget import fmt_bytes, host_memory
+    from edge.model.random_model import state_dict_shapes
+
+    need = sum(math.prod(s) for s in state_dict_shapes(raw).values()) * torch.empty((), dtype=dtype).element_size()
+    _, available, _ = host_memory()
+    what = f"the {preset} preset's weights take {fmt_bytes(need)} in {str(dtype).removeprefix('torch.')}"
+    if need > available:
+        raise SystemExit(f"bench: {what}, more than the {fmt_bytes(available)} of memory available; "
+                         "choose a smaller --preset (tiny, qwen3-0.6b)")
+    if 2 * need > available:
+        print(f"bench: warning: {what} of the {fmt_bytes(available)} available", file=sys.stderr)
 
 
 def serial_engine(engine: Engine, args: argparse.Namespace, streams: Any = None) -> Engine:

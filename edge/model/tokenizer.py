@@ -20,7 +20,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from edge.errors import ChatTemplateError, InvalidPrompt
-from edge.model.files import MAX_TOKENIZER_BYTES, check_regular, read_json_object, read_text
+from edge.model.files import MAX_TOKENIZER_BYTES, check_regular, read_json_object
 
 Message = Mapping[str, Any]
 
@@ -67,16 +67,20 @@ def _as_id_list(value: int | Sequence[int] | None) -> list[int]:
     return [int(v) for v in value]
 
 
-def _select_chat_template(template: str | Sequence[Mapping[str, str]] | None) -> str | None:
-    # Some models ship several named templates ("default", "tool_use", "rag").
+def _select_chat_template(template: str | Sequence[Mapping[str, str]] | Mapping[str, str] | None) -> str | None:
+    # Some models ship several named templates ("default", "tool_use", "rag"): a list of
+    # {"name", "template"} in tokenizer_config.json, a {name: template} map in a processor.
     if template is None or isinstance(template, str):
         return template
-    if not isinstance(template, list) or not all(
-            isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
-            for e in template):
-        raise TokenizerError("chat_template in tokenizer_config.json must be a string or a list of "
-                             '{"name": ..., "template": ...} objects')
-    by_name = {entry["name"]: entry["template"] for entry in template}
+    if isinstance(template, Mapping):
+        by_name = {str(k): v for k, v in template.items() if isinstance(v, str)}
+    else:
+        if not isinstance(template, list) or not all(
+                isinstance(e, Mapping) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+                for e in template):
+            raise TokenizerError("chat_template must be a string, a {name: template} map or a list of "
+                                 '{"name": ..., "template": ...} objects')
+        by_name = {entry["name"]: entry["template"] for entry in template}
     if "default" in by_name:
         return by_name["default"]
     return next(iter(by_name.values()), None)
@@ -110,6 +114,52 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# -- where a model directory keeps its chat template, read as transformers reads it --
+
+# A vision-language model's processor (preprocessor_config.json beside the tokenizer)
+# renders its chats from its own template.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _read_text(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path}: {_one_line(exc)}") from None
+
+
+def tokenizer_chat_template_file(root: Path) -> str | None:
+    """The tokenizer's chat_template.jinja (recent transformers save the template there
+    instead of inside tokenizer_config.json, and it wins over the config's)."""
+    return _read_text(root / "chat_template.jinja")
+
+
+def processor_chat_template(root: Path) -> str | None:
+    """The processor's template, for a directory that holds a processor, in the order of
+    transformers' ``ProcessorMixin.from_pretrained``: a ``chat_template`` key in
+    processor_config.json, then the legacy chat_template.json (``{"chat_template": ...}``),
+    then chat_template.jinja with any named templates of additional_chat_templates/. None where the
+    directory has no processor or the processor no template (the tokenizer's applies)."""
+    if not any((root / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    in_config = _read_json(root / "processor_config.json").get("chat_template")
+    if in_config:
+        return _select_chat_template(in_config)
+    legacy = root / "chat_template.json"
+    if legacy.is_file():
+        template = _read_json(legacy).get("chat_template")
+        if not isinstance(template, (str, list, dict)) or not template:
+            raise TokenizerError(f"cannot parse {legacy}: expected a 'chat_template' string")
+        return _select_chat_template(template)
+    named = {p.stem: _read_text(p) for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
+    default = tokenizer_chat_template_file(root)
+    if default is not None:
+        named["default"] = default
+    return _select_chat_template(named) if named else None
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model directory."""
 
@@ -138,9 +188,7 @@ class Tokenizer:
         tokenizer_file = root / "tokenizer.json"
         if not tokenizer_file.exists():
             raise FileNotFoundError(f"no tokenizer.json in model directory {root} (looked for {tokenizer_file})")
-        template_file = root / "chat_template.jinja"
-        # Recent transformers versions save the template next to the config instead of inside it.
-        chat_template = read_text(template_file, TokenizerError) if template_file.exists() else None
+        chat_template = processor_chat_template(root) or tokenizer_chat_template_file(root)
         check_regular(tokenizer_file, TokenizerError, MAX_TOKENIZER_BYTES)
         try:
             hf = _HFTokenizer.from_file(str(tokenizer_file))
@@ -249,8 +297,9 @@ class Tokenizer:
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ChatTemplateError(
-                "this model has no chat template (no 'chat_template' in tokenizer_config.json "
-                "and no chat_template.jinja); use a plain prompt instead"
+                "this model has no chat template (no 'chat_template' in tokenizer_config.json, "
+                "no chat_template.jinja and, for a vision-language model, no chat_template.json); "
+                "use a plain prompt instead"
             )
         return compile_chat_template(self.chat_template)
 

@@ -435,6 +435,12 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_seq_len} tokens"
             )
 
+    def completion_room(self, prompt_len: int) -> int:
+        """Tokens a completion of a ``prompt_len``-token prompt may have: prompt and
+        completion together fill the context at most (as the API and transformers'
+        ``max_length`` count; the last token is never written to the cache)."""
+        return max(self.max_seq_len - prompt_len, 0)
+
     # -- one request on the calling thread ----------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -454,6 +460,7 @@ class Engine:
         mm = None if isinstance(prompt, (str, list)) else prompt
         prompt_ids = self.encode(prompt) if mm is None else mm.ids
         self.check_prompt(prompt_ids, params.max_tokens)
+        params.max_tokens = min(params.max_tokens, self.completion_room(len(prompt_ids)))
         gen = self.new_generation(prompt_ids, params, self._sampler)
         seq = self.new_sequence(slot=0)
         try:
@@ -502,11 +509,15 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
         if self.vision is not None:
             return self.vision.prompt_from_messages(self.tokenizer, messages)
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                                          for p in m["content"]) for m in messages):
+            self._vision()  # a text model's template cannot place an image: say so, in one line
         return self.tokenizer.encode_chat(messages)
 
     def _vision(self) -> VisionLanguage:
         if self.vision is None:
-            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images")
+            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images "
+                             "(images need a Qwen3-VL or Qwen2.5-VL checkpoint)")
         return self.vision
 
     def score(self, token_ids: list[int]) -> torch.Tensor:

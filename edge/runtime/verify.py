@@ -33,6 +33,7 @@ from edge.runtime.budget import KV_DTYPES
 from edge.runtime.engine import Engine, default_device
 from edge.quant.int4 import Int4Weight
 from edge.runtime.kv_paged import PagedKVCache
+from edge.runtime.verify_args import DESCRIPTION, add_verify_args
 from edge.sampling import SamplerState, SamplingParams
 
 if TYPE_CHECKING:
@@ -237,30 +238,13 @@ def print_table(rows: list[Row], tie_tol: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="verify_paged", description=__doc__)
-    p.add_argument("--model", help="model directory (default: the embedded model, and the vision-language one)")
-    p.add_argument(
-        "--vision-model",
-        help="vision-language model directory or preset for the image cases when --model is not given "
-        "(default: qwen3-vl-peaked on a GPU, qwen3-vl-tiny on the CPU; none: skip them)",
-    )
-    p.add_argument("--device", help="cpu or cuda")
-    p.add_argument("--dtype", help="float32, bfloat16, float16")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--tie-tolerance", type=float, help="top-2 gap under which a divergence is a tie")
-    p.add_argument(
-        "--quantize", choices=("none", "int8", "int4"), default="none",
-        help="int8: q8_0 projections; int4: W4A16 (RTN) projections; quantized while loading",
-    )
-    p.add_argument(
-        "--kv-dtype", choices=KV_DTYPES, default="auto",
-        help="how every engine (the baseline too) holds K/V: auto (the model's dtype) or int8",
-    )
-    p.add_argument("--min-tokens", type=int, help="tokens each case generates (default: 200 on a GPU, 24 on the CPU)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="verify_paged", description=DESCRIPTION)
+    add_verify_args(p)
+    return run(p.parse_args(argv))
 
+
+def run(args: argparse.Namespace) -> int:
+    """The suite for parsed :func:`add_verify_args` options; 0 when every mode agrees."""
     device = torch.device(args.device) if args.device else default_device()
     models = [args.model] if args.model is not None else [default_model(device, args.dtype)]
     if args.model is None and (args.vision_model or "").lower() != "none":

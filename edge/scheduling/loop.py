@@ -165,7 +165,9 @@ class Scheduler:
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         mm = None if isinstance(prompt_ids, list) else prompt_ids
-        if params.speculative is None and mm is None:
+        if params.speculative is not None and params.speculative.off:
+            params.speculative = None  # the request opts out of the server's default
+        elif params.speculative is None and mm is None:
             params.speculative = self.speculative
         elif params.speculative is not None:
             if mm is not None:
@@ -174,6 +176,7 @@ class Scheduler:
                 raise SamplingError("speculative method 'draft' needs a draft model; this server has none")
         ids = [int(t) for t in (prompt_ids if mm is None else mm.ids)]
         self.engine.check_prompt(ids, params.max_tokens)
+        params.max_tokens = min(params.max_tokens, self.engine.completion_room(len(ids)))
         vocab = self.engine.cfg.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:

@@ -8,7 +8,8 @@ OpenAI chat-completions wire format and SSE streaming, like any other client:
 * Ctrl-C interrupts the current answer (the stream is closed and the request
   cancelled with ``POST /v1/cancel/{id}``) and returns to the prompt; Ctrl-D quits;
 * ``/reset`` clears the history, ``/system TEXT`` sets the system prompt,
-  ``/set NAME VALUE`` changes a sampling parameter (``/set max_tokens 64``).
+  ``/set NAME VALUE`` changes a sampling parameter (``/set max_tokens 64``), ``/help``
+  lists the commands; any other ``/word`` is answered here, never sent as a prompt.
 
 ``--in-process`` starts the service inside this process (on a private Unix socket)
 for a self-contained session.
@@ -38,11 +39,15 @@ log = logging.getLogger(__name__)
 CANCEL_TIMEOUT_S = 10.0
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-BANNER = (
-    "edge chat — /reset clears the history, /system TEXT sets the system prompt, "
-    "/image PATH attaches a picture to your next message (vision models), "
-    "/set NAME VALUE changes a sampling parameter, Ctrl-C stops an answer, Ctrl-D quits"
-)
+BANNER = "edge chat — /help lists the commands, Ctrl-C stops an answer, Ctrl-D quits"
+HELP = """commands (handled here, never sent to the model):
+  /help            this list
+  /reset           clear the history
+  /system TEXT     set the system prompt (and clear the history); /system alone clears it
+  /image PATH      attach a picture to your next message (vision-language models)
+  /set NAME VALUE  change a sampling parameter: {settable}
+  //TEXT           send TEXT starting with one '/' as a message
+Ctrl-C stops an answer, Ctrl-D quits."""
 SETTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "ignore_eos")
 
 
@@ -182,24 +187,33 @@ def run_chat(
             continue
         if not line:
             continue
-        if line == "/reset":
-            history.clear()
-            print("[history cleared]", file=out, flush=True)
-            continue
-        if line.startswith("/system"):
-            system = line.removeprefix("/system").strip() or None
-            history.clear()
-            print("[system prompt set]" if system else "[system prompt cleared]", file=out, flush=True)
-            continue
-        if line.startswith("/set"):
-            print(_set_param(params, line.removeprefix("/set").split()), file=out, flush=True)
-            continue
-        if line.startswith("/image"):
-            try:
-                images.append(image_part(line.removeprefix("/image").strip()))
-                print(f"[image attached: {len(images)} for the next message]", file=out, flush=True)
-            except (OSError, ValueError) as exc:
-                print(f"[cannot attach image: {exc}]", file=out, flush=True)
+        if line.startswith("//"):
+            line = line[1:]  # a message that starts with '/'
+        elif line.startswith("/"):
+            # Every /word is a command of this front-end: a mistyped one is said so here,
+            # never sent to the model as a prompt.
+            command, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if command == "/help":
+                print(HELP.format(settable=", ".join(SETTABLE)), file=out, flush=True)
+            elif command == "/reset":
+                history.clear()
+                print("[history cleared]", file=out, flush=True)
+            elif command == "/system":
+                system = arg or None
+                history.clear()
+                print("[system prompt set]" if system else "[system prompt cleared]", file=out, flush=True)
+            elif command == "/set":
+                print(_set_param(params, arg.split()), file=out, flush=True)
+            elif command == "/image":
+                try:
+                    images.append(image_part(arg))
+                    print(f"[image attached: {len(images)} for the next message]", file=out, flush=True)
+                except (OSError, ValueError) as exc:
+                    print(f"[cannot attach image: {exc}]", file=out, flush=True)
+            else:
+                print(f"[unknown command {command}: /help lists the commands; //TEXT sends a message starting "
+                      "with '/']", file=out, flush=True)
             continue
         history.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
         images = []

@@ -14,7 +14,8 @@ conversion) and unknown fields are ignored, as OpenAI does. Parameter mapping:
 * ``frequency_penalty`` / ``presence_penalty``: only 0 is accepted (400 otherwise);
   use the ``repetition_penalty`` extension instead.
 * Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``speculative``
-  (``{"method": "ngram" | "draft", "num_tokens": 1..16}``; unset: the server's default).
+  (``{"method": "ngram" | "draft" | "off", "num_tokens": 1..16}``; unset: the server's default;
+  "off": plain decoding whatever the default).
   A speculative response's ``usage`` carries ``speculative``: steps, proposed and
   accepted tokens, tokens per step, acceptance rate.
 * Refused with 400: ``n`` > 1, ``logprobs``/``top_logprobs``, ``tools``/``functions``
