@@ -23,7 +23,7 @@ import torch
 
 from edge.model.kv import SequenceKV
 from edge.runtime.kv_paged import PagedSequence
-from edge.sampling import SamplerState, sample, target_probs, uniform_noise
+from edge.sampling import SamplerState, apply_token_bitmask, sample, target_probs, uniform_noise
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
@@ -114,11 +114,15 @@ def verify(
     state: SamplerState,
     greedy: bool,
     draft_probs: torch.Tensor | None = None,
+    bitmasks: torch.Tensor | None = None,
 ) -> Verdict:
     """Feed ``last`` (the newest token, not yet in ``seq``) and ``proposed`` in one
     forward; keep ``last`` and the accepted proposals in the KV, roll the rejected ones
-    back (length and block table only). Raises KVOutOfMemory with ``seq`` unchanged."""
+    back (length and block table only). Raises KVOutOfMemory with ``seq`` unchanged.
+    ``bitmasks [k + 1, words]``: a grammar's allowed tokens at each position."""
     logits = engine.forward(seq, [last, *proposed], all_logits=True)
+    if bitmasks is not None:
+        logits = apply_token_bitmask(logits, bitmasks)
     verdict = accept(logits, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
     return verdict

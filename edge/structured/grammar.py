@@ -11,8 +11,9 @@ The shapes, for the Hermes / Qwen tool format (edge/structured/formats.py)::
     body (tools, function)    : exactly one call of that function
     call: "<tool_call>" "\\n" {"name": <const>, "arguments": <parameters>} "\\n" "</tool_call>"
 
-JSON whitespace is bounded (at most ``JSON_WHITESPACE`` per gap): a model can pretty-print,
-but cannot pad an answer forever."""
+JSON is written compactly: at most one space between its tokens (``JSON_WHITESPACE``), the
+form models write inline and OpenAI's structured outputs return. Free whitespace lets a
+model pad an answer with newlines until it runs out of tokens."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from typing import Any
 from edge.structured.formats import ToolFormat
 from edge.structured.request import StructuredRequest, Tool
 
-JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,24}"
+JSON_WHITESPACE = r"[\x20]{0,1}"
 # Between tool calls, and after the last: a line break or two.
 CALL_SEPARATOR = r"/[\x20\x0A]{0,3}/"
 
@@ -71,7 +72,8 @@ def build_grammar(req: StructuredRequest, fmt: ToolFormat) -> str | None:
         rules.append(f"think[lazy]: /(.|\\n)*/ {_lit(fmt.think_close)}")
     else:
         rules.append("start: body")
-    lead = r"/[\x20\x0A]{0,2}/"  # after a think block: the blank line the model writes
+    # After a think block, the blank line the model writes before its answer.
+    lead = r"/[\x20\x0A]{0,2}/" if req.thinking != "off" else ""
     if not req.calls_tools:
         rules.append(f"body: {lead} answer")
         rules.append(f"answer: {json_rule(req.schema or {})}")
