@@ -6,6 +6,7 @@ allowed: the layout llguidance and xgrammar fill and the engine's mask kernels r
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Sequence
 
@@ -123,4 +124,12 @@ def make_matcher_error(ll: LLMatcher) -> GrammarError | None:
 
 
 def first_line(message: str) -> str:
-    return " ".join(message.strip().splitlines()[0].split()) if message.strip() else "invalid grammar"
+    """llguidance's error on one line: its lines up to the grammar listing it appends,
+    without the caret lines."""
+    kept = []
+    for line in message.strip().splitlines():
+        if re.match(r"^\s*\d+ \|", line):
+            break
+        if line.strip() and line.strip() != "^":
+            kept.append(line.strip())
+    return " ".join(" ".join(kept).split()) or "invalid grammar"

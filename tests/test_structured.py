@@ -1,0 +1,255 @@
+"""Structured output on the CPU with the random-weight embedded model: only the grammar
+mask makes its output valid, so every finished output must parse and validate
+(``jsonschema``, an oracle we did not write) against hypothesis-generated schemas and tool
+sets; speculative + constrained greedy output equals plain constrained decoding; bad
+schemas are refused naming the field; the output parser streams what it parses whole."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from edge.runtime.engine import Engine
+from edge.model.random_model import make_model
+from edge.sampling import SamplingParams
+from edge.scheduling import Scheduler
+from edge.speculative.params import SpeculativeParams
+from edge.structured.compiler import GrammarCompiler
+from edge.structured.errors import GrammarError
+from edge.structured.formats import HERMES
+from edge.structured.output import OutputParser, parse_output
+from edge.structured.request import parse_structured
+
+MAX_TOKENS = 160  # room for every generated schema's longest compact answer
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    return Engine.from_pretrained(kv_cache="paged", page_size=4, num_blocks=256)
+
+
+@pytest.fixture(scope="module")
+def compiler(engine: Engine) -> GrammarCompiler:
+    tok = engine.tokenizer
+    c = GrammarCompiler(tok.to_json(), engine.cfg.vocab_size, tok.eos_token_ids)
+    yield c
+    c.close()
+
+
+# -- generated schemas: bounded, so a finished answer exists within MAX_TOKENS ---------------
+
+NAMES = st.text(alphabet="abcdefgh_", min_size=1, max_size=6)
+leaf = st.one_of(
+    st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
+              st.integers(-50, 50), st.integers(0, 1000)),
+    st.just({"type": "boolean"}),
+    st.just({"type": "null"}),
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 6)),
+    st.builds(lambda vals: {"enum": vals}, st.lists(st.one_of(NAMES, st.integers(0, 9)), min_size=1, max_size=4,
+                                                    unique=True)),
+    st.builds(lambda p: {"type": "string", "pattern": p}, st.sampled_from(["^[a-z]{1,4}$", "^[0-9]{2}-[0-9]{2}$"])),
+)
+
+
+def _object(props: dict, required_all: bool) -> dict:
+    return {"type": "object", "properties": props, "required": sorted(props) if required_all else [],
+            "additionalProperties": False}
+
+
+def _array(items: dict, n: int) -> dict:
+    return {"type": "array", "items": items, "minItems": min(1, n), "maxItems": n}
+
+
+inner = st.one_of(
+    leaf,
+    st.builds(_array, leaf, st.integers(0, 3)),
+    st.builds(lambda a, b: {"anyOf": [a, b]}, leaf, leaf),
+)
+schemas = st.one_of(
+    st.builds(_object, st.dictionaries(NAMES, inner, min_size=1, max_size=4), st.booleans()),
+    st.builds(lambda props: {"$defs": {"item": _object(props, True)}, "type": "object",
+                             "properties": {"items": _array({"$ref": "#/$defs/item"}, 2)},
+                             "required": ["items"], "additionalProperties": False},
+              st.dictionaries(NAMES, leaf, min_size=1, max_size=2)),
+)
+
+
+def _chat(engine: Engine, text: str) -> list[int]:
+    return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(schema=schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**31))
+def test_generated_schema_outputs_validate(engine: Engine, compiler: GrammarCompiler, schema: dict,
+                                           temperature: float, seed: int) -> None:
+    req = parse_structured(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    grammar = compiler.compile(req)
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=temperature, seed=seed)
+    r = engine.generate(_chat(engine, "Answer in JSON."), params, grammar.matcher())
+    assert r.finish_reason == "stop", (r.text, schema)
+    jsonschema.validate(json.loads(r.text), schema)
+
+
+TOOL_SETS = st.lists(
+    st.builds(lambda name, props: {"type": "function", "function": {"name": name, "description": "a tool",
+                                                                    "parameters": _object(props, True)}},
+              NAMES, st.dictionaries(NAMES, leaf, max_size=3)),
+    min_size=1, max_size=3, unique_by=lambda t: t["function"]["name"],
+)
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tools=TOOL_SETS, choice=st.sampled_from(["required", "named"]), seed=st.integers(0, 2**31))
+def test_generated_tool_calls_validate(engine: Engine, compiler: GrammarCompiler, tools: list, choice: str,
+                                       seed: int) -> None:
+    named = tools[seed % len(tools)]["function"]["name"]
+    tool_choice = {"type": "function", "function": {"name": named}} if choice == "named" else "required"
+    req = parse_structured(tools=tools, tool_choice=tool_choice, parallel_tool_calls=False)
+    r = engine.generate(_chat(engine, "Call a tool."), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0,
+                                                                      seed=seed), compiler.compile(req).matcher())
+    assert r.finish_reason == "stop", r.text
+    parsed = parse_output(r.text, HERMES, tools=True)
+    assert len(parsed.tool_calls) == 1 and parsed.content is None, r.text
+    call = parsed.tool_calls[0]
+    if choice == "named":
+        assert call.name == named
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in tools}
+    jsonschema.validate(json.loads(call.arguments), params[call.name])
+    assert call.id.startswith("call_")
+
+
+def test_auto_tool_choice_and_thinking_shapes(engine: Engine, compiler: GrammarCompiler) -> None:
+    """auto: free text or calls; a thinking model may think first (the think block is
+    free text before the constrained part)."""
+    tools = [{"type": "function", "function": {"name": "light", "parameters": _object({"on": {"type": "boolean"}},
+                                                                                       True)}}]
+    for thinking in ("off", "on", "open"):
+        req = parse_structured(tools=tools, tool_choice="required", thinking=thinking)
+        r = engine.generate(_chat(engine, "Light on."), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3),
+                            compiler.compile(req).matcher())
+        text = r.text if thinking != "open" else r.text  # "open": the prompt opened the think block
+        parsed = parse_output(text, HERMES, thinking, tools=True)
+        if r.finish_reason == "stop":
+            assert parsed.tool_calls and all(c.name == "light" for c in parsed.tool_calls), r.text
+            for c in parsed.tool_calls:
+                jsonschema.validate(json.loads(c.arguments), tools[0]["function"]["parameters"])
+    # auto without a schema never forces a call: the matcher allows ending right away.
+    matcher = compiler.compile(parse_structured(tools=tools)).matcher()
+    assert matcher.accepting
+
+
+def test_speculative_constrained_greedy_equals_plain_constrained(engine: Engine, compiler: GrammarCompiler,
+                                                                 tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Proposals (an unconstrained draft with other weights, and prompt lookup) are cut at
+    the first token the grammar rejects and every verified position is masked: greedy
+    output is the plain constrained run's, token for token."""
+    schema = _object({"name": {"type": "string", "maxLength": 12}, "n": {"type": "integer", "minimum": 0,
+                                                                          "maximum": 10**6},
+                      "tags": _array({"enum": ["a", "bb", "ccc"]}, 3)}, True)
+    req = parse_structured(response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}})
+    grammar = compiler.compile(req)
+    draft = Engine.from_pretrained(make_model(tmp_path_factory.mktemp("d") / "seed1", seed=1), kv_cache="paged",
+                                   page_size=4, num_blocks=128)
+    sched = Scheduler(engine, draft=draft)
+    sched.start()
+    try:
+        ids = _chat(engine, 'JSON {"name": "x", "n": 1, "tags": ["a"]} again {"name": "x", "n": 1')
+        plain = sched.submit(ids, SamplingParams(max_tokens=MAX_TOKENS), grammar=grammar.matcher()).result(120)
+        assert plain.finish_reason == "stop"
+        jsonschema.validate(json.loads(plain.text), schema)
+        for method in ("draft", "ngram"):
+            spec = SamplingParams(max_tokens=MAX_TOKENS, speculative=SpeculativeParams(method, 4))
+            r = sched.submit(ids, spec, grammar=grammar.matcher()).result(120)
+            assert r.token_ids == plain.token_ids, method
+            assert r.usage.speculative["steps"] < len(r.token_ids) or method == "ngram"
+        # Both slots at once: one constrained, one not.
+        a = sched.submit(ids, SamplingParams(max_tokens=MAX_TOKENS), grammar=grammar.matcher())
+        b = sched.submit(ids, SamplingParams(max_tokens=24, ignore_eos=True))
+        assert a.result(120).token_ids == plain.token_ids
+        assert len(b.result(120).token_ids) == 24
+    finally:
+        sched.stop()
+
+
+# -- bad input ---------------------------------------------------------------------------------
+
+BAD = [
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}),
+     "response_format.json_schema.schema", "foo"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}),
+     "response_format.json_schema.schema", "not"),
+    (dict(tools=[{"type": "function", "function": {"name": "a", "parameters": {
+        "type": "object", "properties": {"q": {"type": "string", "pattern": "(unclosed"}}}}}]),
+     "tools[0].function.parameters", "unclosed"),
+    (dict(tools=[{"type": "function", "function": {"description": "no name"}}]), "tools[0].function.name", "name"),
+    (dict(tools=[{"type": "function", "function": {"name": "a"}}], tool_choice={"type": "function",
+                                                                               "function": {"name": "b"}}),
+     "tool_choice", "'b'"),
+    (dict(tool_choice="required"), "tool_choice", "needs tools"),
+    (dict(response_format={"type": "xml"}), "response_format.type", "xml"),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": {}}}),
+     "response_format.json_schema.name", "name"),
+]
+
+
+@pytest.mark.parametrize("kwargs,param,needle", BAD)
+def test_bad_requests_name_the_field(compiler: GrammarCompiler, kwargs: dict, param: str, needle: str) -> None:
+    with pytest.raises(GrammarError) as info:
+        compiler.compile(parse_structured(**kwargs))
+    assert info.value.param == param and needle in info.value.message
+    assert "\n" not in info.value.message
+
+
+def test_compile_cache_and_time_limit(engine: Engine) -> None:
+    tok = engine.tokenizer
+    c = GrammarCompiler(tok.to_json(), engine.cfg.vocab_size, tok.eos_token_ids, time_limit_s=1e-4)
+    try:
+        # Hundreds of patterned properties: far more than a tenth of a millisecond to build.
+        big = _object({f"p{i}": {"type": "string", "pattern": f"^[a-z]{{{i % 7}}}[0-9]+x{i}$"} for i in range(300)},
+                      True)
+        req = parse_structured(response_format={"type": "json_schema", "json_schema": {"name": "b", "schema": big}})
+        with pytest.raises(GrammarError) as info:
+            c.compile(req)
+        assert info.value.code == "grammar_too_complex"
+        c.time_limit_s = 60.0
+        small = parse_structured(response_format={"type": "json_object"})
+        first = c.compile(small)
+        assert c.compile(small) is first and c.hits == 1
+    finally:
+        c.close()
+
+
+# -- the output parser ---------------------------------------------------------------------------
+
+TEXTS = [
+    ("off", True, 'Sure, one moment.\n<tool_call>\n{"name": "a", "arguments": {"x": 1}}\n</tool_call>\n'
+                  '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call>'),
+    ("on", True, '<think>\nThe user wants a light.\n</think>\n\n<tool_call>\n{"name": "light", "arguments": '
+                 '{"on": true}}\n</tool_call>'),
+    ("open", False, "hmm, 2 < 3 </think>\n\nThe answer is <tool_call> literally."),
+    ("on", True, "No thinking here; a <tool_ mention and <think> later."),
+    ("off", True, '<tool_call>\n{"name": "a", "argu'),  # cut by max_tokens: stays text
+]
+
+
+@pytest.mark.parametrize("thinking,tools,text", TEXTS)
+def test_stream_parser_agrees_with_whole_parse(thinking: str, tools: bool, text: str) -> None:
+    whole = parse_output(text, HERMES, thinking, tools)
+    for step in (1, 3, 7):
+        p = OutputParser(HERMES, thinking, tools)
+        deltas = [d for i in range(0, len(text), step) for d in p.feed(text[i:i + step])] + p.finish()
+        content = "".join(d.get("content", "") for d in deltas) or None
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas) or None
+        calls = [c for d in deltas for c in d.get("tool_calls", [])]
+        assert (content, reasoning) == (whole.content, whole.reasoning)
+        assert [(c["index"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+            [(i, c.name, json.loads(c.arguments)) for i, c in enumerate(whole.tool_calls)]
+    if "</tool_call>" in text:
+        assert whole.tool_calls and all(c.id.startswith("call_") for c in whole.tool_calls)
+        assert len({c.id for c in whole.tool_calls}) == len(whole.tool_calls)
+    if text.endswith('"argu'):
+        assert whole.content == text and not whole.tool_calls
