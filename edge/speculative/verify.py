@@ -136,13 +136,17 @@ def verify_step(
     state: SamplerState,
     greedy: bool,
     draft_probs: torch.Tensor | None = None,
+    bitmasks: torch.Tensor | None = None,
 ) -> Verdict:
     """:func:`verify` through the slot's verify decoder (edge/runtime/verify_graph.py: a
     CUDA graph per token count with the position on the device, or the same step run
-    eagerly on the reference backend). Greedy requests without penalties get the argmax
-    ids from the step itself; the others its logits, decided here."""
-    argmax = greedy and not state.use_penalty
+    eagerly on the reference backend). Greedy requests without penalties or a grammar
+    get the argmax ids from the step itself; the others its logits, decided here
+    (masked by ``bitmasks``, as in :func:`verify`)."""
+    argmax = greedy and not state.use_penalty and bitmasks is None
     out = decoder.run(seq, [last, *proposed], argmax)
+    if bitmasks is not None:
+        out = apply_token_bitmask(out, bitmasks)
     verdict = accept_greedy(out, proposed, state) if argmax else accept(out, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
     if not argmax:
