@@ -124,6 +124,10 @@ class GrammarCompiler:
         assert text is not None
         tok = self._tokenizer.result()
         ll = LLMatcher(tok, LLMatcher.grammar_from_lark(text), log_level=0, limits=_limits())
+        if not ll.is_error():
+            # The first mask here, not on the engine loop: a grammar too large to step
+            # through (llguidance's per-token limits) is refused with the others.
+            ll.compute_bitmask()
         if ll.is_error():
             raise self._locate(req, first_line(ll.get_error()))
         grammar = CompiledGrammar(ll, text, self.vocab_size, self.eos_token_ids)
@@ -146,6 +150,8 @@ class GrammarCompiler:
         for param, schema in parts:
             ll = LLMatcher(tok, LLMatcher.grammar_from_lark("start: " + json_rule(schema)), log_level=0,
                            limits=_limits())
+            if not ll.is_error():
+                ll.compute_bitmask()
             if ll.is_error():
                 why = first_line(ll.get_error()).removeprefix("at 1(8): ").removeprefix("failed to compile JSON schema: ")
                 return GrammarError(f"{param} cannot be enforced: {why}", param)
@@ -155,4 +161,5 @@ class GrammarCompiler:
 def _limits() -> LLParserLimits:
     # Bounded work per grammar and per token (llguidance's fuel units), below its own
     # defaults' worst case so a pathological schema fails fast instead of stalling masks.
-    return LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000)
+    return LLParserLimits(initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000, max_grammar_size=500_000,
+                          verbose_errors=False)
