@@ -370,7 +370,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
         "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "prefill_budget_ms",
-        "speculative", "draft_model", "config", "log_level")}
+        "speculative", "draft_model", "config", "log_level", "grammar_time_limit_s")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     check_engine_args(settings.model, settings.device, settings.dtype)
@@ -454,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "draft[:K] or off [EDGE_SPECULATIVE] (default off)")
     s.add_argument("--draft-model", help="draft model directory (same tokenizer) for speculative method "
                    "'draft' [EDGE_DRAFT_MODEL]")
+    s.add_argument("--grammar-time-limit-s", help="seconds a request's response format / tools may take to compile "
+                   "into a grammar before a 400 [EDGE_GRAMMAR_TIME_LIMIT_S] (default 10)")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")

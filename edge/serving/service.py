@@ -130,7 +130,7 @@ class Service:
 
                 # Builds the grammar engine's token trie in its own thread from now on.
                 self.grammars = GrammarCompiler(engine.tokenizer.to_json(), engine.cfg.vocab_size,
-                                                engine.tokenizer.eos_token_ids)
+                                                engine.tokenizer.eos_token_ids, time_limit_s=s.grammar_time_limit_s)
             from edge.runtime.platform_info import probe_platform
 
             self.platform = probe_platform().as_dict()  # versions and SMs, probed once
