@@ -119,9 +119,13 @@ class ChatClient:
                 if event.get("usage"):
                     self.last_usage = event["usage"]
                 for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content")
+                    delta = choice.get("delta", {})
+                    text = delta.get("content")
                     if text:
                         yield text
+                    for call in delta.get("tool_calls") or []:  # each arrives whole (edge/structured)
+                        fn = call.get("function", {})
+                        yield f"\n[tool call] {fn.get('name')}({fn.get('arguments', '')})"
                     if choice.get("finish_reason"):
                         self.last_finish = choice["finish_reason"]
 
