@@ -322,6 +322,8 @@ def _chat_params(args: argparse.Namespace) -> dict:
     if getattr(args, "tools", None):
         data = json.loads(Path(args.tools).read_text(encoding="utf-8"))
         params["tools"] = data.get("tools") if isinstance(data, dict) else data
+        if getattr(args, "tool_choice", None):
+            params["tool_choice"] = args.tool_choice
     return params
 
 

@@ -236,3 +236,38 @@ def test_bad_schemas_400_while_a_stream_runs(server: ServerProc, client: openai.
     t.join(300)
     events = [json.loads(line[6:]) for line in result["text"].splitlines() if line.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == n
+
+
+def test_voice_runs_the_calls_and_speaks_the_answer(server: ServerProc, tmp_path: Path) -> None:
+    """``edge voice --tools --tool-handler``: a spoken request, a call (required on the
+    turn's first answer), the handler's result back to the model, its answer spoken."""
+    pytest.importorskip("pocketsphinx")
+    import importlib.util
+    import os
+
+    from test_server_support import ROOT, server_env
+
+    spec = importlib.util.spec_from_file_location("voice_bench", ROOT / "tools" / "voice_bench.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    log = tmp_path / "calls.jsonl"
+    (tmp_path / "recorder.py").write_text(
+        "import json, os\n"
+        "def handle(name, arguments):\n"
+        "    with open(os.environ['CALL_LOG'], 'a') as f:\n"
+        "        f.write(json.dumps({'name': name, 'arguments': arguments}) + '\\n')\n"
+        "    return {'ok': True}\n")
+    wav, out = tmp_path / "ask.wav", tmp_path / "answer.wav"
+    bench.make_conversation_wav(wav, parts=((0.5, "Turn the kitchen light on please."),))
+    env = server_env(CALL_LOG=str(log), PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
+    turns, stderr = bench.run_voice(
+        ["--url", server.base_url], wav, out,
+        ["--tools", str(tmp_path / "tools.json"), "--tool-handler", "recorder:handle", "--tool-choice", "required",
+         "--max-tokens", "160", "--temperature", "1", "--seed", "3", "--system", ""], env=env)
+    assert len(turns) == 1, stderr
+    calls = [json.loads(line) for line in log.read_text().splitlines()]
+    assert calls, stderr
+    for c in calls:
+        jsonschema.validate(c["arguments"], PARAMS[c["name"]])
+    assert "[tool call]" in stderr
