@@ -253,3 +253,37 @@ def test_stream_parser_agrees_with_whole_parse(thinking: str, tools: bool, text:
         assert len({c.id for c in whole.tool_calls}) == len(whole.tool_calls)
     if text.endswith('"argu'):
         assert whole.content == text and not whole.tool_calls
+
+
+def test_chat_front_end_shows_tool_calls_and_keeps_them() -> None:
+    """``edge chat``: the calls of an answer are printed and go into the history."""
+    import io
+
+    from edge.serving.chat_client import run_chat
+
+    call = {"id": "call_1", "type": "function", "function": {"name": "set_light", "arguments": '{"on": true}'}}
+    sent: list[list[dict]] = []
+
+    class Client:
+        last_finish, last_usage, last_tool_calls = None, None, []
+
+        def stream_chat(self, messages, params, request_id):
+            sent.append([dict(m) for m in messages])
+            self.last_tool_calls = [call]
+            yield "Sure."
+
+        def cancel(self, request_id):
+            return True
+
+    lines = iter(["light on", "again"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    assert run_chat(Client(), {}, out=out, read_line=read_line) == 0
+    assert '[tool call] set_light({"on": true})' in out.getvalue()
+    assert sent[1][1] == {"role": "assistant", "content": "Sure.", "tool_calls": [call]}

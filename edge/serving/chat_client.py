@@ -217,7 +217,8 @@ def run_chat(
                 out.write(text)
                 out.flush()
                 reply.append(text)
-            for call in client.last_tool_calls:
+            calls = getattr(client, "last_tool_calls", [])  # a client without tools has none
+            for call in calls:
                 fn = call.get("function", {})
                 print(f"\n[tool call] {fn.get('name')}({fn.get('arguments', '')})", end="", file=out)
             print(file=out, flush=True)
@@ -234,7 +235,7 @@ def run_chat(
         finally:
             stream.close()
         answer: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
-        if client.last_tool_calls:
+        if getattr(client, "last_tool_calls", None):
             answer["tool_calls"] = client.last_tool_calls
         history.append(answer)
 
