@@ -82,7 +82,7 @@ def _chat(engine: Engine, text: str) -> list[int]:
     return engine.tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(schema=schemas, temperature=st.sampled_from([0.0, 1.0]), seed=st.integers(0, 2**31))
 def test_generated_schema_outputs_validate(engine: Engine, compiler: GrammarCompiler, schema: dict,
                                            temperature: float, seed: int) -> None:
@@ -102,7 +102,7 @@ TOOL_SETS = st.lists(
 )
 
 
-@settings(max_examples=5, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(tools=TOOL_SETS, choice=st.sampled_from(["required", "named"]), seed=st.integers(0, 2**31))
 def test_generated_tool_calls_validate(engine: Engine, compiler: GrammarCompiler, tools: list, choice: str,
                                        seed: int) -> None:
@@ -122,24 +122,30 @@ def test_generated_tool_calls_validate(engine: Engine, compiler: GrammarCompiler
     assert call.id.startswith("call_")
 
 
-def test_auto_tool_choice_and_thinking_shapes(engine: Engine, compiler: GrammarCompiler) -> None:
-    """auto: free text or calls; a thinking model may think first (the think block is
-    free text before the constrained part)."""
+def test_tool_choice_and_thinking_shapes(engine: Engine, compiler: GrammarCompiler) -> None:
+    """What each tool_choice and thinking mode lets through, token by token: auto takes
+    text or text then calls, required only calls, a think block (free text) comes first."""
     tools = [{"type": "function", "function": {"name": "light", "parameters": _object({"on": {"type": "boolean"}},
                                                                                        True)}}]
-    for thinking in ("off", "on", "open"):
-        req = parse_structured(tools=tools, tool_choice="required", thinking=thinking)
-        r = engine.generate(_chat(engine, "Light on."), SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=3),
-                            compiler.compile(req).matcher())
-        text = r.text if thinking != "open" else r.text  # "open": the prompt opened the think block
-        parsed = parse_output(text, HERMES, thinking, tools=True)
-        if r.finish_reason == "stop":
-            assert parsed.tool_calls and all(c.name == "light" for c in parsed.tool_calls), r.text
-            for c in parsed.tool_calls:
-                jsonschema.validate(json.loads(c.arguments), tools[0]["function"]["parameters"])
-    # auto without a schema never forces a call: the matcher allows ending right away.
-    matcher = compiler.compile(parse_structured(tools=tools)).matcher()
-    assert matcher.accepting
+    call = '<tool_call>\n{"name": "light", "arguments": {"on": true}}\n</tool_call>'
+    bad_call = '<tool_call>\n{"name": "light", "arguments": {"on": 1}}\n</tool_call>'
+    eos = min(engine.tokenizer.eos_token_ids)
+
+    def passes(text: str, **kw) -> bool:
+        matcher = compiler.compile(parse_structured(tools=tools, **kw)).matcher()
+        ids = engine.tokenizer.encode(text) + [eos]
+        return matcher.valid_prefix(ids) == len(ids)
+
+    assert passes("Just text, no call.") and passes("Sure. " + call) and passes(call + "\n" + call)
+    assert not passes("Sure. " + bad_call) and not passes(call + " and text after")
+    assert passes(call, tool_choice="required") and not passes("Just text.", tool_choice="required")
+    assert not passes(call + "\n" + call, tool_choice="required", parallel_tool_calls=False)
+    assert passes("<think>\nA lamp. <tool_call> is fine in here.\n</think>\n\n" + call, tool_choice="required",
+                  thinking="on")
+    assert passes(call, tool_choice="required", thinking="on")
+    assert passes("hmm </think>\n\n" + call, tool_choice="required", thinking="open")
+    assert not passes(call, tool_choice="required", thinking="open")  # the open block must close first
+    assert compiler.compile(parse_structured(tools=tools, tool_choice="none")) is None  # nothing to constrain
 
 
 def test_speculative_constrained_greedy_equals_plain_constrained(engine: Engine, compiler: GrammarCompiler,
@@ -287,3 +293,36 @@ def test_chat_front_end_shows_tool_calls_and_keeps_them() -> None:
     assert run_chat(Client(), {}, out=out, read_line=read_line) == 0
     assert '[tool call] set_light({"on": true})' in out.getvalue()
     assert sent[1][1] == {"role": "assistant", "content": "Sure.", "tool_calls": [call]}
+
+
+def test_images_and_prefix_reuse_with_a_grammar(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A vision-language model's answer about an image follows the schema (the decode
+    steps after the image run at RoPE positions shifted by the image); the same request
+    again reuses the cached prefix, image included, and gives the same tokens."""
+    import numpy as np
+    from PIL import Image
+
+    from edge.model.vision.random_model import make_vl_model
+
+    path = make_vl_model(tmp_path_factory.mktemp("vl"), "qwen3-vl-tiny", std=0.1)
+    engine = Engine.from_pretrained(path, device="cpu", dtype="float32", page_size=8)
+    tok = engine.tokenizer
+    compiler = GrammarCompiler(tok.to_json(), engine.cfg.vocab_size, tok.eos_token_ids)
+    schema = _object({"colour": {"enum": ["red", "green", "blue"]}, "count": {"type": "integer", "minimum": 0,
+                                                                               "maximum": 9}}, True)
+    grammar = compiler.compile(parse_structured(
+        response_format={"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}))
+    image = Image.fromarray(np.random.default_rng(0).integers(0, 256, (64, 96, 3), dtype=np.uint8))
+    prompt = engine.chat_prompt([{"role": "user", "content": [{"type": "image", "image": image},
+                                                              {"type": "text", "text": "What colour?"}]}])
+    sched = Scheduler(engine)
+    sched.start()
+    try:
+        first = sched.submit(prompt, SamplingParams(max_tokens=MAX_TOKENS), grammar=grammar.matcher()).result(120)
+        again = sched.submit(prompt, SamplingParams(max_tokens=MAX_TOKENS), grammar=grammar.matcher()).result(120)
+    finally:
+        sched.stop()
+        compiler.close()
+    assert first.finish_reason == "stop", first.text
+    jsonschema.validate(json.loads(first.text), schema)
+    assert again.usage.cached_tokens > 0 and again.token_ids == first.token_ids
