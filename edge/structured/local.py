@@ -77,6 +77,9 @@ def prepare(engine: Engine, req: StructuredRequest, prompt: str, chat: bool, **t
     compiler = GrammarCompiler(tok.to_json(), engine.cfg.vocab_size, tok.eos_token_ids)
     try:
         grammar = compiler.compile(req)
+    except GrammarError as exc:  # name the file's flag, not the API field
+        raise GrammarError(exc.message.replace("response_format.json_schema.schema", "--json-schema")
+                           .replace("tools[", "--tools: tools["), exc.param, exc.code) from None
     finally:
         compiler.close()
     return LocalStructured(ids, grammar.matcher() if grammar is not None else None, req)
