@@ -230,10 +230,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         assert prompt is not None
         prompt_ids = engine.encode(prompt)
+    structured = None
+    if args.json_schema or args.tools:
+        from edge.structured.local import prepare, read_structured
+
+        if not isinstance(prompt, str):
+            raise ValueError("--json-schema / --tools take --prompt text, not --prompt-ids or --image")
+        req = read_structured(args.json_schema, args.tools, args.tool_choice)
+        # Tools are offered through the chat template, as a chat request would.
+        chat = bool(args.tools) and engine.tokenizer is not None and bool(engine.tokenizer.chat_template)
+        structured = prepare(engine, req, prompt, chat)
+        prompt_ids = structured.prompt_ids
     sched = Scheduler(engine, queue_size=1)
     sched.start()
     try:
-        handle = sched.submit(prompt_ids, params)
+        handle = sched.submit(prompt_ids, params, grammar=structured.grammar if structured else None)
         if args.json:
             r = handle.result()
             out = {
@@ -244,18 +255,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "decode_tok_s": r.usage.decode_tok_s,
                 "usage": r.usage.as_dict(),
             }
+            if structured is not None and structured.request.calls_tools:
+                parsed = structured.parse(r.text)
+                out |= {"content": parsed.content, "tool_calls": [c.as_dict() for c in parsed.tool_calls]}
             if r.message:
                 out["message"] = r.message
             print(json.dumps(out))
             return 0
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and structured is None:
             print(prompt, end="", flush=True)
         final = None
+        text = ""
         for chunk in handle:
             print(chunk.text, end="", flush=True)
+            text += chunk.text
             final = chunk
     finally:
         sched.stop()
+    if structured is not None and structured.request.calls_tools:
+        for call in structured.parse(text).tool_calls:
+            print(f"\n[tool call] {call.name}({call.arguments})", file=sys.stderr)
     u = final.usage if final else None
     if u is not None:
         tps = f"{u.decode_tok_s:.1f} tok/s" if u.decode_tok_s else "n/a"
@@ -307,6 +326,11 @@ def _chat_params(args: argparse.Namespace) -> dict:
         params["seed"] = args.seed
     if args.stop:
         params["stop"] = args.stop
+    if getattr(args, "tools", None):
+        data = json.loads(Path(args.tools).read_text(encoding="utf-8"))
+        params["tools"] = data.get("tools") if isinstance(data, dict) else data
+        if getattr(args, "tool_choice", None):
+            params["tool_choice"] = args.tool_choice
     return params
 
 
@@ -381,8 +405,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
         "page_size", "max_seq_len", "kv_blocks", "kv_memory", "kv_dtype", "memory_reserve", "prefill_chunk",
-        "prefill_budget_ms",
-        "speculative", "draft_model", "config", "log_level")}
+        "prefill_budget_ms", "speculative", "draft_model", "config", "log_level", "grammar_time_limit_s")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     check_engine_args(settings.model, settings.device, settings.dtype)
@@ -450,12 +473,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the prompt then goes through the chat template as one user message: the images, then the text"
     )
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json-schema", help="JSON Schema file the output must follow (docs/structured.md)")
+    g.add_argument("--tools", help="file of OpenAI tools (a JSON list): the prompt goes through the chat template "
+                   "with them and the model may call them")
+    g.add_argument("--tool-choice", help="with --tools: auto (default), required, none or a tool's name")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the service (or --in-process)")
     _service_args(c)
     _engine_args(c)
     _sampling_args(c)
+    c.add_argument("--tools", help="file of OpenAI tools (a JSON list) offered to the model; its calls are shown")
     c.set_defaults(func=cmd_chat, max_tokens=256)
 
     # argparse only: the audio engines load when the command runs
@@ -495,6 +523,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "draft[:K] or off [EDGE_SPECULATIVE] (default off)")
     s.add_argument("--draft-model", help="draft model directory (same tokenizer) for speculative method "
                    "'draft' [EDGE_DRAFT_MODEL]")
+    s.add_argument("--grammar-time-limit-s", help="seconds a request's response format / tools may take to compile "
+                   "into a grammar before a 400 [EDGE_GRAMMAR_TIME_LIMIT_S] (default 10)")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")

@@ -108,9 +108,25 @@ class SamplerState:
             self.seen[ids.to(self.seen.device)] = True
 
 
-def sample(logits: torch.Tensor, state: SamplerState, greedy: bool) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [..., vocab]`` with -inf at the tokens a grammar forbids. ``bitmask [...,
+    ceil(vocab / 32)]`` int32 words: bit ``i % 32`` of word ``i // 32`` set = token ``i``
+    allowed (the llguidance / xgrammar layout). Shape-static: runs inside graph capture."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit reads as bit 31
+    allowed = bits.flatten(-2)[..., :vocab].to(torch.bool)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, state: SamplerState, greedy: bool, bitmask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next token ``[1]`` (long) from float32 ``logits [vocab]``; advances ``state.step``
-    and marks the token as seen, all on the device."""
+    and marks the token as seen, all on the device. ``bitmask``: the tokens a grammar
+    allows (:func:`apply_token_bitmask`), applied before the penalty and the choice."""
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     logits = penalized(logits, state)
     if greedy:
         token = torch.argmax(logits).view(1)

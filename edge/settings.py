@@ -124,6 +124,7 @@ class Settings:
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
     prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True
+    grammar_time_limit_s: float = 10.0  # a response format / tool set must compile within this
     speculative: SpeculativeParams | None = None  # speculative decoding of requests that do not choose
     draft_model: str | None = None  # the draft model directory of speculative method "draft"
     cuda_graph: bool | None = None  # None: on a GPU
@@ -169,6 +170,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFILL_BUDGET_MS": ("prefill_budget_ms", positive_float),
+    "EDGE_GRAMMAR_TIME_LIMIT_S": ("grammar_time_limit_s", positive_float),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_SPECULATIVE": ("speculative", parse_speculative),
     "EDGE_DRAFT_MODEL": ("draft_model", str),

@@ -17,6 +17,10 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
              model's own greedy continuation) and with prompt lookup, and tok/s projected
              for published acceptance figures (tools/bench_speculative.py)
 
+  structured  time per output token with and without a JSON schema and with tools,
+             grammar compile time cold and cached, host mask time per token
+             (tools/bench_structured.py)
+
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
             achieved bandwidth = (K + V bytes read + q/out bytes) / median kernel time,
@@ -675,6 +679,7 @@ def build_parser() -> argparse.ArgumentParser:
     import bench_decode
     import bench_scheduler
     import bench_speculative
+    import bench_structured
     import bench_vision
 
     d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
@@ -689,6 +694,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speculative", help="speculative decoding: verify cost per k, speed-ups (tools/bench_speculative.py)")
     bench_speculative.add_arguments(sp)
     sp.set_defaults(func=bench_speculative.run)
+    st = sub.add_parser("structured", help="structured output: time per token with a schema / tools, compile and "
+                        "mask times (tools/bench_structured.py)")
+    bench_structured.add_arguments(st)
+    st.set_defaults(func=bench_structured.run)
     return ap
 
 

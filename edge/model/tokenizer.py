@@ -217,6 +217,10 @@ class Tokenizer:
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id) if 0 <= token_id < self._vocab_size else None
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (grammar engines build their token tries from it)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Tokens the tokenizer knows, added tokens included (may be < the model's vocab)."""

@@ -17,6 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from edge.runtime.backend import Backend, select_backend
@@ -49,6 +50,7 @@ from edge.model.tokenizer import Tokenizer
 from edge.model.validate import check_finite_weights, model_directory
 
 if TYPE_CHECKING:
+    from edge.structured.matcher import GrammarMatcher
     from edge.model.vision.runtime import MultimodalPrompt, VisionLanguage
 
 log = logging.getLogger(__name__)
@@ -354,18 +356,34 @@ class Engine:
         return torch.cat(outs) if all_logits else outs[-1]
 
     def decode(
-        self, seq: SequenceKV, token: torch.Tensor, sampler: SamplerState, greedy: bool, rope_delta: int = 0
+        self,
+        seq: SequenceKV,
+        token: torch.Tensor,
+        sampler: SamplerState,
+        greedy: bool,
+        rope_delta: int = 0,
+        bitmask: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode step: feed ``token`` ([1] long, on the device), return the next
         one, still on the device (reading it is the caller's synchronisation point).
         Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free.
-        ``rope_delta``: the RoPE offset after a prompt with images (edge/vision)."""
+        ``rope_delta``: the RoPE offset after a prompt with images (edge/vision).
+        ``bitmask``: the tokens a grammar allows (int32 words, edge/structured); such a
+        step runs eagerly, masking the logits before sampling."""
+        if bitmask is not None:
+            logits = self.forward(seq, token, rope_delta=rope_delta)
+            return sample(logits, sampler, greedy, self.bitmask_tensor(bitmask))
         decoder = self.slot_decoder(seq)
         if decoder is None:
             return sample(self.forward(seq, token, rope_delta=rope_delta), sampler, greedy)
         if decoder.bound is not seq:
             decoder.bind(seq, sampler, token, rope_delta)
         return torch.tensor([decoder.next_token(seq, greedy)])
+
+    def bitmask_tensor(self, bitmask: np.ndarray) -> torch.Tensor:
+        """A host grammar bitmask (int32 words, ``[words]`` or ``[positions, words]``) on
+        the device."""
+        return torch.from_numpy(bitmask).to(self.device, non_blocking=True)
 
     def settle(self, seq: SequenceKV) -> None:
         """Detach ``seq`` from its slot's graph decoder, rolling back any step launched
@@ -451,25 +469,36 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def stream(
-        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+        self,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams | None = None,
+        grammar: GrammarMatcher | None = None,
+        **overrides,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are produced; the last one carries finish_reason and usage.
-        A :class:`~edge.model.vision.runtime.MultimodalPrompt` holds images (edge/vision)."""
+        A :class:`~edge.model.vision.runtime.MultimodalPrompt` holds images (edge/vision);
+        ``grammar`` constrains the output (edge/structured)."""
         params = replace(params or SamplingParams(), **overrides)
         params.validate()
         mm = None if isinstance(prompt, (str, list)) else prompt
         prompt_ids = self.encode(prompt) if mm is None else mm.ids
         self.check_prompt(prompt_ids, params.max_tokens)
         params.max_tokens = min(params.max_tokens, self.completion_room(len(prompt_ids)))
-        gen = self.new_generation(prompt_ids, params, self._sampler)
+        gen = self.new_generation(prompt_ids, params, self._sampler, grammar)
         seq = self.new_sequence(slot=0)
         try:
             yield from self._run(seq, gen, mm)
         finally:
             self.end_sequence(seq)
 
-    def new_generation(self, prompt_ids: list[int], params: SamplingParams, sampler: SamplerState) -> Generation:
-        return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids))
+    def new_generation(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sampler: SamplerState,
+        grammar: GrammarMatcher | None = None,
+    ) -> Generation:
+        return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids), grammar)
 
     def _run(self, seq: SequenceKV, gen: Generation, mm: MultimodalPrompt | None = None) -> Iterator[Chunk]:
         logits = self.prefill(seq, gen.prompt_ids, mm=mm)
@@ -479,7 +508,8 @@ class Engine:
             yield gen.finish("length")
             return
         greedy = gen.params.greedy
-        token = sample(logits, gen.sampler, greedy)
+        mask = gen.next_mask()
+        token = sample(logits, gen.sampler, greedy, None if mask is None else self.bitmask_tensor(mask))
         while True:
             chunk = gen.feed(int(token))
             if chunk.token_ids or chunk.text:
@@ -487,17 +517,21 @@ class Engine:
             if gen.done:
                 break
             try:
-                token = self.decode(seq, token, gen.sampler, greedy, rope_delta=delta)
+                token = self.decode(seq, token, gen.sampler, greedy, rope_delta=delta, bitmask=gen.next_mask())
             except KVOutOfMemory as exc:
                 yield gen.finish("length", message=str(exc))
                 return
         yield gen.finish()
 
     def generate(
-        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+        self,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams | None = None,
+        grammar: GrammarMatcher | None = None,
+        **overrides,
     ) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)
-        return GenerationResult.from_chunks(list(self.stream(prompt, params)))
+        return GenerationResult.from_chunks(list(self.stream(prompt, params, grammar)))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         """Messages through the chat template; a vision-language model also takes

@@ -38,6 +38,7 @@ from edge.speculative.params import SpeculativeParams
 
 if TYPE_CHECKING:
     from edge.model.vision.runtime import MultimodalPrompt
+    from edge.structured.matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -156,9 +157,14 @@ class Scheduler:
         self._shutdown()
 
     def submit(
-        self, prompt_ids: list[int] | MultimodalPrompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int] | MultimodalPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> RequestHandle:
-        """Queue a request (token ids, or a prompt with images from ``engine.vision``);
+        """Queue a request (token ids, or a prompt with images from ``engine.vision``;
+        ``grammar``: a structured-output matcher, edge/structured);
         raises SamplingError, PromptTooLong, InvalidPrompt, QueueFull,
         DuplicateRequestId, SchedulerStopped (edge/errors.py) or the governor's
         DeviceTooHot on the caller's thread."""
@@ -188,7 +194,7 @@ class Scheduler:
                 raise SchedulerStopped("scheduler is stopped")
             rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
             handle = RequestHandle(rid, self)
-            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle, mm=mm))
+            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle, mm=mm, grammar=grammar))
             if self.energy is not None:
                 self.energy.begin(rid)
         self._wake.set()

@@ -71,6 +71,7 @@ class ChatClient:
             timeout=httpx.Timeout(10.0, read=600.0),
         )
         self.last_finish: str | None = None
+        self.last_tool_calls: list[dict] = []
         self.last_usage: dict | None = None
 
     def close(self) -> None:
@@ -104,9 +105,11 @@ class ChatClient:
             time.sleep(0.2)
 
     def stream_chat(self, messages: list[dict], params: dict[str, Any], request_id: str) -> Iterator[str]:
-        """Text deltas of the answer; ``last_finish``/``last_usage`` are set at the end.
+        """Text deltas of the answer; ``last_finish``/``last_usage`` (and the tool calls it
+        made, ``last_tool_calls``) are set at the end.
         Closing the iterator early closes the stream (the server cancels)."""
         self.last_finish, self.last_usage = None, None
+        self.last_tool_calls = []  # the answer's tool calls (OpenAI's shape)
         body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **params}
         with self.http.stream("POST", "/v1/chat/completions", json=body,
                               headers={"X-Request-Id": request_id}) as r:
@@ -125,9 +128,12 @@ class ChatClient:
                 if event.get("usage"):
                     self.last_usage = event["usage"]
                 for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content")
+                    delta = choice.get("delta", {})
+                    text = delta.get("content")
                     if text:
                         yield text
+                    for call in delta.get("tool_calls") or []:  # each arrives whole (edge/structured)
+                        self.last_tool_calls.append({k: call[k] for k in ("id", "type", "function") if k in call})
                     if choice.get("finish_reason"):
                         self.last_finish = choice["finish_reason"]
 
@@ -226,6 +232,10 @@ def run_chat(
                 out.write(text)
                 out.flush()
                 reply.append(text)
+            calls = getattr(client, "last_tool_calls", [])  # a client without tools has none
+            for call in calls:
+                fn = call.get("function", {})
+                print(f"\n[tool call] {fn.get('name')}({fn.get('arguments', '')})", end="", file=out)
             print(file=out, flush=True)
         except KeyboardInterrupt:
             held.hold()  # a second Ctrl-C (a double press) is dropped until the next prompt
@@ -239,7 +249,10 @@ def run_chat(
             continue
         finally:
             stream.close()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        answer: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
+        if getattr(client, "last_tool_calls", None):
+            answer["tool_calls"] = client.last_tool_calls
+        history.append(answer)
 
 
 def image_part(path: str) -> dict:

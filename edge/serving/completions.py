@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -31,8 +32,13 @@ from edge.serving.errors import (
 )
 from edge.errors import DuplicateRequestId
 from edge.serving.json_body import SCAN_STEP, BodyParser, ShapeLimits, ShapeScanner
+from edge.structured.errors import GrammarError
+from edge.structured.formats import ToolFormat, thinking_mode
+from edge.structured.output import OutputParser, ParsedOutput, parse_output
 
 if TYPE_CHECKING:
+    from edge.structured.matcher import GrammarMatcher
+    from edge.structured.request import StructuredRequest
     from edge.serving.prompts import PromptEncoder
     from edge.model.generation import Chunk
     from edge.serving.service import Service
@@ -147,14 +153,18 @@ class Completions:
         req = await self.parser.parse(body, model, limits, scanner.finish())
         del body
         schema.check_unsupported(req)
+        structured = schema.structured_request(req) if kind == "chat" else None
         prompt = await self.prompts.prompt(engine, req, kind)
         ids = prompt if isinstance(prompt, list) else prompt.ids
         params = schema.sampling_params(req, len(ids), engine.max_seq_len, svc.settings.default_max_tokens)
         rid = request_id(svc, request, "chatcmpl" if kind == "chat" else "cmpl")
         params.validate(engine.max_seq_len)
+        matcher, output = None, None
+        if structured is not None:
+            matcher, output = await self._structure(structured, ids, req)
         if svc.monitor is not None:
             svc.monitor.governor.check_admission()
-        handle = svc.scheduler.submit(prompt, params, request_id=rid)
+        handle = svc.scheduler.submit(prompt, params, request_id=rid, grammar=matcher)
         svc.active[rid] = handle
         svc.metrics.in_flight.inc()
         svc.metrics.prompt_tokens.inc(len(ids))
@@ -163,7 +173,7 @@ class Completions:
         tracked = _Tracked(svc, handle, rid, ENDPOINTS[kind], t0)
         chunks = self._consume(tracked)
         if req.stream:
-            events = self._sse(chunks, kind, rid, created, schema.include_usage(req))
+            events = self._sse(chunks, kind, rid, created, schema.include_usage(req), output)
 
             async def close_events() -> None:
                 # Runs after the response, also when the client went away mid-stream:
@@ -178,9 +188,29 @@ class Completions:
                 background=BackgroundTask(close_events),
             )
         try:
-            return await self._collect(request, chunks, handle, kind, rid, created, headers)
+            return await self._collect(request, chunks, handle, kind, rid, created, headers, output)
         finally:
             tracked.close(None)
+
+    async def _structure(
+        self, structured: StructuredRequest, ids: list[int], req: schema.ChatCompletionRequest
+    ) -> tuple[GrammarMatcher | None, OutputShape | None]:
+        """The request's grammar matcher (None: unconstrained), compiled off the event loop
+        within the compiler's time limit, and how to parse its output (None: plain text)."""
+        engine, grammars = self.service.engine, self.service.grammars
+        assert engine is not None
+        tok = engine.tokenizer
+        if tok is None or grammars is None:
+            if structured.constrained:
+                raise GrammarError("this model has no tokenizer.json: structured output needs one")
+            return None, None
+        enabled = (req.chat_template_kwargs or {}).get("enable_thinking")
+        tail = tok.decode(ids[-8:], skip_special_tokens=False)
+        thinking = thinking_mode(grammars.format, tok.chat_template, tail, enabled if isinstance(enabled, bool) else None)
+        structured = dataclasses.replace(structured, thinking=thinking)
+        grammar = await grammars.compile_async(structured)
+        output = OutputShape(grammars.format, thinking, structured.calls_tools)
+        return (grammar.matcher() if grammar is not None else None), (output if output.parses else None)
 
     async def _consume(self, tracked: _Tracked) -> AsyncIterator[Chunk]:
         """The request's chunks, with metrics; cancels the request if left early
@@ -210,21 +240,31 @@ class Completions:
             tracked.close(final)
 
     async def _sse(
-        self, chunks: AsyncIterator[Chunk], kind: str, rid: str, created: int, with_usage: bool
+        self, chunks: AsyncIterator[Chunk], kind: str, rid: str, created: int, with_usage: bool,
+        output: OutputShape | None = None,
     ) -> AsyncIterator[str]:
         model = self.service.model_id
+        parser = output.parser() if output is not None else None
         async with contextlib.aclosing(chunks):
             if kind == "chat":
                 yield sse_event(schema.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
             async for chunk in chunks:
                 reason = chunk.finish_reason
                 if chunk.text:
-                    if kind == "chat":
+                    if parser is not None:
+                        for delta in parser.feed(chunk.text):
+                            yield sse_event(schema.chat_chunk(rid, created, model, delta))
+                    elif kind == "chat":
                         yield sse_event(schema.chat_chunk(rid, created, model, {"content": chunk.text}))
                     else:
                         yield sse_event(schema.completion_chunk(rid, created, model, chunk.text))
                 if reason is None:
                     continue
+                if parser is not None:
+                    for delta in parser.finish():
+                        yield sse_event(schema.chat_chunk(rid, created, model, delta))
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
                 if reason == "error":
                     yield sse_event(error_body(GenerationFailed(chunk.message or "generation failed")))
                 if kind == "chat":
@@ -237,7 +277,7 @@ class Completions:
 
     async def _collect(
         self, request: Request, chunks: AsyncIterator[Chunk], handle: Any, kind: str, rid: str, created: int,
-        headers: dict[str, str],
+        headers: dict[str, str], output: OutputShape | None = None,
     ) -> Response:
         async def watch_disconnect() -> None:
             while True:
@@ -260,9 +300,33 @@ class Completions:
         if final is None or final.finish_reason == "error":
             msg = (final.message if final is not None else None) or "generation failed"
             raise GenerationFailed(msg, headers=headers)
-        build = schema.chat_completion if kind == "chat" else schema.completion
-        body = build(rid, created, self.service.model_id, "".join(parts), final.finish_reason, final.usage)
+        text = "".join(parts)
+        if kind == "chat":
+            parsed = output.parse(text) if output is not None else None
+            body = schema.chat_completion(rid, created, self.service.model_id, text, final.finish_reason, final.usage,
+                                          parsed)
+        else:
+            body = schema.completion(rid, created, self.service.model_id, text, final.finish_reason, final.usage)
         return JSONResponse(body, headers=headers)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputShape:
+    """How a chat response's text splits into reasoning, content and tool calls."""
+
+    format: ToolFormat
+    thinking: str
+    tools: bool
+
+    @property
+    def parses(self) -> bool:
+        return self.tools or self.thinking != "off"
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.format, self.thinking, self.tools)
+
+    def parse(self, text: str) -> ParsedOutput:
+        return parse_output(text, self.format, self.thinking, self.tools)
 
 
 class _Tracked:

@@ -76,9 +76,10 @@ def encode_request(
         if tok is None or not tok.chat_template:
             raise BadRequest("this model has no chat template: use /v1/completions", param=param,
                              code="unsupported_model")
+        kwargs = schema.template_kwargs(req)
         if count_images(messages):
-            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {})
-        ids = _encode_text(tok, tok.render_chat(messages), ctx, param)
+            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {}, kwargs)
+        ids = _encode_text(tok, tok.render_chat(messages, **kwargs), ctx, param)
     else:
         param = "prompt"
         prompt = schema.completion_prompt(req)
@@ -102,7 +103,8 @@ def encode_request(
 
 
 def _image_prompt(
-    engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes]
+    engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes],
+    kwargs: dict[str, Any],
 ) -> MultimodalPrompt:
     from edge.model.vision.runtime import split_images
 
@@ -110,7 +112,7 @@ def _image_prompt(
     assert vision is not None
     rendered, sources = split_images(resolve_images(messages, images, fetched))
     # The text first: a prompt too long for the context fails before any image is decoded.
-    ids = _encode_text(tok, tok.render_chat(rendered), engine.max_seq_len, "messages")
+    ids = _encode_text(tok, tok.render_chat(rendered, **kwargs), engine.max_seq_len, "messages")
     prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
     _check_fits(engine, prompt.ids, "messages")
     return prompt

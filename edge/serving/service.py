@@ -32,6 +32,7 @@ from edge.settings import Settings, read_api_key
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
+    from edge.structured.compiler import GrammarCompiler
 
 log = logging.getLogger("edge.serving.service")
 
@@ -53,6 +54,7 @@ class Service:
         self.platform: dict[str, Any] | None = None
         self.engine: Engine | None = None
         self.scheduler: Any = None
+        self.grammars: GrammarCompiler | None = None  # structured output (edge/structured)
         self.state = "starting"  # starting, loading, warming, ready, failed, stopping
         self.error: str | None = None
         self.exit_code = 0
@@ -124,6 +126,12 @@ class Service:
                 **options,
             )
             self.engine = engine
+            if engine.tokenizer is not None:
+                from edge.structured.compiler import GrammarCompiler
+
+                # Builds the grammar engine's token trie in its own thread from now on.
+                self.grammars = GrammarCompiler(engine.tokenizer.to_json(), engine.cfg.vocab_size,
+                                                engine.tokenizer.eos_token_ids, time_limit_s=s.grammar_time_limit_s)
             from edge.runtime.platform_info import probe_platform
 
             self.platform = probe_platform().as_dict()  # versions and SMs, probed once
@@ -255,6 +263,8 @@ class Service:
         if self.monitor is not None:
             with contextlib.suppress(Exception):
                 self.monitor.stop()
+        if self.grammars is not None:
+            self.grammars.close()
         self.watchdog.stop()
         self.notifier.close()
         log.info("stopped")

@@ -35,6 +35,7 @@ from edge.voice.audio_io import FRAME_S, AudioSource
 from edge.voice.phrases import PhraseCutter, has_words
 from edge.voice.player import AudioSink, Player
 from edge.voice.tts import Speech, Synthesizer
+from edge.voice.tools import MAX_TOOL_ROUNDS, ToolHandler, run_calls
 from edge.voice.turns import Turn
 from edge.voice.vad import Endpointer, SileroVad
 
@@ -54,6 +55,7 @@ class VoiceOptions:
     on_eof: str = "finish"  # end of input: "finish" the answer, or "cancel" it
     system: str | None = None
     params: dict[str, Any] = field(default_factory=dict)  # sampling fields of each request
+    tool_handler: ToolHandler | None = None  # runs the model's tool calls (edge/voice/tools.py)
     first_phrase_chars: int = 24  # the first piece is short: it decides when the first sound comes
     phrase_chars: int = 160
 
@@ -261,7 +263,37 @@ class VoiceSession:
         client = self._streams[turn.index % 2]
         cutter = PhraseCutter(self.options.first_phrase_chars, self.options.phrase_chars)
         turn.mark("request_sent")
-        stream = client.stream_chat(messages, self.options.params, turn.request_id)
+        params = self.options.params
+        for round_ in range(MAX_TOOL_ROUNDS + 1):
+            start = len(turn.answer)
+            self._stream_round(turn, client, cutter, messages, params)
+            calls = client.last_tool_calls
+            if (not calls or self.options.tool_handler is None or turn.error is not None
+                    or turn.cancelled.is_set() or round_ == MAX_TOOL_ROUNDS):
+                break
+            for call in calls:
+                fn = call.get("function", {})
+                self._say(f"[tool call] {fn.get('name')}({fn.get('arguments', '')})\n")
+            # The results go back; the next answer may call again, or speak.
+            messages = messages + run_calls(self.options.tool_handler, "".join(turn.answer[start:]), calls)
+            turn.tool_messages += messages[-len(calls) - 1:]
+            params = {**params, "tool_choice": "auto"}
+        turn.mark("request_ended" if turn.finish_reason == "cancelled" else "generation_done")
+        if turn.error is None and not turn.cancelled.is_set():
+            if self.synthesizer is not None:
+                rest = cutter.flush()
+                if rest:
+                    self._tts_q.put((turn, rest))
+                self._tts_q.put((turn, None))
+                while not (turn.played_out.wait(0.05) or turn.cancelled.is_set() or self._audio_closed.is_set()):
+                    pass
+            self._say("\n")
+        self._finish_turn(turn)
+
+    def _stream_round(self, turn: Turn, client: ChatClient, cutter: PhraseCutter, messages: list[dict],
+                      params: dict[str, Any]) -> None:
+        """One request of the turn: its text spoken (or printed) as it streams."""
+        stream = client.stream_chat(messages, params, turn.request_id)
         try:
             for delta in stream:
                 now = time.monotonic()
@@ -284,17 +316,6 @@ class VoiceSession:
             self._say(f"\n[error: {exc}]\n")
         finally:
             stream.close()
-        turn.mark("request_ended" if turn.finish_reason == "cancelled" else "generation_done")
-        if turn.error is None and not turn.cancelled.is_set():
-            if self.synthesizer is not None:
-                rest = cutter.flush()
-                if rest:
-                    self._tts_q.put((turn, rest))
-                self._tts_q.put((turn, None))
-                while not (turn.played_out.wait(0.05) or turn.cancelled.is_set() or self._audio_closed.is_set()):
-                    pass
-            self._say("\n")
-        self._finish_turn(turn)
 
     def _finish_turn(self, turn: Turn) -> None:
         if turn.cancelled.is_set():  # the output device marks it at its next block
@@ -307,7 +328,7 @@ class VoiceSession:
                 self._active = None
             if turn.heard is None and turn.error is None:
                 turn.heard = "".join(turn.answer)  # played (or printed) to the end
-                self.history += [{"role": "user", "content": turn.user_text},
+                self.history += [{"role": "user", "content": turn.user_text}, *turn.tool_messages,
                                  {"role": "assistant", "content": turn.heard}]
         log.info("%s", turn.summary())
         if self.json_out is not None:
