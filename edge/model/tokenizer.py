@@ -202,7 +202,7 @@ class Tokenizer:
             chat_template=chat_template,
         )
         if tok.chat_template:  # a template that does not compile fails here, not at the first chat request
-            where = template_file if chat_template is not None else root / "tokenizer_config.json"
+            where = root if chat_template is not None else root / "tokenizer_config.json"
             try:
                 tok._compiled_template
             except jinja2.TemplateError as exc:
