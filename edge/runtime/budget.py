@@ -70,6 +70,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_UTILIZATION = 0.9
+# The context length when neither the operator nor the model's maximum sets a shorter one.
+DEFAULT_MAX_SEQ_LEN = 4096
 # Default cap where the pool shares memory with everything else (CPU, integrated GPU): full
 # contexts for the two scheduler slots plus as many again for cached prefixes.
 SHARED_MEMORY_SEQUENCES = 4
@@ -347,12 +349,29 @@ EXPANDED_PREFILL_CHUNK = 2048
 PREFILL_MEMORY_SHARE = 1 / 16
 
 
-def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype") -> int:
-    """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
-    import torch
+# Bytes an element of each dtype takes (torch's names): sizes from names, without torch.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "int32": 4, "float64": 8}
 
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+def dtype_bytes(dtype: "torch.dtype | str") -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype or its name)."""
+    return DTYPE_BYTES[str(dtype).removeprefix("torch.")]
+
+
+# KV dtype -> (bytes of an element, bytes of the scales one token keeps per KV head).
+KV_DTYPES = {"float32": (4, 0), "bfloat16": (2, 0), "float16": (2, 0), "int8": (1, 4)}
+
+
+def kv_bytes_per_token(cfg: "ModelConfig", kv_dtype: "torch.dtype | str") -> int:
+    """Bytes one token's K and V take across all layers in ``kv_dtype`` (a torch dtype or
+    one of ``KV_DTYPES``: an int8 cache keeps a scale per token and KV head)."""
+    element, scale = KV_DTYPES[str(kv_dtype).removeprefix("torch.")]
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * element + scale)
+
+
+def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype | str") -> int:
+    """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
+    return page_size * kv_bytes_per_token(cfg, dtype)
 
 
 def blocks_per_sequence(max_seq_len: int, page_size: int) -> int:
@@ -371,9 +390,7 @@ def estimate_activation_bytes(
     reference attention (gathered K/V, float32 scores), or the MLP, whichever is larger,
     plus the float temporary of the int8 reference linear (``dequant_elements`` of the
     largest quantized weight chunk) and the logits; times ``ACTIVATION_MARGIN``."""
-    import torch
-
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype_bytes(dtype)
     t, length = min(prefill_chunk, max_seq_len), max_seq_len
     h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -395,9 +412,7 @@ def chunk_activation_bytes(cfg: "ModelConfig", tokens: int, dtype: "torch.dtype"
     matrix): the residual stream and the normed input, and the larger of the
     attention's (qkv, its roped copy, the output and its projection) and the MLP's
     (gate_up, the SwiGLU product, the down projection)."""
-    import torch
-
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype_bytes(dtype)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     attention = 2 * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size + h
     mlp = 3 * inter + h

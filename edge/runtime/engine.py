@@ -21,6 +21,7 @@ import torch
 
 from edge.runtime.backend import Backend, select_backend
 from edge.runtime.budget import (
+    DEFAULT_MAX_SEQ_LEN,
     DEFAULT_UTILIZATION,
     BudgetError,
     MemoryBudget,
@@ -53,7 +54,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_KINDS = ("paged", "contiguous")
-DEFAULT_MAX_SEQ_LEN = 4096
 
 
 def default_device() -> torch.device:
