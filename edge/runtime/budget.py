@@ -21,6 +21,8 @@ after the weights are loaded and the activations of the worst step measured:
   takes the peak of ``torch.cuda.max_memory_allocated`` above the baseline (the
   caching allocator is emptied before memory is probed, so nothing is counted twice).
   On the CPU it is estimated from shapes (``estimate_activation_bytes``).
+  A vision-language model's tower peak on the largest image a context holds
+  (edge/runtime/memory_plan.py ``tower_peak``) counts where it is the larger.
 * ``graph buffers``: with CUDA graphs, each of the two slots' captured decode step
   keeps its intermediates in the graph pool: reserved as 2 x the measured decode peak
   plus ``GRAPH_OVERHEAD``.
@@ -715,9 +717,12 @@ def plan_kv_budget(
     memory: MemoryInfo | Callable[[], MemoryInfo] | None = None,
     cuda_graph: bool = False,
     reserve: int | str | None = None,
+    vision_activations: int = 0,
 ) -> MemoryBudget:
     """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
-    (unless ``memory`` is given), compute the block count. See the module docstring."""
+    (unless ``memory`` is given), compute the block count. See the module docstring.
+    ``vision_activations``: the vision tower's peak (edge/runtime/memory_plan.py
+    ``tower_peak``); the tower runs before a prefill chunk's layers, so the larger counts."""
     from edge.quant.int4 import BLOCK_ROWS, Int4Weight
     from edge.quant.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
     from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight
@@ -741,6 +746,7 @@ def plan_kv_budget(
             default=0,
         )
         activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)
+    activations = max(activations, vision_activations)
     if callable(memory):
         memory = memory()
     if memory is None:

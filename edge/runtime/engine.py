@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from edge.runtime.backend import Backend, select_backend
+from edge.runtime.memory_plan import Checkpoint, MemoryPlan, fit, runtime_to_come, tower_peak
 from edge.runtime.budget import (
     DEFAULT_MAX_SEQ_LEN,
     DEFAULT_UTILIZATION,
@@ -27,6 +28,9 @@ from edge.runtime.budget import (
     MemoryBudget,
     MemoryInfo,
     default_prefill_chunk,
+    fmt_bytes,
+    parse_bytes,
+    parse_reserve,
     plan_kv_budget,
     probe_memory,
 )
@@ -54,6 +58,47 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_KINDS = ("paged", "contiguous")
+
+
+def _loader_choice(held: str) -> str:
+    """A plan's lm_head / embedding form as the loaders take it (a tied head has none)."""
+    return "float" if held == "tied" else held
+
+
+def _fit(
+    path: Path, dev: torch.device, dtype: torch.dtype, seq_len: int, page_size: int, quantize: str | None,
+    lm_head: str, embedding: str, cuda_graph: bool | None, options: dict,
+) -> MemoryPlan:
+    """The memory plan the model loads under (edge/runtime/memory_plan.py), checked against
+    what this process may use unless the caller sized the pool itself for a test
+    (``num_blocks`` / ``memory_info``)."""
+    if dev.type == "cpu":
+        kind = "cpu"
+    else:
+        kind = "integrated" if getattr(torch.cuda.get_device_properties(dev), "is_integrated", False) else "discrete"
+    faked = "num_blocks" in options or "memory_info" in options
+    memory = None
+    if not faked:
+        try:
+            memory = probe_memory(dev)
+        except (OSError, BudgetError) as exc:
+            log.warning("cannot probe memory (%s): the model is loaded without a fit check", exc)
+    reserve = options.get("memory_reserve")
+    p = fit(
+        Checkpoint.from_dir(path), quantize=quantize, lm_head=lm_head, embedding=embedding, kind=kind,
+        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size,
+        kv_blocks=options.get("kv_blocks"), kv_memory=None if options.get("kv_memory") is None else parse_bytes(
+            options["kv_memory"]),
+        reserve=None if reserve is None else parse_reserve(reserve),
+        utilization=options.get("memory_utilization", DEFAULT_UTILIZATION), prefill_chunk=options.get("prefill_chunk"),
+        cuda_graph=cuda_graph, runtime=0 if kind == "discrete" else runtime_to_come(kind),
+    )
+    for note in p.notes:
+        log.warning("memory plan: %s", note)
+    if memory is not None:
+        log.info("memory plan: %s %s needs %s for a context of %d tokens; %s available (%s)", p.name, p.held.label(),
+                 fmt_bytes(p.need), seq_len, fmt_bytes(memory.available), memory.source)
+    return p
 
 
 def default_device() -> torch.device:
@@ -88,6 +133,7 @@ class Engine:
         stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
         memory_reserve: int | str | None = None,
         vision: VisionLanguage | None = None,
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/runtime/budget.py):
@@ -131,6 +177,7 @@ class Engine:
         model = model.with_backend(self.backend)
         self.model = model
         self.vision = vision
+        self.memory_plan = memory_plan
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -160,6 +207,7 @@ class Engine:
                     memory=memory_info,
                     reserve=memory_reserve,
                     cuda_graph=cuda_graph is not False and graph_ok,
+                    vision_activations=self._vision_activations(),
                 )
                 log.info("%s", self.budget.describe())
                 num_blocks = self.budget.num_blocks
@@ -205,8 +253,8 @@ class Engine:
         quantize: str | None = None,
         quant_group_size: int | None = None,
         check_weights: bool = True,
-        quant_lm_head: str = "int8",
-        quant_embedding: str = "int8",
+        quant_lm_head: str = "auto",
+        quant_embedding: str = "auto",
         **options,
     ) -> "Engine":
         """Load a Hugging Face model directory (default: the embedded random model).
@@ -217,8 +265,15 @@ class Engine:
         GPTQ / compressed-tensors checkpoint loads with int4 projections, and
         ``quantize="int4"`` quantizes a float one to int4 while loading (RTN); such a
         model keeps its lm_head and embedding as ``quant_lm_head`` (int8, int4 or float)
-        and ``quant_embedding`` (int8 or float).
+        and ``quant_embedding`` (int8 or float); ``"auto"`` keeps them as published, as int8
+        rows only where only that fits.
         ``check_weights`` refuses weights holding NaN or infinity (edge/model/validate.py).
+
+        Before anything loads, the memory plan (edge/runtime/memory_plan.py) checks that the
+        weights, one full context of KV, the activations and the reserve fit what this
+        process may use, and raises :class:`~edge.runtime.memory_plan.DoesNotFit` (one line
+        naming what would fit) when they do not; explicit ``num_blocks`` / ``memory_info``
+        (tests that fake the budget) skip it.
         """
         if path is None:
             from edge.model.random_model import default_model_path
@@ -232,6 +287,8 @@ class Engine:
         vl = is_vision_language(path)
         cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
+        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
         if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
             # Fail before loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
@@ -272,8 +329,15 @@ class Engine:
             max_seq_len=seq_len,
             cuda_graph=cuda_graph,
             vision=vision,
+            memory_plan=plan,
             **options,
         )
+
+    def _vision_activations(self) -> int:
+        """The vision tower's peak on the largest image a context holds (0: a text model)."""
+        if self.vision is None:
+            return 0
+        return tower_peak(self.vision.cfg.vision, self.vision.processor.max_pixels, self.max_seq_len, self.dtype)
 
     def _default_prefill_chunk(self, memory: MemoryInfo | None) -> int:
         """:func:`edge.runtime.budget.default_prefill_chunk` for this model and backend; the
@@ -540,6 +604,8 @@ class Engine:
             }
         if self.budget is not None:
             out["kv_budget"] = self.budget.as_dict()
+        if self.memory_plan is not None:
+            out["memory_plan"] = self.memory_plan.as_dict()
         if self.vision is not None:
             v, proc = self.vision.cfg.vision, self.vision.processor
             out["vision"] = {

@@ -84,8 +84,9 @@ log = logging.getLogger(__name__)
 # sysexits.h EX_CONFIG: the configuration cannot work; the unit's RestartPreventExitStatus=.
 EXIT_DOES_NOT_FIT = 78
 # What the process holds besides weights, KV and activations (assumptions until measured on
-# a board): torch's CPU runtime; on an integrated GPU torch with its CUDA context and libraries.
-RUNTIME_BYTES = {"cpu": 256 << 20, "integrated": int(0.8 * (1 << 30)), "discrete": 256 << 20}
+# a board): torch's CPU runtime; on an integrated GPU torch with its CUDA context and libraries;
+# on a discrete GPU the context's share of the device memory.
+RUNTIME_BYTES = {"cpu": 256 << 20, "integrated": int(0.8 * (1 << 30)), "discrete": 512 << 20}
 HOLD_CHOICES = ("auto", "float", "int8", "int4")
 TEGRA_RELEASE = "/etc/nv_tegra_release"
 DEVICE_TREE_COMPATIBLE = "/proc/device-tree/compatible"
@@ -228,8 +229,9 @@ class Held:
             return f"int8 (q8_0 g{self.int8_group}{', quantized while loading' if self.quantized_here else ''})"
         assert self.int4 is not None
         g = "channel" if self.int4.group_size < 0 else f"g{self.int4.group_size}"
-        how = "RTN, quantized while loading" if self.quantized_here else self.int4.method
-        return f"int4 ({how} {g})"
+        if self.quantized_here:
+            return f"int4 (RTN {g}, quantized while loading)"
+        return f"int4 ({self.int4.method} {g})"
 
     def parts_label(self) -> str:
         head = "tied to the embedding" if self.lm_head == "tied" else _hold_label(self.lm_head, self.dtype)
@@ -376,14 +378,16 @@ def tower_activation_bytes(vision: Any, patches: int, dtype: str) -> int:
     return int((pixels + residual + max(attention, mlp, merge) + rotary + features) * ACTIVATION_MARGIN)
 
 
-def tower_patches(ckpt: Checkpoint, max_seq_len: int) -> int:
+def tower_patches(vision: Any, max_pixels: int | None, max_seq_len: int) -> int:
     """The most patches one image can bring: the processor's max_pixels, and no more image
     tokens than the context holds."""
-    v = ckpt.vision
-    if v is None:
-        return 0
-    by_pixels = (ckpt.max_image_pixels or 28 * 28 * 1280) // (v.patch_size**2)
-    return max(v.merge_unit, min(by_pixels, (max_seq_len - 1) * v.merge_unit))
+    by_pixels = (max_pixels or 28 * 28 * 1280) // (vision.patch_size**2)
+    return max(vision.merge_unit, min(by_pixels, (max_seq_len - 1) * vision.merge_unit))
+
+
+def tower_peak(vision: Any, max_pixels: int | None, max_seq_len: int, dtype: Any) -> int:
+    """:func:`tower_activation_bytes` of the largest image a context of ``max_seq_len`` holds."""
+    return tower_activation_bytes(vision, tower_patches(vision, max_pixels, max_seq_len), dtype_name(dtype))
 
 
 # -- the plan -------------------------------------------------------------------------------
@@ -587,10 +591,13 @@ def plan(
     kv_memory: int | None = None,
     board: Board | None = None,
     held: Held | None = None,
+    runtime: int | None = None,
 ) -> MemoryPlan:
     """The plan of ``ckpt`` on memory of ``kind`` ("cpu", "integrated", "discrete") with
     ``memory`` available now (None: unknown), loaded as the engine would be with these
-    options (their defaults are the engine's)."""
+    options (their defaults are the engine's). ``runtime``: what the process will add
+    besides weights, KV and activations (default :data:`RUNTIME_BYTES` of the kind: a
+    process that has not started torch yet)."""
     cfg = ckpt.cfg
     dtype = dtype_name(dtype or ("float32" if kind == "cpu" else "bfloat16"))
     held = held or held_form(ckpt, dtype, quantize, lm_head, embedding)
@@ -598,7 +605,7 @@ def plan(
     kv_dtype = kv_dtype or dtype
     kv_dtypes = kv_dtypes or tuple(dict.fromkeys((kv_dtype, *(d for d in ("bfloat16", "int8") if kind != "cpu"))))
     weights = weight_parts(ckpt, held)
-    runtime = RUNTIME_BYTES[kind]
+    runtime = RUNTIME_BYTES[kind] if runtime is None else runtime
     total = sum(weights.values())
     after = None if memory is None else replace(memory, available=max(0, memory.available - total - runtime))
     expands = kind != "cpu" and held.projections != "float"
@@ -610,7 +617,7 @@ def plan(
         activations = gpu_activation_bytes(ckpt, held, chunk)
         if cuda_graph is not False:
             graphs = GRAPH_SLOTS * gpu_activation_bytes(ckpt, held, 1, expand=False) + GRAPH_OVERHEAD
-    tower = tower_activation_bytes(ckpt.vision, tower_patches(ckpt, seq), dtype) if ckpt.vision is not None else 0
+    tower = tower_peak(ckpt.vision, ckpt.max_image_pixels, seq, dtype) if ckpt.vision is not None else 0
     kept = (DEFAULT_RESERVE if reserve is None else reserve) if kind == "integrated" else 0
     return MemoryPlan(
         name=ckpt.name, held=held, kind=kind, weights=weights, kv_dtype=kv_dtype,
@@ -758,6 +765,16 @@ def probe(kind: str) -> MemoryInfo | None:
     except (OSError, BudgetError):
         return None
     return MemoryInfo(kind, total, available, source)
+
+
+def runtime_to_come(kind: str, statm: str = "/proc/self/statm") -> int:
+    """:data:`RUNTIME_BYTES` of ``kind`` less what this process already holds (torch and a
+    CUDA context started before the check are already out of MemAvailable)."""
+    try:
+        resident = int(Path(statm).read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        resident = 0
+    return max(0, RUNTIME_BYTES[kind] - resident)
 
 
 def board_memory(b: Board) -> MemoryInfo:
