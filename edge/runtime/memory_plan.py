@@ -779,3 +779,57 @@ def runtime_to_come(kind: str, statm: str = "/proc/self/statm") -> int:
 
 def board_memory(b: Board) -> MemoryInfo:
     return MemoryInfo("integrated", b.mem_total, b.available, f"{b.name}, MemTotal less the OS")
+
+
+# -- the service's check and the tables of docs/orin.md ------------------------------------
+
+
+def fit_settings(settings: Any, device_kind: str | None = None) -> MemoryPlan | None:
+    """The fit check ``edge serve`` runs before torch is imported (edge.settings.Settings in):
+    the plan that will load, or :class:`DoesNotFit`; None for the embedded demo model (a few
+    megabytes) and where the memory is not known without CUDA (a discrete GPU: the engine
+    checks it when it starts)."""
+    if settings.model is None:
+        return None
+    kind = device_kind or memory_kind(settings.device)
+    memory = probe(kind)
+    if memory is None:
+        return None
+    return fit(
+        Checkpoint.from_dir(settings.model), quantize=settings.quantize, lm_head=settings.quant_lm_head,
+        embedding=settings.quant_embedding, kind=kind, memory=memory, dtype=settings.dtype,
+        max_seq_len=settings.max_seq_len, page_size=settings.page_size, kv_blocks=settings.kv_blocks,
+        kv_memory=settings.kv_memory, reserve=settings.memory_reserve, prefill_chunk=None,
+        cuda_graph=settings.cuda_graph, runtime=runtime_to_come(kind),
+    )
+
+
+TABLE_FORMATS = (("bf16", None), ("int8", "int8"), ("int4", "int4"))
+
+
+def board_table(ckpts: list[Checkpoint], boards: list[Board], max_seq_len: int | None = None,
+                page_size: int = 16) -> str:
+    """Markdown: each checkpoint in bf16, int8 and int4 on each board (docs/orin.md)."""
+    g = fmt_bytes
+    rows = [
+        "| board | model | format | lm_head / embedding | weights | KV per token bf16 / int8 | needs (one context) "
+        "| available | fits | contexts bf16 / int8 | default KV pool | left for OS, ASR / TTS |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in boards:
+        for ckpt in ckpts:
+            for label, quantize in TABLE_FORMATS:
+                opts = dict(kind="integrated", memory=board_memory(b), board=b, max_seq_len=max_seq_len,
+                            page_size=page_size, kv_dtypes=("bfloat16", "int8"))
+                p = plan(ckpt, quantize=quantize, **opts)
+                p = resolve(p, ckpt, "auto", "auto", quantize=quantize, **opts)
+                kv = " / ".join(g(p.kv_per_token[d]) for d in ("bfloat16", "int8"))
+                head = p.held.parts_label().replace("lm_head ", "").replace(", embedding ", " / ")
+                budget = p.budget()
+                fits = "yes" if p.fits else "**no**"
+                ctx = " / ".join(f"{p.contexts(d):.1f}" for d in ("bfloat16", "int8"))
+                pool = f"{g(budget.kv_bytes)} ({budget.full_sequences:.0f})" if budget else "—"
+                left = g(p.left_for_others() or 0) if budget else "—"
+                rows.append(f"| {b.name} | {ckpt.name} | {label} | {head} | {g(p.weight_bytes)} | {kv} | {g(p.need)} "
+                            f"| {g(b.available)} | {fits} | {ctx} | {pool} | {left} |")
+    return "\n".join(rows)
