@@ -827,8 +827,8 @@ def board_table(ckpts: list[Checkpoint], boards: list[Board], max_seq_len: int |
                 head = p.held.parts_label().replace("lm_head ", "").replace(", embedding ", " / ")
                 budget = p.budget()
                 fits = "yes" if p.fits else "**no**"
-                ctx = " / ".join(f"{p.contexts(d):.1f}" for d in ("bfloat16", "int8"))
-                pool = f"{g(budget.kv_bytes)} ({budget.full_sequences:.0f})" if budget else "—"
+                ctx = " / ".join(f"{p.contexts(d):.1f}" for d in ("bfloat16", "int8")) if p.fits else "—"
+                pool = f"{g(budget.kv_bytes)} ({budget.full_sequences:.1f})" if budget else "—"
                 left = g(p.left_for_others() or 0) if budget else "—"
                 rows.append(f"| {b.name} | {ckpt.name} | {label} | {head} | {g(p.weight_bytes)} | {kv} | {g(p.need)} "
                             f"| {g(b.available)} | {fits} | {ctx} | {pool} | {left} |")
