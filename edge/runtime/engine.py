@@ -375,18 +375,20 @@ class Engine:
         all_logits: bool = False,
         mm: MultimodalPrompt | None = None,
         rope_delta: int = 0,
+        progress: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run ``ids`` through the model after the tokens ``seq`` holds; float32 logits
         of the last token ``[vocab]`` (or of every token ``[T, vocab]``). ``ids`` are
         tokens of the multimodal prompt ``mm`` (from position ``seq.length``), or
-        tokens after one whose RoPE positions trail by ``-rope_delta`` (edge/vision)."""
+        tokens after one whose RoPE positions trail by ``-rope_delta`` (edge/vision).
+        ``progress`` is called after each vision-tower block the chunk's images run."""
         ids_t = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True).view(-1)
         t = ids_t.shape[0]
         seq.reserve(t)
         positions = torch.arange(seq.length, seq.length + t, device=self.device)
         inputs = {}
         if mm is not None:
-            inputs = self._vision().chunk_inputs(mm, seq.length, seq.length + t)
+            inputs = self._vision().chunk_inputs(mm, seq.length, seq.length + t, progress)
         elif rope_delta:
             inputs = {"rope": self._vision().decode_rope(rope_delta)}
         hidden, norm = self.model.hidden(ids_t, positions, seq, **inputs)
