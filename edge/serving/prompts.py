@@ -129,7 +129,8 @@ def _image_prompt(
     # The text, then every image's header: a prompt too long for the context, or an image
     # too large to decode, fails before any image is decoded.
     ids = _encode_text(tok, tok.apply_chat_template(rendered), engine.max_seq_len, "messages")
-    image_tokens = sum(vision.image_tokens(vision.inspect(s, images.limits)) for s in sources)
+    headers = [vision.inspect(s, images.limits) for s in sources]
+    image_tokens = sum(vision.image_tokens(h) for h in headers)
     total = len(ids) - len(sources) + image_tokens
     if total + 1 > engine.max_seq_len:
         raise BadRequest(
@@ -137,6 +138,8 @@ def _image_prompt(
             f"{image_tokens} of them for its {len(sources)} image(s): send smaller images or fewer",
             param="messages", code="context_length_exceeded",
         )
+    for header in headers:
+        vision.check_memory(header, images.limits)
     prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
     _check_fits(engine, prompt.ids, "messages")
     return prompt

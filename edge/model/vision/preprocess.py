@@ -143,9 +143,8 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-# Bytes a decoded pixel takes in each PIL mode a decoder produces (others: 4).
-_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "LA": 2, "PA": 2, "La": 2, "I;16": 2, "I;16B": 2, "I;16L": 2, "RGB": 3,
-               "YCbCr": 3, "LAB": 3, "HSV": 3, "RGBA": 4, "RGBa": 4, "RGBX": 4, "CMYK": 4, "I": 4, "F": 4}
+# Bytes PIL keeps a decoded pixel in, per mode (multi-band modes, RGB included, take 4).
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
 EXIF_ORIENTATION = 0x0112
 _SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the picture by 90 degrees
 
@@ -175,10 +174,10 @@ class ImageHeader:
         if self.orientation != 1:
             steps.append(2 * stored)
         if self.mode != "RGB":
-            steps.append(stored + 3 * n)
+            steps.append(stored + 4 * n)
         if target is not None:
             th, tw = target
-            steps.append(3 * n + 3 * tw * self.height + 3 * tw * th)
+            steps.append(4 * n + 4 * tw * self.height + 4 * tw * th)
         return self.encoded_bytes + max(steps)
 
 
@@ -216,8 +215,8 @@ def check_decode_memory(header: ImageHeader, cfg: ProcessorConfig | None, limits
     if need > limits.max_memory:
         turned = ", turned upright by its EXIF orientation" if header.orientation != 1 else ""
         raise ImageError(
-            f"image of {header.width}x{header.height} pixels ({header.mode}{turned}) needs about {need >> 20} MiB to "
-            f"decode, more than the limit of {limits.max_memory >> 20} MiB per image (EDGE_IMAGE_MAX_MEMORY): "
+            f"image of {header.width}x{header.height} pixels ({header.mode}{turned}) needs about {need / 2**20:.1f} MiB "
+            f"to decode, more than the limit of {limits.max_memory / 2**20:.1f} MiB per image (EDGE_IMAGE_MAX_MEMORY): "
             "send a smaller image"
         )
 

@@ -121,20 +121,23 @@ class VisionLanguage:
         return preprocess(image, self.processor)
 
     def inspect(self, source: Any, limits: ImageLimits | None = None) -> ImageHeader:
-        """An image's header (nothing decoded), checked against ``limits`` (bytes, pixels
-        and the memory decoding it would take): what :meth:`image_tokens` counts from."""
+        """An image's header (nothing decoded), checked against ``limits``' bytes and
+        pixels: what :meth:`image_tokens` and :meth:`check_memory` take."""
         from PIL import Image
 
         limits = limits or ImageLimits()
         if isinstance(source, (str, Path)):
             source = read_image_file(source, limits)
         if isinstance(source, (bytes, bytearray)):
-            header = inspect_image(bytes(source), limits)
-            check_decode_memory(header, self.processor, limits)
-            return header
+            return inspect_image(bytes(source), limits)
         if isinstance(source, Image.Image):
             return ImageHeader(source.width, source.height, source.mode)
         raise ImageError(f"unsupported image source {type(source).__name__}")
+
+    def check_memory(self, header: ImageHeader, limits: ImageLimits | None = None) -> None:
+        """ImageError when decoding and resizing the image would take more than ``limits.max_memory``."""
+        if header.encoded_bytes:  # PIL images given as such are decoded already
+            check_decode_memory(header, self.processor, limits or ImageLimits())
 
     def image_tokens(self, header: ImageHeader) -> int:
         """Placeholder tokens the image of ``header`` will take in the prompt."""
@@ -174,8 +177,8 @@ class VisionLanguage:
         """Chat messages whose content may hold ``{"type": "image", "image": source}``
         parts -> the prompt the model's chat template and image processor make of them."""
         rendered, sources = split_images(messages)
-        for source in sources:
-            self.inspect(source, limits)  # every header before any image is decoded
+        for source in sources:  # every header before any image is decoded
+            self.check_memory(self.inspect(source, limits), limits)
         images = [self.prepare(s, limits) for s in sources]
         return self.build_prompt(tokenizer.encode_chat(rendered), images)
 
