@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,6 +22,7 @@ import torch
 
 from edge.runtime.backend import Backend, select_backend
 from edge.runtime.memory_plan import Checkpoint, MemoryPlan, fit, runtime_to_come, tower_peak
+from edge.runtime.threads import compile_threads
 from edge.runtime.budget import (
     DEFAULT_MAX_SEQ_LEN,
     DEFAULT_UTILIZATION,
@@ -99,6 +101,42 @@ def _fit(
         log.info("memory plan: %s %s needs %s for a context of %d tokens; %s available (%s)", p.name, p.held.label(),
                  fmt_bytes(p.need), seq_len, fmt_bytes(memory.available), memory.source)
     return p
+
+
+def _start_first_compile(
+    cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, plan: MemoryPlan, options: dict,
+    on_status: Callable[[str], None] | None,
+) -> Future[float] | None:
+    """Start compiling the kernel variants the backend will load and the cache lacks
+    (edge/kernels/prebuild.py), in threads beside the weights' loading; None when cached."""
+    from edge.kernels import nvrtc, prebuild
+
+    def progress(line: str) -> None:
+        log.info("%s", line)
+        if on_status is not None:
+            on_status(line)
+
+    try:
+        return prebuild.start(
+            cfg, dtype, nvrtc.device_index(dev), workers=compile_threads(), sms=options.get("sms"),
+            int4_scale_dtypes=[getattr(torch, d) for d in plan.held.int4_scale_dtypes()],
+            decode_tuning=options.get("decode_tuning"), int8_tuning=options.get("int8_tuning"),
+            int4_tuning=options.get("int4_tuning"), progress=progress,
+        )
+    except Exception as exc:  # the backend compiles (and reports) whatever is missing itself
+        log.warning("kernel variants not compiled ahead: %s", exc)
+        return None
+
+
+def _finish_first_compile(future: Future[float], on_status: Callable[[str], None] | None) -> None:
+    try:
+        seconds = future.result()
+    except Exception as exc:  # the backend meets the same failure and names the fix
+        log.warning("compiling the kernel variants ahead failed: %s", str(exc).splitlines()[0])
+        return
+    log.info("kernel variants compiled in %.0f s", seconds)
+    if on_status is not None:
+        on_status(f"kernels compiled in {seconds:.0f} s")
 
 
 def default_device() -> torch.device:
@@ -289,6 +327,8 @@ class Engine:
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
         quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
+        on_status = options.pop("on_status", None)
+        first_compile = None
         if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
             # Fail before loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
@@ -299,6 +339,7 @@ class Engine:
                 from edge.runtime.backend import BackendUnavailable, kernel_fix_hint
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
+            first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status)
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
         vision = None
@@ -320,6 +361,8 @@ class Engine:
                 check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
+        if first_compile is not None:
+            _finish_first_compile(first_compile, on_status)
         return cls(
             model,
             tokenizer,

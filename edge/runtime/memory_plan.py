@@ -106,10 +106,14 @@ class Int4Layout:
     """What the engine's int4 layout keeps per weight (edge/quant/int4.py)."""
 
     group_size: int  # -1: one group per row
-    scale_bytes: int
+    scale_dtype: str  # float16 | bfloat16 | float32
     zero_point: bool
     act_order: bool
     method: str = "rtn"
+
+    @property
+    def scale_bytes(self) -> int:
+        return dtype_bytes(self.scale_dtype)
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,7 @@ class Checkpoint:
             stored = "int4"
             scale = next((dt for n, (dt, _) in tensors.items()
                           if n.endswith((".scales", ".weight_scale")) and ".layers." in n), "F16")
-            int4 = Int4Layout(fmt.group_size, _SAFETENSORS_BYTES.get(scale, 2), fmt.zero_point, fmt.desc_act,
+            int4 = Int4Layout(fmt.group_size, _SAFETENSORS_NAMES.get(scale, "float32"), fmt.zero_point, fmt.desc_act,
                               fmt.method)
         elif q8 is not None:
             stored, int8_group = "q8_0", q8[1]
@@ -171,7 +175,6 @@ class Checkpoint:
         )
 
 
-_SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1}
 _SAFETENSORS_NAMES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
@@ -233,6 +236,15 @@ class Held:
             return f"int4 (RTN {g}, quantized while loading)"
         return f"int4 ({self.int4.method} {g})"
 
+    def int4_scale_dtypes(self) -> tuple[str, ...]:
+        """The scale dtypes of the int4 weights held (each has its own int4 kernels)."""
+        out = set()
+        if self.projections == "int4" and self.int4 is not None:
+            out.add(self.int4.scale_dtype)
+        if self.lm_head == "int4":
+            out.add("float16")
+        return tuple(sorted(out))
+
     def parts_label(self) -> str:
         head = "tied to the embedding" if self.lm_head == "tied" else _hold_label(self.lm_head, self.dtype)
         return f"lm_head {head}, embedding {_hold_label(self.embedding, self.dtype)}"
@@ -270,7 +282,7 @@ def held_form(
         return head, default if embedding == "auto" else embedding
 
     if ckpt.stored == "int4" or int4:
-        layout = ckpt.int4 if ckpt.stored == "int4" else Int4Layout(group_size or DEFAULT_GROUP_SIZE, 2, True, False)
+        layout = ckpt.int4 if ckpt.stored == "int4" else Int4Layout(group_size or DEFAULT_GROUP_SIZE, "float16", True, False)
         head, emb = head_and_embedding("float")
         return Held("int4", dtype, head, emb, int4=layout, quantized_here=int4)
     if ckpt.stored == "q8_0" or int8:
@@ -290,7 +302,7 @@ def _linear_bytes(out: int, cols: int, kind: str, held: Held) -> int:
     if kind == "int8":
         g = held.int8_group if cols % held.int8_group == 0 else cols
         return out * cols + out * (cols // g) * 4
-    layout = held.int4 if kind == "int4-proj" else Int4Layout(DEFAULT_GROUP_SIZE, 2, True, False)
+    layout = held.int4 if kind == "int4-proj" else Int4Layout(DEFAULT_GROUP_SIZE, "float16", True, False)
     assert layout is not None
     rows = -(-out // INT4_BLOCK_ROWS) * INT4_BLOCK_ROWS
     groups = rows * (1 if layout.group_size < 0 else cols // layout.group_size)
@@ -702,7 +714,7 @@ def alternatives(p: MemoryPlan, ckpt: Checkpoint, **options: Any) -> list[str]:
             if alt.fits:
                 out.append(f"--quantize {q} (needs {fmt_bytes(alt.need)})")
                 break
-        published = replace(ckpt, stored="int4", int4=Int4Layout(DEFAULT_GROUP_SIZE, 2, True, False, "awq"))
+        published = replace(ckpt, stored="int4", int4=Int4Layout(DEFAULT_GROUP_SIZE, "float16", True, False, "awq"))
         alt = plan(published, **base)
         if alt.fits:
             out.append(f"an int4 (AWQ / GPTQ) checkpoint (~{fmt_bytes(alt.weight_bytes)} of weights)")

@@ -9,7 +9,8 @@ CPU decode then loses most of its speed to threads waiting for a core. So:
   this process may run on (its affinity, which ``CPUAffinity=`` / cpusets restrict) to the
   processes beside it;
 
-``EDGE_TORCH_THREADS`` / ``--torch-threads`` (Settings.torch_threads) overrides both.
+``EDGE_TORCH_THREADS`` / ``--torch-threads`` (Settings.torch_threads) overrides both. A
+first start compiles its kernel variants in up to ``MAX_COMPILE_THREADS`` threads.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ log = logging.getLogger(__name__)
 
 GPU_THREADS = 2
 CPU_CORES_LEFT = 2
+# NVRTC compiles at once at a first start: each holds its working memory beside the weights being loaded.
+MAX_COMPILE_THREADS = 4
 
 
 def available_cores() -> int:
@@ -55,3 +58,8 @@ def apply_threads(device_type: str, requested: int | None = None) -> int:
         pass
     log.info("torch CPU threads: %d of %d cores%s", n, available_cores(), "" if requested is None else " (as set)")
     return n
+
+
+def compile_threads() -> int:
+    """Threads compiling kernel variants at a first start (edge/kernels/prebuild.py)."""
+    return max(1, min(MAX_COMPILE_THREADS, available_cores()))

@@ -125,6 +125,7 @@ class Service:
                 quantize=s.quantize,
                 quant_lm_head=s.quant_lm_head,
                 quant_embedding=s.quant_embedding,
+                on_status=self.notifier.status,  # first-start kernel compile progress in systemd's STATUS
                 **options,
             )
             self.engine = engine
