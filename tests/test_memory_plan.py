@@ -221,3 +221,21 @@ def test_the_fit_check_imports_no_torch(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.strip() == "False"
+
+
+def test_the_service_exits_with_78_when_the_model_cannot_fit(tmp_path, monkeypatch) -> None:
+    """The fit check inside the engine (the service's loader thread) ends the service with the
+    exit code the unit's RestartPreventExitStatus= names, not 1 (which systemd retries)."""
+    from edge.serving.service import Service
+    from edge.settings import Settings
+
+    model = _sparse_checkpoint(tmp_path / "m", "qwen3-8b")
+    monkeypatch.setattr("edge.runtime.engine.probe_memory", lambda device: _small(11 * GiB))
+    service = Service(Settings(model=str(model), device="cpu", dtype="bfloat16"), environ={})
+    codes: list[int] = []
+    service.request_exit = codes.append
+    service._load()
+    assert codes == [mp.EXIT_DOES_NOT_FIT] and service.exit_code == 78 and service.state == "failed"
+    assert service.error.startswith("DoesNotFit: m bfloat16 needs")
+    unit = (Path(__file__).resolve().parents[1] / "systemd" / "edge.service").read_text()
+    assert "RestartPreventExitStatus=78" in unit

@@ -146,7 +146,9 @@ def run(args: argparse.Namespace) -> dict:
     prefill = [prefill_seconds(engine, prompt) for _ in range(args.runs)]
     for _ in range(args.warmup):
         decode_seconds(engine, prompt, args.decode_tokens)
-    monitor = Monitor(MonitorConfig(period_s=args.monitor_period_s, metrics=False)).start()
+    # A Jetson: jtop, else its INA3221 rails; elsewhere NVML (a host's thermal zones carry no power).
+    source = None if facts.is_jetson else "nvml"
+    monitor = Monitor(MonitorConfig(period_s=args.monitor_period_s, source=source, metrics=False)).start()
     try:
         time.sleep(2 * args.monitor_period_s)
         decode, energy = measure_energy(
