@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
 from edge.runtime.budget import parse_kv_dtype
+from edge.runtime.memory_plan import EXIT_DOES_NOT_FIT, DoesNotFit
 from edge.settings import from_environment, non_negative_float, positive_int, power_of_two
 
 if TYPE_CHECKING:
@@ -81,13 +82,12 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         "--quantize", choices=("int8", "int4"), help="quantize a float checkpoint while loading: int8 (q8_0) or int4 (RTN)"
     )
     p.add_argument(
-        "--quant-lm-head", choices=("int8", "int4", "float"), default="int8",
-        help="how an int4 model holds its lm_head (default int8)",
+        "--quant-lm-head", choices=("auto", "float", "int8", "int4"), default="auto", help=LM_HEAD_HELP,
     )
     p.add_argument(
-        "--quant-embedding", choices=("int8", "float"), default="int8",
-        help="how an int4 model holds its embedding table (default int8 rows)",
+        "--quant-embedding", choices=("auto", "float", "int8"), default="auto", help=EMBEDDING_HELP,
     )
+    p.add_argument("--torch-threads", type=POSITIVE_INT, help=THREADS_HELP)
     p.add_argument("--kv-blocks", type=POSITIVE_INT, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
     p.add_argument(
@@ -103,6 +103,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--skip-weight-check", action="store_true", help="load weights holding NaN or infinity anyway")
 
 
+LM_HEAD_HELP = ("how an int4 model holds its lm_head: auto (as published; int8 rows only where only that fits), "
+                "float, int8, int4")
+EMBEDDING_HELP = "how an int4 model holds its embedding: auto (as published; int8 rows only where only that fits), float, int8"
+THREADS_HELP = "torch's CPU threads (default: 2 on a GPU; on the CPU all cores but 2, left to the voice front-end)"
 RESERVE_HELP = "memory kept free for the OS and other processes on an integrated GPU, e.g. 2GiB, 0 (default 1.5GiB)"
 
 
@@ -155,9 +159,12 @@ def check_engine_args(model: str | None, device: str | None, dtype: str | None) 
 
 
 def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of `edge --help`
-    from edge.runtime.engine import Engine
+    from edge.runtime.engine import Engine, default_device
+    from edge.runtime.threads import apply_threads
+    from edge.serving.service import torch_device_type
 
     check_engine_args(args.model, args.device, args.dtype)
+    apply_threads(torch_device_type(args.device, default_device), args.torch_threads)
     return Engine.from_pretrained(
         args.model,
         device=args.device,
@@ -405,9 +412,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
         "page_size", "max_seq_len", "kv_blocks", "kv_memory", "kv_dtype", "memory_reserve", "prefill_chunk",
-        "prefill_budget_ms", "speculative", "draft_model", "config", "log_level", "grammar_time_limit_s")}
+        "prefill_budget_ms", "speculative", "draft_model", "config", "log_level", "grammar_time_limit_s", "quantize",
+        "quant_lm_head", "quant_embedding", "torch_threads")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
+    # The fit check first: before torch is imported, a model that cannot fit is refused in one line.
+    from edge.runtime.memory_plan import fit_settings
+
+    if settings.model is not None:
+        from edge.model.validate import model_directory
+
+        model_directory(settings.model)
+    fit_settings(settings)
     check_engine_args(settings.model, settings.device, settings.dtype)
     export_file_vars(file_vars)
     if not args.verbose:
@@ -415,6 +431,46 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from edge.serving.server import serve
 
     return serve(settings)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """What a model needs in memory and whether it fits here or on a board; nothing loads."""
+    from edge.runtime import memory_plan as mp
+    from edge.runtime.boards import BOARDS, board
+
+    ckpts = [mp.Checkpoint.from_dir(model_directory_arg(args.model))] if args.model else []
+    if args.preset:
+        from edge.model.random_model import model_config
+
+        ckpts += [mp.Checkpoint.from_config(model_config(preset=name), name) for name in args.preset]
+    if not ckpts:
+        raise ValueError("edge plan needs --model DIR or --preset NAME")
+    boards = list(BOARDS.values()) if args.board == "all" else [board(args.board)] if args.board else []
+    if args.table:
+        print(mp.board_table(ckpts, boards or list(BOARDS.values()), args.max_seq_len, args.page_size))
+        return 0
+    plans = []
+    for ckpt in ckpts:
+        for b in boards or [None]:
+            kind = "integrated" if b is not None else mp.memory_kind(args.device)
+            memory = mp.board_memory(b) if b is not None else mp.probe(kind)
+            opts = dict(kind=kind, memory=memory, board=b, dtype=args.dtype, max_seq_len=args.max_seq_len,
+                        page_size=args.page_size, kv_dtype=args.kv_dtype, reserve=args.memory_reserve)
+            p = mp.plan(ckpt, quantize=args.quantize, lm_head=args.quant_lm_head, embedding=args.quant_embedding,
+                        **opts)
+            plans.append(mp.resolve(p, ckpt, args.quant_lm_head, args.quant_embedding, quantize=args.quantize,
+                                    **opts))
+    if args.json:
+        print(json.dumps([p.as_dict() for p in plans] if len(plans) > 1 else plans[0].as_dict(), indent=2))
+    else:
+        print("\n\n".join(p.describe() for p in plans))
+    return 0
+
+
+def model_directory_arg(path: str) -> Path:
+    from edge.model.validate import model_directory
+
+    return model_directory(path)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -528,8 +584,39 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")
+    s.add_argument("--quantize", choices=("int8", "int4"),
+                   help="quantize a float checkpoint while loading: int8 (q8_0) or int4 (RTN) [EDGE_QUANTIZE]")
+    s.add_argument("--quant-lm-head", choices=("auto", "float", "int8", "int4"),
+                   help=f"{LM_HEAD_HELP} [EDGE_QUANT_LM_HEAD]")
+    s.add_argument("--quant-embedding", choices=("auto", "float", "int8"), help=f"{EMBEDDING_HELP} [EDGE_QUANT_EMBEDDING]")
+    s.add_argument("--torch-threads", type=POSITIVE_INT, help=f"{THREADS_HELP} [EDGE_TORCH_THREADS]")
     s.add_argument("--config", help="KEY=VALUE environment file, as systemd's EnvironmentFile [EDGE_CONFIG]")
     s.set_defaults(func=cmd_serve)
+
+    pl = sub.add_parser("plan", help="what a model needs in memory, by part, and whether it fits (loads nothing)",
+                        description="Weights by part, KV bytes per token for each KV dtype, activations, the "
+                        "contexts that fit and what is left for the OS and the voice front-end: here (probed) or "
+                        "on a board.")
+    pl.add_argument("--model", help="model directory (config.json and safetensors headers are read)")
+    pl.add_argument("--preset", action="append", default=[], help="a preset's shape instead (qwen3-1.7b, qwen3-4b, "
+                    "qwen3-8b, ...; repeatable): no files needed")
+    from edge.runtime.boards import BOARDS
+
+    pl.add_argument("--board", choices=(*BOARDS, "all"), help="plan for this board's memory instead of this machine's")
+    pl.add_argument("--device", help="cpu or cuda (default: what this machine has)")
+    pl.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
+    pl.add_argument("--quantize", choices=("int8", "int4"), help="quantize a float checkpoint while loading")
+    pl.add_argument("--quant-lm-head", choices=("auto", "float", "int8", "int4"), default="auto", help=LM_HEAD_HELP)
+    pl.add_argument("--quant-embedding", choices=("auto", "float", "int8"), default="auto", help=EMBEDDING_HELP)
+    pl.add_argument("--max-seq-len", type=POSITIVE_INT, help="context length (default: min(model max, 4096))")
+    pl.add_argument("--page-size", type=_checked(power_of_two), default=16, help="tokens per KV block")
+    pl.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32", "int8"),
+                    help="the KV cache's dtype (default: the model's)")
+    pl.add_argument("--memory-reserve", type=_reserve_size, help=RESERVE_HELP)
+    pl.add_argument("--json", action="store_true", help="print JSON")
+    pl.add_argument("--table", action="store_true", help="a markdown table: each model in bf16, int8 and int4 on "
+                    "each board (docs/orin.md)")
+    pl.set_defaults(func=cmd_plan)
 
     i = sub.add_parser("info", help="device, dtype support and model summary as JSON")
     _engine_args(i)
@@ -570,6 +657,9 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except KeyboardInterrupt:
         return 130
+    except DoesNotFit as exc:
+        print(f"edge: error: {exc}", file=sys.stderr)
+        return EXIT_DOES_NOT_FIT
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"edge: error: {exc}", file=sys.stderr)
         return 2

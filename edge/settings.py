@@ -90,6 +90,32 @@ def _comma_list(text: str) -> tuple[str, ...]:
     return tuple(part.strip() for part in text.split(",") if part.strip())
 
 
+def quantize_choice(text: str) -> str | None:
+    """``int8`` / ``int4`` (quantize a float checkpoint while loading), or ``none``."""
+    t = text.strip().lower()
+    if t in ("", "none", "off"):
+        return None
+    if t not in ("int8", "int4"):
+        raise ValueError(f"expected int8, int4 or none, got {text!r}")
+    return t
+
+
+def lm_head_choice(text: str) -> str:
+    """How an int4 model holds its lm_head: auto (as published; int8 where only that fits), float, int8, int4."""
+    t = text.strip().lower()
+    if t not in ("auto", "float", "int8", "int4"):
+        raise ValueError(f"expected auto, float, int8 or int4, got {text!r}")
+    return t
+
+
+def embedding_choice(text: str) -> str:
+    """How an int4 model holds its embedding: auto (as published; int8 where only that fits), float, int8."""
+    t = text.strip().lower()
+    if t not in ("auto", "float", "int8"):
+        raise ValueError(f"expected auto, float or int8, got {text!r}")
+    return t
+
+
 def non_negative_float(text: str) -> float:
     v = float(text)
     if not v >= 0:
@@ -129,6 +155,11 @@ class Settings:
     draft_model: str | None = None  # the draft model directory of speculative method "draft"
     cuda_graph: bool | None = None  # None: on a GPU
     skip_weight_check: bool = False  # True: load weights holding NaN/inf without refusing
+    # -- memory and CPU: quantizing while loading, the int4 lm_head / embedding, torch's threads --
+    quantize: str | None = None  # int8 | int4: quantize a float checkpoint while loading
+    quant_lm_head: str = "auto"  # int4 models: auto (as published; int8 where only that fits), float, int8, int4
+    quant_embedding: str = "auto"  # int4 models: auto, float, int8
+    torch_threads: int | None = None  # torch's CPU threads (None: edge.runtime.threads' choice for the device)
     default_max_tokens: int | None = None  # None: the rest of the context, as OpenAI
     shutdown_grace_s: float = 5.0  # SIGTERM: streams get this long, then are cancelled
     max_body: int | None = None  # request body bytes before 413 (None: max(1 MiB, 64 B x context))
@@ -136,6 +167,7 @@ class Settings:
     image_max_bytes: int = 10 << 20
     image_max_pixels: int = 40_000_000
     max_images: int = 4
+    image_max_memory: int = 192 << 20  # decoded pixels and conversions of one image at a time
     allow_remote_images: bool = False  # fetch http(s) image URLs (off: data: URLs only)
     # Connections: a request head and body must arrive in time; past the cap, 503.
     header_timeout_s: float = 10.0
@@ -176,12 +208,17 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_DRAFT_MODEL": ("draft_model", str),
     "EDGE_CUDA_GRAPH": ("cuda_graph", parse_optional_bool),
     "EDGE_SKIP_WEIGHT_CHECK": ("skip_weight_check", parse_bool),
+    "EDGE_QUANTIZE": ("quantize", quantize_choice),
+    "EDGE_QUANT_LM_HEAD": ("quant_lm_head", lm_head_choice),
+    "EDGE_QUANT_EMBEDDING": ("quant_embedding", embedding_choice),
+    "EDGE_TORCH_THREADS": ("torch_threads", positive_int),
     "EDGE_DEFAULT_MAX_TOKENS": ("default_max_tokens", positive_int),
     "EDGE_SHUTDOWN_GRACE_S": ("shutdown_grace_s", non_negative_float),
     "EDGE_MAX_BODY": ("max_body", parse_bytes),
     "EDGE_IMAGE_MAX_BYTES": ("image_max_bytes", parse_bytes),
     "EDGE_IMAGE_MAX_PIXELS": ("image_max_pixels", positive_int),
     "EDGE_MAX_IMAGES": ("max_images", positive_int),
+    "EDGE_IMAGE_MAX_MEMORY": ("image_max_memory", parse_bytes),
     "EDGE_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_bool),
     "EDGE_HEADER_TIMEOUT_S": ("header_timeout_s", positive_float),
     "EDGE_BODY_TIMEOUT_S": ("body_timeout_s", positive_float),

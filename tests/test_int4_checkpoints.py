@@ -253,19 +253,25 @@ def test_published_int4_matches_transformers(tmp_path: Path, fmt: str, arch: str
     assert ours == ref_tokens
 
 
-def test_legacy_awq_config_and_budget_defaults(tmp_path: Path) -> None:
+def test_legacy_awq_config_and_faithful_defaults(tmp_path: Path) -> None:
     """AutoAWQ's quant_config.json is read when config.json has no quantization_config;
-    by default the lm_head and the embedding become int8 (the budget), and info says so."""
+    by default the lm_head and the embedding stay as published (float), int8 rows only
+    when chosen (or when only they fit, edge/runtime/memory_plan.py), and info says so."""
     hf = make_checkpoint("awq", "Qwen3ForCausalLM", tmp_path, legacy=True, tie_word_embeddings=False)
     fmt = detect_format(tmp_path)
     assert fmt is not None and fmt.method == "awq" and fmt.group_size == 32
-    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
-    info = engine.info()["weights"]
-    assert info == {"projections": "awq int4 g32", "lm_head": "int8 g128", "embedding": "int8 rows g128"}
-    assert isinstance(engine.model.lm_head, Int8Weight)
     ids = prompt(20, seed=4)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0].float()
+    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32")
+    info = engine.info()
+    assert info["weights"] == {"projections": "awq int4 g32", "lm_head": "float32", "embedding": "float32"}
+    assert info["memory_plan"]["notes"] == []
+    assert rel_err(engine.score(ids), ref) < 1e-4
+    engine = Engine.from_pretrained(tmp_path, device="cpu", dtype="float32", quant_lm_head="int8", quant_embedding="int8")
+    info = engine.info()["weights"]
+    assert info == {"projections": "awq int4 g32", "lm_head": "int8 g128", "embedding": "int8 rows g128"}
+    assert isinstance(engine.model.lm_head, Int8Weight)
     # int8 lm_head and embedding rows: close, not float32-exact.
     assert rel_err(engine.score(ids), ref) < 0.02
 

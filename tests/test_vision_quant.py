@@ -184,9 +184,13 @@ def test_published_int4_vl_checkpoint_matches_transformers(tmp_path: Path, prese
                                    page_size=8, prefill_chunk=24)
     assert_int4_decoder(exact)
     assert_matches(exact, hf, processor, messages)
-    # As served by default: the lm_head and the embedding as int8 groups (image features
-    # replace the embedding's rows at image tokens; the tower still runs in float).
-    default = Engine.from_pretrained(dst, device="cpu", dtype="float32", page_size=8, prefill_chunk=24)
+    # By default the lm_head and the embedding stay as published; as int8 groups when
+    # chosen (image features replace the embedding's rows at image tokens; the tower
+    # still runs in float).
+    published = Engine.from_pretrained(dst, device="cpu", dtype="float32", page_size=8, prefill_chunk=24)
+    assert published.info()["weights"]["embedding"] == "float32"
+    default = Engine.from_pretrained(dst, device="cpu", dtype="float32", page_size=8, prefill_chunk=24,
+                                     quant_lm_head="int8", quant_embedding="int8")
     assert isinstance(default.model.w["model.embed_tokens.weight"], Int8Embedding)
     with torch.no_grad():
         for m in {id(m): m for m in (hf.get_input_embeddings(), hf.lm_head)}.values():

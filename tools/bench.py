@@ -20,6 +20,10 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
   structured  time per output token with and without a JSON schema and with tools,
              grammar compile time cold and cached, host mask time per token
              (tools/bench_structured.py)
+  board      the shapes TensorRT Edge-LLM publishes for Jetson Orin (prefill 2048, decode
+             with 2048 in the cache, 3 warm-up + 10 runs) with energy, the power mode and
+             the clocks, beside the published figures; writes a JSON to share
+             (tools/bench_board.py)
 
   kernels   device copy bandwidth, then paged decode attention at each kv_len for a
             Qwen3-8B-like layer (32 q heads, 8 kv heads, head_dim 128, page 16):
@@ -676,6 +680,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.set_defaults(func=mode_kernels)
 
     # End-to-end modes live in their own modules beside this file.
+    import bench_board
     import bench_decode
     import bench_scheduler
     import bench_speculative
@@ -698,6 +703,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "mask times (tools/bench_structured.py)")
     bench_structured.add_arguments(st)
     st.set_defaults(func=bench_structured.run)
+    b = sub.add_parser("board", help="the board owner's benchmark: TensorRT Edge-LLM's shapes, energy, power mode "
+                       "(tools/bench_board.py)")
+    bench_board.add_arguments(b)
+    b.set_defaults(func=bench_board.run)
     return ap
 
 

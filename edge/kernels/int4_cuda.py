@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from edge.quant.int4 import BLOCK_ROWS, Int4Weight
-from edge.kernels import nvrtc
 from edge.kernels.args import is_vector, overlap
 from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
@@ -179,7 +178,7 @@ class Int4CudaLinear:
         self.tuning = tuning
         self._sms = launcher.sm_count()
         # Symmetric weights' zero point for the GEMV (which reads zero[0] for them).
-        self._eights = torch.full((16,), 8, dtype=torch.uint8, device=f"cuda:{launcher.device_index}")
+        self._eights = torch.full((16,), 8, dtype=torch.uint8, device=launcher.tensor_device)
         self._k: dict[tuple[torch.dtype, str], Any] = {}
         for sd in scale_dtypes:
             defines = tuning.defines(sd)
@@ -195,7 +194,7 @@ class Int4CudaLinear:
             for name in names:
                 self._k[(sd, name)] = k = launcher.kernel(SOURCE, name, defines)
                 if name.startswith("int4_gemv_"):
-                    nvrtc.allow_dynamic_smem(k, launcher.device_index, tuning.stage_bytes, carveout=tuning.carveout)
+                    launcher.allow_dynamic_smem(k, tuning.stage_bytes, carveout=tuning.carveout)
         self._dq = DequantCuda(launcher, int4=True, int8=False)
 
     @property

@@ -37,7 +37,6 @@ import torch
 from edge.kernels.args import is_vector, overlap
 from edge.kernels.dequant_cuda import DequantCuda, expanded_linear
 from edge.kernels.launcher import Launcher
-from edge.kernels import nvrtc
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight, Norm, fused_linear_reference
 
@@ -229,12 +228,12 @@ class Int8CudaLinear:
                     name = f"int8_gemv_{infix}{_DTYPE_NAME[dtype]}_r{r}"
                     self._k[name] = launcher.kernel(SOURCE, name, defines)
         self._k["take"] = launcher.kernel(SOURCE, "int8_argmax_take", defines)
-        self._mma_smem = min(nvrtc.shared_memory(launcher.device_index)[1], tuning.mma_stage_bytes)
+        self._mma_smem = min(launcher.shared_memory()[1], tuning.mma_stage_bytes)
         for dtype in DTYPES:
             for infix in (*(m[0] for m in MODES.values()), *ARGMAX_MODES.values()):  # the same modes
                 name = f"int8_mma_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
-                nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
+                launcher.allow_dynamic_smem(k, self._mma_smem, carveout=tuning.mma_carveout)
             for infix in MMA_DIRECT_MODES:
                 name = f"int8_mma_direct_{infix}{_DTYPE_NAME[dtype]}"
                 self._k[name] = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines())
@@ -247,7 +246,7 @@ class Int8CudaLinear:
                 if _tiles(infix) == 2:
                     name = f"int8_mma_pre_{infix}{_DTYPE_NAME[dtype]}"
                     self._k[name] = k = launcher.kernel(MMA_SOURCE, name, tuning.mma_defines(infix))
-                    nvrtc.allow_dynamic_smem(k, launcher.device_index, self._mma_smem, carveout=tuning.mma_carveout)
+                    launcher.allow_dynamic_smem(k, self._mma_smem, carveout=tuning.mma_carveout)
             if tuning.mma_prestage:
                 for norm in ("", "norm_"):
                     name = f"int8_stage_{norm}{_DTYPE_NAME[dtype]}"

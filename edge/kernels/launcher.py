@@ -125,6 +125,22 @@ class Launcher:
     def sm_count(self) -> int:
         return self._sms
 
+    @property
+    def tensor_device(self) -> Any:
+        """Where the kernels' constant tensors live."""
+        import torch
+
+        return torch.device("cuda", self.device_index)
+
+    def shared_memory(self) -> tuple[int, int, int]:
+        """(bytes per SM, most one CTA may opt in to, bytes reserved per CTA) of the device."""
+        return nvrtc.shared_memory(self.device_index)
+
+    def allow_dynamic_smem(self, kernel: Any, nbytes: int, *, carveout: int | None = None) -> None:
+        """Let ``kernel`` (loaded here) launch with ``nbytes`` of dynamic shared memory
+        (:func:`edge.kernels.nvrtc.allow_dynamic_smem`)."""
+        nvrtc.allow_dynamic_smem(kernel, self.device_index, nbytes, carveout=carveout)
+
     def resident_per_sm(self, kernel: Any, threads: int, shmem: int = 0) -> int:
         """CTAs of ``kernel`` (loaded here) one SM holds at once, launched with
         ``threads`` threads and ``shmem`` dynamic shared bytes: the driver's occupancy

@@ -272,7 +272,15 @@ def cache_key(source: str, arch: str, defines: Mapping[str, Any] | None = None) 
     return h.hexdigest()
 
 
-_compile_lock = threading.Lock()
+# One lock per cache key: two threads asking for the same variant compile it once, while
+# different variants compile at the same time (NVRTC releases the GIL while it compiles).
+_key_locks: dict[str, threading.Lock] = {}
+_key_locks_guard = threading.Lock()
+
+
+def _key_lock(key: str) -> threading.Lock:
+    with _key_locks_guard:
+        return _key_locks.setdefault(key, threading.Lock())
 
 
 def _check_arch(arch: str) -> str:
@@ -298,16 +306,31 @@ def compile_cubin(
     cc = core()
     includes = cuda_include_dirs()
     key = cache_key(source, arch, defines)
-    stem = Path(source).stem
-    path = cache_dir() / f"{stem}-{arch}-{key[:32]}.cubin"
-    if use_cache:
-        try:
-            data = path.read_bytes()
-            if data:
-                return data
-        except OSError:
-            pass
+    path = _cache_path(source, arch, key)
+    with _key_lock(key):
+        if use_cache:
+            try:
+                data = path.read_bytes()
+                if data:
+                    return data
+            except OSError:
+                pass
+        data = _compile(cc, source, arch, defines, includes)
+        if use_cache:
+            _atomic_write(path, data)
+        return data
 
+
+def _cache_path(source: str, arch: str, key: str) -> Path:
+    return cache_dir() / f"{Path(source).stem}-{arch}-{key[:32]}.cubin"
+
+
+def is_cached(source: str, arch: str, defines: Mapping[str, Any] | None = None) -> bool:
+    """Whether the disk cache holds this variant's cubin."""
+    return _cache_path(source, arch, cache_key(source, arch, defines)).is_file()
+
+
+def _compile(cc: Any, source: str, arch: str, defines: Mapping[str, Any] | None, includes: tuple[str, ...]) -> bytes:
     macro = [(k, v) for k, v in _normalize_defines(defines)]
     src = (KERNEL_DIR / source).read_text()
     opts = cc.ProgramOptions(
@@ -318,31 +341,27 @@ def compile_cubin(
         define_macro=macro or None,
     )
     log = io.StringIO()
-    with _compile_lock:  # keep logs of concurrent compiles apart
-        try:
-            prog = cc.Program(src, "c++", opts)
-            obj = prog.compile("cubin", logs=log)
-        except KernelsUnavailable:
-            raise
-        except Exception as exc:
-            text = log.getvalue().replace("\x00", "").strip()
-            raise KernelCompileError(
-                f"NVRTC failed to compile {source} for {arch} with {dict(macro)}:\n{exc}\n{text}"
-            ) from exc
+    try:
+        prog = cc.Program(src, "c++", opts)
+        obj = prog.compile("cubin", logs=log)
+    except KernelsUnavailable:
+        raise
+    except Exception as exc:
+        text = log.getvalue().replace("\x00", "").strip()
+        raise KernelCompileError(
+            f"NVRTC failed to compile {source} for {arch} with {dict(macro)}:\n{exc}\n{text}"
+        ) from exc
     text = log.getvalue().replace("\x00", "").strip()
     if text:
         raise KernelCompileError(
             f"NVRTC reported warnings for {source} ({arch}, {dict(macro)}); warnings are errors:\n{text}"
         )
     code = obj.code
-    data = (
+    return (
         bytes(code)
         if not isinstance(code, (str, os.PathLike))
         else Path(code).read_bytes()
     )
-    if use_cache:
-        _atomic_write(path, data)
-    return data
 
 
 def _atomic_write(path: Path, data: bytes) -> None:

@@ -455,7 +455,7 @@ class PagedAttentionCuda:
         self.ops = layer_ops
         self.tuning = tuning
         self.sms = int(sms) if sms is not None else launcher.sm_count()
-        self._smem = nvrtc.shared_memory(launcher.device_index)
+        self._smem = launcher.shared_memory()
         self._plans: dict[tuple, _DecodePlan] = {}
         self._verify_waves: dict[tuple, int] = {}  # (dtype, head_dim, rope, tiles) -> resident verify CTAs
         self.kv_kernel = launcher.kernel("kv_write.cu", "kv_write")
@@ -537,7 +537,7 @@ class PagedAttentionCuda:
         }
         kernel = self.launcher.kernel("paged_decode_tc.cu", _q8(name, q8), defines)
         smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles, q8)
-        nvrtc.allow_dynamic_smem(kernel, self.launcher.device_index, smem)
+        self.launcher.allow_dynamic_smem(kernel, smem)
         return kernel, smem
 
     def prefill_kernel(self, dtype: torch.dtype, head_dim: int, q8: bool = False) -> Any:

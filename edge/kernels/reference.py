@@ -208,7 +208,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     """RMSNorm over the last dimension, times ``weight`` (if given): statistics and the
     weight multiply in float32, rounded once to ``x``'s dtype."""
     w = None if weight is None else weight.float()
-    return F.rms_norm(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+    fused = getattr(F, "rms_norm", None)
+    if fused is None:  # torch < 2.4 (JetPack 6.0 ships 2.3)
+        return _rms_norm(x.float(), w, eps).to(x.dtype)
+    return fused(x.float(), (x.shape[-1],), w, eps).to(x.dtype)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``F.rms_norm`` of float32 rows, as torch composes it."""
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y if weight is None else y * weight
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

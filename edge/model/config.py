@@ -5,9 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from edge.model.files import read_json_object
 from edge.model.validate import ConfigError, check_config_fields
@@ -18,27 +16,39 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
 }
 
-DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
+if TYPE_CHECKING:  # torch is imported where tensors are made: reading a config (the fit check) needs none
+    import torch
+
+# Dtype names a user may give -> torch's name.
+DTYPE_NAMES = {
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
 }
 
 
-def parse_dtype(value: str | torch.dtype) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        if value not in DTYPES.values():
+def dtype_name(value: "str | torch.dtype") -> str:
+    """torch's name (float32, bfloat16, float16) of a dtype or of a name a user may give."""
+    if not isinstance(value, str):
+        name = str(value).removeprefix("torch.")
+        if name not in DTYPE_NAMES.values():
             raise ConfigError(f"unsupported dtype {value}; use float32, bfloat16 or float16")
-        return value
+        return name
     try:
-        return DTYPES[value.lower()]
+        return DTYPE_NAMES[value.lower()]
     except KeyError:
         raise ConfigError(f"unsupported dtype {value!r}; use float32, bfloat16 or float16") from None
+
+
+def parse_dtype(value: "str | torch.dtype") -> "torch.dtype":
+    import torch
+
+    return getattr(torch, dtype_name(value))
 
 
 @dataclass(frozen=True)
@@ -174,6 +184,8 @@ def _rope_scaling(rs: dict[str, Any]) -> RopeScaling | None:
 def rope_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE rows ``[..., D]`` of ``angles [..., D / 2]``: cos, and sin with rotate_half's
     sign folded in (``cat(-sin[:D/2], sin[D/2:])``), in the angles' dtype."""
+    import torch
+
     emb = torch.cat((angles, angles), dim=-1)
     half = angles.shape[-1]
     sin = emb.sin()
@@ -183,12 +195,16 @@ def rope_cos_sin(angles: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def rope_tables(inv_freq: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Float64 RoPE tables ``[max_pos, 2 * len(inv_freq)]`` (:func:`rope_cos_sin`), row p
     for position p."""
+    import torch
+
     return rope_cos_sin(torch.outer(torch.arange(max_pos, dtype=torch.float64, device=inv_freq.device),
                                     inv_freq.double()))
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     """Inverse frequencies (float64 for exactness), Llama 3 scaling applied if configured."""
+    import torch
+
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     rs = cfg.rope_scaling

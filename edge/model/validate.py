@@ -16,9 +16,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:  # imported where tensors are checked: the config checks (the fit check) need no torch
+    import torch
 
 MODEL_FILES = "config.json, *.safetensors, tokenizer.json"
 FINITE_CHUNK = 1 << 24  # elements per reduction: bounds the temporary boolean mask
@@ -50,6 +51,8 @@ def model_directory(path: str | Path) -> Path:
 
 def check_device_and_dtype(device: str | None, dtype: str | None) -> None:
     """ValueError for a device torch cannot use here or an unknown dtype name."""
+    import torch
+
     if device is not None:
         try:
             dev = torch.device(device)
@@ -134,6 +137,8 @@ def check_tensor(name: str, shape: tuple[int, ...], dtype: torch.dtype, want: tu
 
 
 def _all_finite(t: torch.Tensor) -> torch.Tensor:
+    import torch
+
     flat = t.reshape(-1)
     return torch.stack([torch.isfinite(c).all() for c in flat.split(FINITE_CHUNK)]).all()
 
@@ -145,6 +150,8 @@ def check_finite_weights(tensors: Iterable[tuple[str, torch.Tensor]], layout: Ma
     them (integer tensors are skipped). ``layout`` maps each checkpoint tensor to
     (loaded weight name, first row), as edge/model/loader.py fuses q/k/v and gate/up; it
     turns a bad row back into a name."""
+    import torch
+
     flags = [(name, t, _all_finite(t)) for name, t in tensors if t.is_floating_point()]
     if not flags or bool(torch.stack([ok for _, _, ok in flags]).all()):
         return

@@ -16,7 +16,7 @@ See DESIGN.md, "Monitoring".
 
 from .cli import format_sample, run_monitor_cli
 from .energy import EnergyMeter
-from .fake import FakeSource, write_fake_sysfs
+from .fake import FakeSource, write_fake_jetson, write_fake_sysfs
 from .governor import DeviceTooHot, GovernorSnapshot, ThermalGovernor, ThermalState
 from .metrics import MonitorMetrics
 from .monitor import Monitor, MonitorConfig
@@ -28,5 +28,5 @@ __all__ = [
     "DeviceTooHot", "EnergyMeter", "FakeSource", "GovernorSnapshot", "Monitor",
     "MonitorConfig", "MonitorMetrics", "NoneSource", "SOURCE_ORDER", "Sample", "Sampler",
     "Source", "SourceUnavailable", "ThermalGovernor", "ThermalState", "format_sample",
-    "normalize_zone", "open_source", "run_monitor_cli", "write_fake_sysfs",
+    "normalize_zone", "open_source", "run_monitor_cli", "write_fake_jetson", "write_fake_sysfs",
 ]

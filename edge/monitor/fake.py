@@ -137,3 +137,36 @@ def write_fake_sysfs(root: str | os.PathLike, *,
         if gpu_load_permille is not None:
             write("class/devfreq/17000000.gpu/device/load", gpu_load_permille)
     return root
+
+
+def write_fake_jetson(root: str | os.PathLike, *, model: str = "NVIDIA Jetson Orin NX Engineering Reference "
+                      "Developer Kit", l4t: str = "# R36 (release), REVISION: 4.3, GCID: 38968081, BOARD: generic",
+                      power_mode: tuple[int, str] = (0, "MAXN"), jetson_clocks: bool = False,
+                      gpu_freq_hz: int = 918000000, **sysfs: Any) -> str:
+    """A filesystem root like a Jetson Orin's: ``sys`` from :func:`write_fake_sysfs` (extra
+    keyword arguments go there), the device-tree model, the L4T release, nvpmodel's status
+    and configuration, the GPU's devfreq and cpu0's cpufreq limits (pinned at their maximum
+    when ``jetson_clocks``)."""
+    root = os.fspath(root)
+    write_fake_sysfs(os.path.join(root, "sys"), gpu_freq_hz=gpu_freq_hz, **sysfs)
+
+    def write(rel: str, text: object) -> None:
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"{text}\n")
+
+    write("proc/device-tree/model", model + "\0")
+    write("etc/nv_tegra_release", l4t)
+    mode_id, name = power_mode
+    write("var/lib/nvpmodel/status", f"pmode:{mode_id:04d} fmode:quiet")
+    write("etc/nvpmodel.conf", "\n".join(f"< POWER_MODEL ID={i} NAME={n} >" for i, n in
+                                          sorted({mode_id: name, 0: "MAXN", 1: "10W", 2: "15W"}.items())))
+    gpu = "sys/class/devfreq/17000000.gpu"
+    write(f"{gpu}/max_freq", gpu_freq_hz)
+    write(f"{gpu}/min_freq", gpu_freq_hz if jetson_clocks else 306000000)
+    cpu = "sys/devices/system/cpu/cpu0/cpufreq"
+    write(f"{cpu}/scaling_max_freq", 1984000)
+    write(f"{cpu}/scaling_min_freq", 1984000 if jetson_clocks else 729600)
+    write(f"{cpu}/scaling_cur_freq", 1984000 if jetson_clocks else 1190400)
+    return root

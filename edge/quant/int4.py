@@ -38,9 +38,10 @@ import torch.nn.functional as F
 
 from edge.kernels import reference
 from edge.quant.linear import ComposedLinear
+from edge.quant.formats import INT4_BLOCK_ROWS, INT4_DEQUANT_CHUNK_ELEMENTS
 from edge.quant.q8_0 import QuantError
 
-BLOCK_ROWS = 16
+BLOCK_ROWS = INT4_BLOCK_ROWS
 BLOCK_COLS = 64
 WORDS_PER_TILE = BLOCK_ROWS * BLOCK_COLS // 8
 QMAX = 15
@@ -48,7 +49,7 @@ SYMMETRIC_ZERO = 8
 DEFAULT_GROUP_SIZE = 128
 SCALE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Elements unpacked at once by the reference (bounds its int32 and float temporaries).
-DEQUANT_CHUNK_ELEMENTS = 1 << 24
+DEQUANT_CHUNK_ELEMENTS = INT4_DEQUANT_CHUNK_ELEMENTS
 
 # Nibble j of a word <-> (e, kh, rh) with j = rh + 2 kh + 4 e; lane = 4 g + t.
 # Codes [RB, 2 rh, 8 g, KB, 4 s, 4 t, 2 kh, 2 e] <-> words' nibbles [RB, KB, 8 g, 4 t, 4 s, 2 e, 2 kh, 2 rh].

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -49,118 +48,29 @@ from edge.model.loader import (
     iter_tensor_rows,
     tensor_shape,
 )
+from edge.quant.formats import (  # noqa: F401 - the int4 formats' names, re-exported
+    EMBED,
+    EMBED_CHOICES,
+    FORMATS,
+    HEAD_CHOICES,
+    INT4_ALIASES,
+    INT8_GROUP_SIZE,
+    LEGACY_AWQ_FILE,
+    LEGACY_GPTQ_FILE,
+    Int4Format,
+    detect_format,
+    parse_int4,
+)
 from edge.quant.q8_0 import LM_HEAD, Int8Weight, QuantError, is_linear_weight, quantize_into, quantize_tensor
 from edge.quant.embedding import Int8Embedding
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("awq", "gptq", "compressed-tensors")
-LEGACY_AWQ_FILE = "quant_config.json"
-LEGACY_GPTQ_FILE = "quantize_config.json"
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column 8c + AWQ_ORDER[i]
-EMBED = "model.embed_tokens.weight"
-HEAD_CHOICES = ("int8", "int4", "float")
-EMBED_CHOICES = ("int8", "float")
-INT8_GROUP_SIZE = 128
 # Float tensors quantized while loading are read and quantized this many bytes of rows at a
 # time: neither a whole host copy nor whole-tensor float32 temporaries on the device.
 STREAM_CHUNK_BYTES = 16 << 20
 _SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)
-
-
-@dataclass(frozen=True)
-class Int4Format:
-    """How a checkpoint stores its int4 linears (or ``rtn``: a float checkpoint that the
-    loader quantizes itself)."""
-
-    method: str  # "awq" | "gptq" | "compressed-tensors" | "rtn"
-    group_size: int  # -1: one group per row (per-channel)
-    zero_point: bool = True
-    gptq_v2: bool = False
-    desc_act: bool = False
-
-    def describe(self) -> str:
-        g = "channel" if self.group_size < 0 else f"g{self.group_size}"
-        extra = " desc_act" if self.desc_act else ""
-        return f"{self.method} int4 {g}{'' if self.zero_point else ' symmetric'}{extra}"
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    return read_json_object(path, CheckpointError)
-
-
-def _bits(cfg: dict[str, Any], key: str, where: str) -> None:
-    bits = cfg.get(key, 4)
-    if int(bits) != 4:
-        raise CheckpointError(f"{where}: {bits}-bit weights are not supported (int4 only)")
-
-
-def detect_format(model_dir: str | Path) -> Int4Format | None:
-    """The checkpoint's int4 format, None for a float (or q8_0) checkpoint; a clear
-    CheckpointError for a quantization this engine does not load."""
-    root = Path(model_dir)
-    config = _read_json(root / "config.json") if (root / "config.json").is_file() else {}
-    qc = config.get("quantization_config")
-    where = f"{root / 'config.json'} quantization_config"
-    if qc is None:
-        if (root / LEGACY_AWQ_FILE).is_file():
-            qc, where = {"quant_method": "awq", **_read_json(root / LEGACY_AWQ_FILE)}, str(root / LEGACY_AWQ_FILE)
-        elif (root / LEGACY_GPTQ_FILE).is_file():
-            qc, where = {"quant_method": "gptq", **_read_json(root / LEGACY_GPTQ_FILE)}, str(root / LEGACY_GPTQ_FILE)
-        else:
-            return None
-    method = str(qc.get("quant_method", "")).lower()
-    if method == "q8_0":
-        return None  # edge's own int8 format (edge.quant.q8_0)
-    if method == "awq":
-        _bits(qc, "bits" if "bits" in qc else "w_bit", where)
-        version = str(qc.get("version", "gemm")).lower()
-        if version != "gemm":
-            raise CheckpointError(f"{where}: AWQ version {version!r} is not supported (GEMM only)")
-        g = int(qc.get("group_size", qc.get("q_group_size", DEFAULT_GROUP_SIZE)))
-        return Int4Format("awq", g, zero_point=bool(qc.get("zero_point", True)))
-    if method == "gptq":
-        _bits(qc, "bits", where)
-        fmt = str(qc.get("checkpoint_format", "gptq")).lower()
-        if fmt not in ("gptq", "gptq_v2"):
-            raise CheckpointError(f"{where}: GPTQ checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)")
-        return Int4Format(
-            "gptq", int(qc.get("group_size", DEFAULT_GROUP_SIZE)), zero_point=not qc.get("sym", True),
-            gptq_v2=fmt == "gptq_v2", desc_act=bool(qc.get("desc_act", False)),
-        )
-    if method == "compressed-tensors":
-        return _compressed_tensors_format(qc, where)
-    raise CheckpointError(
-        f"{where}: quant_method {method!r} is not supported (int4: {', '.join(FORMATS)}; int8: q8_0)"
-    )
-
-
-def _compressed_tensors_format(qc: dict[str, Any], where: str) -> Int4Format:
-    groups = qc.get("config_groups") or {}
-    if not groups:
-        raise CheckpointError(f"{where}: compressed-tensors without config_groups")
-    schemes = []
-    for name, group in groups.items():
-        fmt = group.get("format") or qc.get("format")
-        if fmt != "pack-quantized":
-            raise CheckpointError(f"{where}: compressed-tensors format {fmt!r} in {name} is not supported (pack-quantized)")
-        w = group.get("weights") or {}
-        if group.get("input_activations"):
-            raise CheckpointError(f"{where}: {name} quantizes activations; only weight-only (W4A16) is supported")
-        if w.get("type", "int") != "int" or int(w.get("num_bits", 0)) != 4:
-            raise CheckpointError(f"{where}: {name} has {w.get('num_bits')}-bit {w.get('type')} weights (int4 only)")
-        strategy = w.get("strategy", "group")
-        if strategy == "group":
-            g = int(w["group_size"])
-        elif strategy == "channel":
-            g = -1
-        else:
-            raise CheckpointError(f"{where}: {name} strategy {strategy!r} is not supported (group, channel)")
-        schemes.append((g, not w.get("symmetric", True), w.get("actorder") not in (None, False, "none")))
-    if len(set(schemes)) != 1:
-        raise CheckpointError(f"{where}: config_groups with different int4 schemes are not supported")
-    g, asym, actorder = schemes[0]
-    return Int4Format("compressed-tensors", g, zero_point=asym, desc_act=actorder)
 
 
 # -- reading tensors -----------------------------------------------------------------
@@ -317,14 +227,6 @@ READERS: dict[str, tuple[Callable[..., Int4Codes], str]] = {
 
 
 # -- loading -------------------------------------------------------------------------
-
-
-INT4_ALIASES = ("int4", "w4a16")
-
-
-def parse_int4(value: str | None) -> bool:
-    """Whether a ``--quantize`` value asks for int4 (RTN while loading)."""
-    return value is not None and str(value).lower() in INT4_ALIASES
 
 
 def parse_choice(value: str, choices: tuple[str, ...], what: str) -> str:

@@ -45,7 +45,7 @@ launch: an RMSNorm of its input (``norm``), SwiGLU of a ``[gate; up]`` output
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -64,46 +64,31 @@ from edge.model.loader import (
     iter_tensor_rows,
 )
 
+from edge.quant.formats import (  # noqa: F401 - the format's names, re-exported
+    DEFAULT_GROUP_SIZE,
+    INT8_DEQUANT_CHUNK_ELEMENTS,
+    LINEAR_SUFFIXES,
+    LM_HEAD,
+    QUANT_METHOD,
+    QUANTIZE_ALIASES,
+    SCALE_SUFFIX,
+    QuantError,
+    is_linear_weight,
+    parse_quantize,
+    q8_0_from_metadata,
+    quantized_names,
+)
+
 log = logging.getLogger(__name__)
 
-QUANT_METHOD = "q8_0"
-QUANTIZE_ALIASES = {"int8": QUANT_METHOD, "q8_0": QUANT_METHOD, "w8a16": QUANT_METHOD}
-DEFAULT_GROUP_SIZE = 128
-SCALE_SUFFIX = "_scale"  # X.weight -> X.weight_scale
 QMAX = 127
-# Elements dequantized at once by the reference linear (128 MiB in bf16): large enough
-# that prefill GEMMs stay efficient (one per ~64M weights), small enough for Orin.
-DEQUANT_CHUNK_ELEMENTS = 1 << 26
 # Elements quantized at once (bounds the float32 temporary of route A and B).
 QUANTIZE_CHUNK_ELEMENTS = 1 << 24
-
-LINEAR_SUFFIXES = (
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-LM_HEAD = "lm_head.weight"
-
-
-class QuantError(ValueError):
-    """A tensor or option that cannot be quantized; the message names it."""
+# Elements dequantized at once by the reference linear.
+DEQUANT_CHUNK_ELEMENTS = INT8_DEQUANT_CHUNK_ELEMENTS
 
 
 # -- quantization -------------------------------------------------------------------
-
-
-def parse_quantize(value: str | None) -> str | None:
-    """``"int8"`` / ``"q8_0"`` / ``"w8a16"`` -> ``"q8_0"``; None / ``"none"`` -> None."""
-    if value is None or str(value).lower() in ("", "none", "no", "false"):
-        return None
-    try:
-        return QUANTIZE_ALIASES[str(value).lower()]
-    except KeyError:
-        raise QuantError(f"unsupported quantization {value!r}; supported: int8 (q8_0 group-wise W8A16), int4 (W4A16)") from None
 
 
 def check_group_size(in_features: int, group_size: int, name: str = "tensor") -> None:
@@ -311,26 +296,6 @@ def weight_tensors(w: Weight) -> tuple[torch.Tensor, ...]:
 # -- which tensors, and checkpoint metadata ----------------------------------------
 
 
-def is_linear_weight(name: str) -> bool:
-    """A projection weight that int8 quantization applies to (lm_head included)."""
-    if name == LM_HEAD:
-        return True
-    return name.startswith("model.layers.") and name.endswith(LINEAR_SUFFIXES)
-
-
-def quantized_names(names: Iterable[str], tie_word_embeddings: bool, keep_lm_head_float: bool = False) -> list[str]:
-    """The names among ``names`` that both routes quantize: every layer projection, and
-    ``lm_head.weight`` unless it is tied to the embedding or kept float."""
-    out = []
-    for n in names:
-        if not is_linear_weight(n):
-            continue
-        if n == LM_HEAD and (tie_word_embeddings or keep_lm_head_float):
-            continue
-        out.append(n)
-    return out
-
-
 def scale_name(weight_name: str) -> str:
     return weight_name + SCALE_SUFFIX
 
@@ -341,21 +306,7 @@ def file_metadata_for(method: str, group_size: int) -> dict[str, str]:
 
 def checkpoint_quantization(model_dir: str | Path) -> tuple[str, int] | None:
     """(method, group_size) from a checkpoint's ``__metadata__``, None for a float one."""
-    meta = file_metadata(model_dir)
-    method = meta.get("quantization")
-    if method is None:
-        return None
-    if method != QUANT_METHOD:
-        raise CheckpointError(f"{model_dir}: unsupported quantization {method!r} in __metadata__ (supported: q8_0)")
-    try:
-        group_size = int(meta["group_size"])
-    except (KeyError, ValueError):
-        raise CheckpointError(
-            f"{model_dir}: __metadata__ quantization q8_0 needs an integer group_size, got {meta.get('group_size')!r}"
-        ) from None
-    if group_size < 1:
-        raise CheckpointError(f"{model_dir}: group_size {group_size} in __metadata__ must be positive")
-    return method, group_size
+    return q8_0_from_metadata(file_metadata(model_dir), str(model_dir))
 
 
 # -- loading (route A: pre-quantized checkpoint; route B: quantize while loading) ---

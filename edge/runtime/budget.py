@@ -21,6 +21,8 @@ after the weights are loaded and the activations of the worst step measured:
   takes the peak of ``torch.cuda.max_memory_allocated`` above the baseline (the
   caching allocator is emptied before memory is probed, so nothing is counted twice).
   On the CPU it is estimated from shapes (``estimate_activation_bytes``).
+  A vision-language model's tower peak on the largest image a context holds
+  (edge/runtime/memory_plan.py ``tower_peak``) counts where it is the larger.
 * ``graph buffers``: with CUDA graphs, each of the two slots' captured decode step
   keeps its intermediates in the graph pool: reserved as 2 x the measured decode peak
   plus ``GRAPH_OVERHEAD``.
@@ -70,6 +72,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 DEFAULT_UTILIZATION = 0.9
+# The context length when neither the operator nor the model's maximum sets a shorter one.
+DEFAULT_MAX_SEQ_LEN = 4096
 # Default cap where the pool shares memory with everything else (CPU, integrated GPU): full
 # contexts for the two scheduler slots plus as many again for cached prefixes.
 SHARED_MEMORY_SEQUENCES = 4
@@ -360,17 +364,35 @@ def parse_kv_dtype(text: str | None) -> str:
     return t
 
 
-def kv_row_bytes(head_dim: int, dtype: "torch.dtype", kv_dtype: str = "auto") -> int:
+# Bytes an element of each dtype takes (torch's names): sizes from names, without torch.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "int32": 4, "float64": 8}
+
+
+def dtype_bytes(dtype: "torch.dtype | str") -> int:
+    """Bytes of one element of ``dtype`` (a torch dtype or its name)."""
+    return DTYPE_BYTES[str(dtype).removeprefix("torch.")]
+
+
+# Stored KV dtype -> (bytes of an element, bytes of the scales one token keeps per KV head).
+KV_ELEMENT_BYTES = {"float32": (4, 0), "bfloat16": (2, 0), "float16": (2, 0), "int8": (1, 4)}
+
+
+def kv_bytes_per_token(cfg: "ModelConfig", kv_dtype: "torch.dtype | str") -> int:
+    """Bytes one token's K and V take across all layers stored in ``kv_dtype`` (a torch
+    dtype or one of ``KV_ELEMENT_BYTES``: an int8 cache keeps a scale per token and KV head)."""
+    element, scale = KV_ELEMENT_BYTES[str(kv_dtype).removeprefix("torch.")]
+    return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * element + scale)
+
+
+def kv_row_bytes(head_dim: int, dtype: "torch.dtype | str", kv_dtype: str = "auto") -> int:
     """Bytes of one stored row (a token's KV head, K or V): ``head_dim`` values of
     ``dtype``, or with ``kv_dtype="int8"`` ``head_dim`` codes and a float32 scale."""
-    import torch
-
-    if parse_kv_dtype(kv_dtype) == "int8":
-        return head_dim + 4
-    return head_dim * torch.empty((), dtype=dtype).element_size()
+    stored = "int8" if parse_kv_dtype(kv_dtype) == "int8" else dtype
+    element, scale = KV_ELEMENT_BYTES[str(stored).removeprefix("torch.")]
+    return head_dim * element + scale
 
 
-def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype", kv_dtype: str = "auto") -> int:
+def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype | str", kv_dtype: str = "auto") -> int:
     """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * kv_row_bytes(cfg.head_dim, dtype, kv_dtype)
 
@@ -391,9 +413,7 @@ def estimate_activation_bytes(
     reference attention (gathered K/V, float32 scores), or the MLP, whichever is larger,
     plus the float temporary of the int8 reference linear (``dequant_elements`` of the
     largest quantized weight chunk) and the logits; times ``ACTIVATION_MARGIN``."""
-    import torch
-
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype_bytes(dtype)
     t, length = min(prefill_chunk, max_seq_len), max_seq_len
     h, inter = cfg.hidden_size, cfg.intermediate_size
     qkv = cfg.q_size + 2 * cfg.kv_size
@@ -415,9 +435,7 @@ def chunk_activation_bytes(cfg: "ModelConfig", tokens: int, dtype: "torch.dtype"
     matrix): the residual stream and the normed input, and the larger of the
     attention's (qkv, its roped copy, the output and its projection) and the MLP's
     (gate_up, the SwiGLU product, the down projection)."""
-    import torch
-
-    b = torch.empty((), dtype=dtype).element_size()
+    b = dtype_bytes(dtype)
     h, inter = cfg.hidden_size, cfg.intermediate_size
     attention = 2 * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size + h
     mlp = 3 * inter + h
@@ -728,10 +746,13 @@ def plan_kv_budget(
     cuda_graph: bool = False,
     reserve: int | str | None = None,
     kv_dtype: str = "auto",
+    vision_activations: int = 0,
 ) -> MemoryBudget:
     """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
     (unless ``memory`` is given), compute the block count of a pool of ``kv_dtype``
-    (int8: about twice the blocks of a bfloat16 pool). See the module docstring."""
+    (int8: about twice the blocks of a bfloat16 pool). See the module docstring.
+    ``vision_activations``: the vision tower's peak (edge/runtime/memory_plan.py
+    ``tower_peak``); the tower runs before a prefill chunk's layers, so the larger counts."""
     from edge.quant.int4 import BLOCK_ROWS, Int4Weight
     from edge.quant.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
     from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight
@@ -755,6 +776,7 @@ def plan_kv_budget(
             default=0,
         )
         activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)
+    activations = max(activations, vision_activations)
     if callable(memory):
         memory = memory()
     if memory is None:

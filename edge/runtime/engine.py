@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -21,13 +22,19 @@ import numpy as np
 import torch
 
 from edge.runtime.backend import Backend, select_backend
+from edge.runtime.memory_plan import Checkpoint, MemoryPlan, fit, runtime_to_come, tower_peak
+from edge.runtime.threads import compile_threads
 from edge.runtime.budget import (
+    DEFAULT_MAX_SEQ_LEN,
     DEFAULT_UTILIZATION,
     BudgetError,
     MemoryBudget,
     MemoryInfo,
     default_prefill_chunk,
     parse_kv_dtype,
+    fmt_bytes,
+    parse_bytes,
+    parse_reserve,
     plan_kv_budget,
     probe_memory,
 )
@@ -56,7 +63,83 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 KV_KINDS = ("paged", "contiguous")
-DEFAULT_MAX_SEQ_LEN = 4096
+
+
+def _loader_choice(held: str) -> str:
+    """A plan's lm_head / embedding form as the loaders take it (a tied head has none)."""
+    return "float" if held == "tied" else held
+
+
+def _fit(
+    path: Path, dev: torch.device, dtype: torch.dtype, seq_len: int, page_size: int, quantize: str | None,
+    lm_head: str, embedding: str, cuda_graph: bool | None, options: dict,
+) -> MemoryPlan:
+    """The memory plan the model loads under (edge/runtime/memory_plan.py), checked against
+    what this process may use unless the caller sized the pool itself for a test
+    (``num_blocks`` / ``memory_info``)."""
+    if dev.type == "cpu":
+        kind = "cpu"
+    else:
+        kind = "integrated" if getattr(torch.cuda.get_device_properties(dev), "is_integrated", False) else "discrete"
+    faked = "num_blocks" in options or "memory_info" in options
+    memory = None
+    if not faked:
+        try:
+            memory = probe_memory(dev)
+        except (OSError, BudgetError) as exc:
+            log.warning("cannot probe memory (%s): the model is loaded without a fit check", exc)
+    reserve = options.get("memory_reserve")
+    p = fit(
+        Checkpoint.from_dir(path), quantize=quantize, lm_head=lm_head, embedding=embedding, kind=kind,
+        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size,
+        kv_blocks=options.get("kv_blocks"), kv_memory=None if options.get("kv_memory") is None else parse_bytes(
+            options["kv_memory"]),
+        reserve=None if reserve is None else parse_reserve(reserve),
+        utilization=options.get("memory_utilization", DEFAULT_UTILIZATION), prefill_chunk=options.get("prefill_chunk"),
+        cuda_graph=cuda_graph, runtime=0 if kind == "discrete" else runtime_to_come(kind),
+    )
+    for note in p.notes:
+        log.warning("memory plan: %s", note)
+    if memory is not None:
+        log.info("memory plan: %s %s needs %s for a context of %d tokens; %s available (%s)", p.name, p.held.label(),
+                 fmt_bytes(p.need), seq_len, fmt_bytes(memory.available), memory.source)
+    return p
+
+
+def _start_first_compile(
+    cfg: ModelConfig, dtype: torch.dtype, dev: torch.device, plan: MemoryPlan, options: dict,
+    on_status: Callable[[str], None] | None,
+) -> Future[float] | None:
+    """Start compiling the kernel variants the backend will load and the cache lacks
+    (edge/kernels/prebuild.py), in threads beside the weights' loading; None when cached."""
+    from edge.kernels import nvrtc, prebuild
+
+    def progress(line: str) -> None:
+        log.info("%s", line)
+        if on_status is not None:
+            on_status(line)
+
+    try:
+        return prebuild.start(
+            cfg, dtype, nvrtc.device_index(dev), workers=compile_threads(), sms=options.get("sms"),
+            int4_scale_dtypes=[getattr(torch, d) for d in plan.held.int4_scale_dtypes()],
+            decode_tuning=options.get("decode_tuning"), int8_tuning=options.get("int8_tuning"),
+            int4_tuning=options.get("int4_tuning"), progress=progress,
+        )
+    except Exception as exc:  # the backend compiles (and reports) whatever is missing itself
+        log.warning("kernel variants not compiled ahead: %s", exc)
+        return None
+
+
+def _finish_first_compile(future: Future[float], on_status: Callable[[str], None] | None) -> None:
+    try:
+        seconds = future.result()
+    except Exception as exc:  # the backend meets the same failure and names the fix
+        log.warning("compiling the kernel variants ahead failed: %s", str(exc).splitlines()[0])
+        return
+    log.info("kernel variants compiled in %.0f s", seconds)
+    if on_status is not None:
+        on_status(f"kernels compiled in {seconds:.0f} s")
 
 
 def default_device() -> torch.device:
@@ -92,6 +175,7 @@ class Engine:
         memory_reserve: int | str | None = None,
         vision: VisionLanguage | None = None,
         kv_dtype: str = "auto",
+        memory_plan: MemoryPlan | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
         OOM). Otherwise the pool comes from the memory budget (edge/runtime/budget.py):
@@ -140,6 +224,7 @@ class Engine:
         model = model.with_backend(self.backend)
         self.model = model
         self.vision = vision
+        self.memory_plan = memory_plan
         self.cfg = model.cfg
         self.tokenizer = tokenizer
         self.model_dir = model_dir
@@ -171,6 +256,7 @@ class Engine:
                     reserve=memory_reserve,
                     cuda_graph=cuda_graph is not False and graph_ok,
                     kv_dtype=kv_dtype,
+                    vision_activations=self._vision_activations(),
                 )
                 log.info("%s", self.budget.describe())
                 num_blocks = self.budget.num_blocks
@@ -218,8 +304,8 @@ class Engine:
         quantize: str | None = None,
         quant_group_size: int | None = None,
         check_weights: bool = True,
-        quant_lm_head: str = "int8",
-        quant_embedding: str = "int8",
+        quant_lm_head: str = "auto",
+        quant_embedding: str = "auto",
         **options,
     ) -> "Engine":
         """Load a Hugging Face model directory (default: the embedded random model).
@@ -230,8 +316,15 @@ class Engine:
         GPTQ / compressed-tensors checkpoint loads with int4 projections, and
         ``quantize="int4"`` quantizes a float one to int4 while loading (RTN); such a
         model keeps its lm_head and embedding as ``quant_lm_head`` (int8, int4 or float)
-        and ``quant_embedding`` (int8 or float).
+        and ``quant_embedding`` (int8 or float); ``"auto"`` keeps them as published, as int8
+        rows only where only that fits.
         ``check_weights`` refuses weights holding NaN or infinity (edge/model/validate.py).
+
+        Before anything loads, the memory plan (edge/runtime/memory_plan.py) checks that the
+        weights, one full context of KV, the activations and the reserve fit what this
+        process may use, and raises :class:`~edge.runtime.memory_plan.DoesNotFit` (one line
+        naming what would fit) when they do not; explicit ``num_blocks`` / ``memory_info``
+        (tests that fake the budget) skip it.
         """
         if path is None:
             from edge.model.random_model import default_model_path
@@ -246,6 +339,10 @@ class Engine:
         cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
         check_checkpoint_matches_config(path, cfg)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
+        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
+        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
+        on_status = options.pop("on_status", None)
+        first_compile = None
         if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
             # Fail before loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
@@ -256,6 +353,7 @@ class Engine:
                 from edge.runtime.backend import BackendUnavailable, kernel_fix_hint
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
+            first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status)
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
         vision = None
@@ -277,6 +375,8 @@ class Engine:
                 check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
         if tokenizer is None:
             log.warning("%s has no tokenizer.json: token ids in and out only", path)
+        if first_compile is not None:
+            _finish_first_compile(first_compile, on_status)
         return cls(
             model,
             tokenizer,
@@ -286,8 +386,15 @@ class Engine:
             max_seq_len=seq_len,
             cuda_graph=cuda_graph,
             vision=vision,
+            memory_plan=plan,
             **options,
         )
+
+    def _vision_activations(self) -> int:
+        """The vision tower's peak on the largest image a context holds (0: a text model)."""
+        if self.vision is None:
+            return 0
+        return tower_peak(self.vision.cfg.vision, self.vision.processor.max_pixels, self.max_seq_len, self.dtype)
 
     def _default_prefill_chunk(self, memory: MemoryInfo | None) -> int:
         """:func:`edge.runtime.budget.default_prefill_chunk` for this model and backend; the
@@ -325,18 +432,20 @@ class Engine:
         all_logits: bool = False,
         mm: MultimodalPrompt | None = None,
         rope_delta: int = 0,
+        progress: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """Run ``ids`` through the model after the tokens ``seq`` holds; float32 logits
         of the last token ``[vocab]`` (or of every token ``[T, vocab]``). ``ids`` are
         tokens of the multimodal prompt ``mm`` (from position ``seq.length``), or
-        tokens after one whose RoPE positions trail by ``-rope_delta`` (edge/vision)."""
+        tokens after one whose RoPE positions trail by ``-rope_delta`` (edge/vision).
+        ``progress`` is called after each vision-tower block the chunk's images run."""
         ids_t = torch.as_tensor(ids, dtype=torch.long).to(self.device, non_blocking=True).view(-1)
         t = ids_t.shape[0]
         seq.reserve(t)
         positions = torch.arange(seq.length, seq.length + t, device=self.device)
         inputs = {}
         if mm is not None:
-            inputs = self._vision().chunk_inputs(mm, seq.length, seq.length + t)
+            inputs = self._vision().chunk_inputs(mm, seq.length, seq.length + t, progress)
         elif rope_delta:
             inputs = {"rope": self._vision().decode_rope(rope_delta)}
         hidden, norm = self.model.hidden(ids_t, positions, seq, **inputs)
@@ -598,6 +707,8 @@ class Engine:
             }
         if self.budget is not None:
             out["kv_budget"] = self.budget.as_dict()
+        if self.memory_plan is not None:
+            out["memory_plan"] = self.memory_plan.as_dict()
         if self.vision is not None:
             v, proc = self.vision.cfg.vision, self.vision.processor
             out["vision"] = {

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
@@ -89,8 +90,10 @@ class ActionRunner:
         streams: HostStreams | CudaStreams,
         energy=None,
         draft: Engine | None = None,
+        beat: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
+        self._beat = beat  # the loop's heartbeat, kept fresh through long vision-tower work
         self.draft = draft  # the draft model of speculative requests with method "draft"
         self.speculative = SpeculativeStats()  # totals over finished requests (/metrics)
         self.policy = policy
@@ -223,13 +226,13 @@ class ActionRunner:
         """``engine.forward`` (``mm``: the prompt's images); a background chunk is timed
         for the pacing."""
         if not background:
-            return self.engine.forward(seq, ids, mm=mm)
+            return self.engine.forward(seq, ids, mm=mm, progress=self._beat)
         timer = self.streams.timer()
         with self._lock:
             self.policy.pacing.chunk_started(time.perf_counter())
         ran = 0
         try:
-            logits = self.engine.forward(seq, ids, mm=mm)
+            logits = self.engine.forward(seq, ids, mm=mm, progress=self._beat)
             ran = len(ids)
             return logits
         finally:

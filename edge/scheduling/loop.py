@@ -121,7 +121,7 @@ class Scheduler:
             prefix_cache=self.prefix_cache,
             governor=governor,
         )
-        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine), energy, draft)
+        self.runner = ActionRunner(engine, self.policy, self._lock, device_streams(engine), energy, draft, self._beat)
         self._calls: deque[tuple[Callable[[], Any], concurrent.futures.Future]] = deque()
         self._stopping = False
         self._shut_down = False
@@ -269,6 +269,10 @@ class Scheduler:
         }
 
     # -- loop --------------------------------------------------------------------------------
+
+    def _beat(self) -> None:
+        """The loop is making progress (called between rounds and between vision-tower blocks)."""
+        self._heartbeat = time.monotonic()
 
     def _run(self) -> None:
         self.runner.streams.bind_thread()

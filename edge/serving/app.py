@@ -68,7 +68,7 @@ class _MetricsMiddleware:
 
 def create_app(service: Service) -> FastAPI:
     s = service.settings
-    images = ImagePolicy(ImageLimits(s.image_max_bytes, s.image_max_pixels), s.max_images, s.allow_remote_images)
+    images = ImagePolicy(ImageLimits(s.image_max_bytes, s.image_max_pixels, s.image_max_memory), s.max_images, s.allow_remote_images)
     prompts = PromptEncoder(waiting=s.queue_size, images=images)
     parser = BodyParser(waiting=s.queue_size)
     completions = Completions(service, prompts, parser)

@@ -6,9 +6,12 @@ released, so neither the event loop (streams, /health) nor the engine loop (its
 heartbeat) waits for a long prompt. A text longer than the context times the most
 characters one token can stand for cannot fit, and is refused before tokenizing.
 
-A chat request with images (a vision-language model) takes the same path: its remote
-images are fetched on the event loop (when the policy allows them), then the worker
-decodes and preprocesses them and tokenizes the text around their placeholders.
+A chat request with images (a vision-language model) goes to its own pool, one worker
+with a few requests waiting (more get 429): its remote images are fetched on the event
+loop (when the policy allows them), then the worker reads every image's header, refuses
+what cannot fit (the context, or the memory one decode may take: 400) before decoding
+anything, and decodes and preprocesses the images one at a time. So images never delay a
+text request's tokenizing, and one image's pixels at a time are decoded in the process.
 """
 
 from __future__ import annotations
@@ -28,36 +31,51 @@ if TYPE_CHECKING:
     from edge.model.vision.runtime import MultimodalPrompt
 
 
-class PromptEncoder:
-    """Turns parsed requests into prompts that fit the engine's context (token ids, or a
-    MultimodalPrompt where a chat request holds images under ``images``), in at most
-    ``workers`` threads with at most ``waiting`` more requests queued for them."""
+class _Pool:
+    """A thread pool and how many requests it admits (workers + waiting), counted on the event loop."""
 
-    def __init__(self, workers: int = 2, waiting: int = 8, images: ImagePolicy | None = None) -> None:
+    def __init__(self, workers: int, waiting: int, name: str) -> None:
         if workers < 1 or waiting < 0:
             raise ValueError(f"need workers >= 1 and waiting >= 0, got {workers} and {waiting}")
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge-prompt")
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
         self.capacity = workers + waiting
+        self.admitted = 0
+
+
+class PromptEncoder:
+    """Turns parsed requests into prompts that fit the engine's context (token ids, or a
+    MultimodalPrompt where a chat request holds images under ``images``): text in at most
+    ``workers`` threads with at most ``waiting`` more requests queued for them, requests
+    with images in ``image_workers`` threads of their own with ``image_waiting`` queued."""
+
+    def __init__(
+        self, workers: int = 2, waiting: int = 8, images: ImagePolicy | None = None, image_workers: int = 1,
+        image_waiting: int = 2,
+    ) -> None:
+        self._text = _Pool(workers, waiting, "edge-prompt")
+        self._images = _Pool(image_workers, image_waiting, "edge-image")
+        self.capacity = self._text.capacity
         self.images = images or ImagePolicy()
-        self._admitted = 0  # touched on the event loop only
 
     async def prompt(self, engine: Engine, req: Any, kind: str) -> list[int] | MultimodalPrompt:
-        if self._admitted >= self.capacity:
-            raise PromptsBusy(f"the server is busy: {self._admitted} prompts are waiting for the tokenizer; "
-                              "retry later")
-        self._admitted += 1
+        urls = schema.image_urls(req) if kind == "chat" and engine.vision is not None else []
+        pool = self._images if urls else self._text
+        if pool.admitted >= pool.capacity:
+            what = "requests with images are waiting for the image worker" if urls else \
+                "prompts are waiting for the tokenizer"
+            raise PromptsBusy(f"the server is busy: {pool.admitted} {what}; retry later")
+        pool.admitted += 1
         try:
-            fetched: dict[str, bytes] = {}
-            if kind == "chat" and engine.vision is not None:
-                fetched = await fetch_images(schema.image_urls(req), self.images)
+            fetched = await fetch_images(urls, self.images) if urls else {}
             return await asyncio.get_running_loop().run_in_executor(
-                self._pool, encode_request, engine, req, kind, self.images, fetched
+                pool.executor, encode_request, engine, req, kind, self.images, fetched
             )
         finally:
-            self._admitted -= 1
+            pool.admitted -= 1
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        for pool in (self._text, self._images):
+            pool.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def encode_request(
@@ -111,8 +129,20 @@ def _image_prompt(
     vision = engine.vision
     assert vision is not None
     rendered, sources = split_images(resolve_images(messages, images, fetched))
-    # The text first: a prompt too long for the context fails before any image is decoded.
+    # The text, then every image's header: a prompt too long for the context, or an image
+    # too large to decode, fails before any image is decoded.
     ids = _encode_text(tok, tok.render_chat(rendered, **kwargs), engine.max_seq_len, "messages")
+    headers = [vision.inspect(s, images.limits) for s in sources]
+    image_tokens = sum(vision.image_tokens(h) for h in headers)
+    total = len(ids) - len(sources) + image_tokens
+    if total + 1 > engine.max_seq_len:
+        raise BadRequest(
+            f"this model's maximum context length is {engine.max_seq_len} tokens; the prompt has {total} tokens, "
+            f"{image_tokens} of them for its {len(sources)} image(s): send smaller images or fewer",
+            param="messages", code="context_length_exceeded",
+        )
+    for header in headers:
+        vision.check_memory(header, images.limits)
     prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
     _check_fits(engine, prompt.ids, "messages")
     return prompt

@@ -89,9 +89,11 @@ class Service:
         try:
             self._set_state("loading")
             log.info("loading model %s", s.model or "(embedded default)")
-            from edge.runtime.engine import DEFAULT_MAX_SEQ_LEN, Engine
+            from edge.runtime.engine import DEFAULT_MAX_SEQ_LEN, Engine, default_device
+            from edge.runtime.threads import apply_threads
             from edge.scheduling import Scheduler
 
+            apply_threads(torch_device_type(s.device, default_device), s.torch_threads)
             options: dict[str, Any] = {}
             if s.kv_blocks:
                 options["kv_blocks"] = s.kv_blocks
@@ -123,6 +125,10 @@ class Service:
                 cuda_graph=s.cuda_graph,
                 check_weights=not s.skip_weight_check,
                 kv_dtype=s.kv_dtype,
+                quantize=s.quantize,
+                quant_lm_head=s.quant_lm_head,
+                quant_embedding=s.quant_embedding,
+                on_status=self.notifier.status,  # first-start kernel compile progress in systemd's STATUS
                 **options,
             )
             self.engine = engine
@@ -184,12 +190,15 @@ class Service:
             self.error = f"{type(exc).__name__}: {exc}"
             self.state = "failed"
             self.notifier.status(f"failed: {self.error}"[:200])
-            self.exit_code = 1
-            self.request_exit(1)
+            from edge.runtime.memory_plan import EXIT_DOES_NOT_FIT, DoesNotFit
+
+            # A model that cannot fit will not fit on a restart either (the unit's RestartPreventExitStatus=).
+            self.exit_code = EXIT_DOES_NOT_FIT if isinstance(exc, DoesNotFit) else 1
+            self.request_exit(self.exit_code)
 
     @staticmethod
     def _model_errors() -> tuple[type[Exception], ...]:
-        """Errors that describe a broken model directory, not a bug."""
+        """Errors that describe a broken model directory (or a model too large here), not a bug."""
         from edge.runtime.budget import BudgetError
         from edge.model.tokenizer import TokenizerError
         from edge.model.validate import CheckpointError, ConfigError, NotAModelDirectory
@@ -373,3 +382,8 @@ class _WarmupExempt:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._governor, name)
+
+
+def torch_device_type(device: str | None, default: Any) -> str:
+    """"cpu" or "cuda": where the engine of ``device`` (None: ``default()``'s) computes."""
+    return str(device).split(":")[0] if device is not None else default().type

@@ -9,6 +9,14 @@ Qwen2.5-VL and Qwen3-VL both use) computes them with its PIL backend:
    ``[channels, temporal, patch, patch]`` flattened, the still image repeated over the
    temporal patch.
 
+Memory stays bounded whatever the picture: the header alone (:func:`inspect_image`) gives
+the size, the pixel mode and the EXIF orientation, so an image whose decoding would take
+more than the limit (its pixels as stored, an upright copy, the RGB conversion, the resize)
+is refused before a byte is decoded, and the caller checks its tokens against the context
+first. A :class:`PreparedImage` keeps only the resized uint8 pixels; steps 3 and 4 run when
+the tower takes them, through a 256-entry table per channel holding exactly the float64 ->
+float32 rescale and the float32 normalisation (no float64 array, no full-size float copy).
+
 The digest names the preprocessed content (the resized pixels and the settings that turn
 them into patches): the prefix cache keys image tokens by it.
 """
@@ -86,13 +94,21 @@ class ProcessorConfig:
 
 @dataclass(frozen=True)
 class PreparedImage:
-    """One image ready for the tower: ``pixels [patches, patch_dim]`` float32 in merge-block
-    order, its patch grid ``(t, h, w)`` and the content digest."""
+    """One image ready for the tower: the resized RGB pixels (``raw``, uint8 ``[H, W, 3]``),
+    its patch grid ``(t, h, w)``, the content digest and the processor settings that make
+    :attr:`pixels` of them."""
 
-    pixels: torch.Tensor
+    raw: np.ndarray
     grid: tuple[int, int, int]
     digest: bytes
     merge_size: int
+    cfg: ProcessorConfig
+
+    @property
+    def pixels(self) -> torch.Tensor:
+        """``[patches, patch_dim]`` float32 in merge-block order (what the tower takes),
+        made now: only the uint8 pixels are kept between the request and the tower."""
+        return patch_values(self.raw, self.cfg)
 
     @property
     def num_tokens(self) -> int:
@@ -125,31 +141,114 @@ def smart_resize(height: int, width: int, factor: int, min_pixels: int, max_pixe
     return h_bar, w_bar
 
 
-def decode_image(data: bytes, limits: ImageLimits | None = None) -> Image.Image:
-    """Encoded bytes -> upright RGB image; ImageError for anything unusable."""
+# Bytes PIL keeps a decoded pixel in, per mode (multi-band modes, RGB included, take 4).
+_MODE_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16B": 2, "I;16L": 2, "I;16N": 2}
+EXIF_ORIENTATION = 0x0112
+_SWAPS_SIDES = (5, 6, 7, 8)  # orientations that turn the picture by 90 degrees
+
+
+@dataclass(frozen=True)
+class ImageHeader:
+    """What an encoded image's header says: its upright size, pixel mode and EXIF orientation."""
+
+    width: int
+    height: int
+    mode: str
+    orientation: int = 1
+    encoded_bytes: int = 0
+
+    @property
+    def pixels(self) -> int:
+        return self.width * self.height
+
+    def decode_bytes(self, target: tuple[int, int] | None = None) -> int:
+        """Peak bytes of decoding it upright as RGB and resizing it to ``target`` (h, w): the
+        encoded bytes beside the largest step, of decoding (the pixels as stored), turning it
+        upright (two copies), converting it to RGB (stored + RGB) and resizing (the RGB
+        pixels, the horizontal pass's output and the result)."""
+        n = self.pixels
+        stored = n * _MODE_BYTES.get(self.mode, 4)
+        steps = [stored]
+        if self.orientation != 1:
+            steps.append(2 * stored)
+        if self.mode != "RGB":
+            steps.append(stored + 4 * n)
+        if target is not None:
+            th, tw = target
+            steps.append(4 * n + 4 * tw * self.height + 4 * tw * th)
+        return self.encoded_bytes + max(steps)
+
+
+def inspect_image(data: bytes, limits: ImageLimits | None = None) -> ImageHeader:
+    """The header of encoded image bytes (nothing decoded); ImageError when it is unusable
+    or over the byte and pixel limits."""
     limits = limits or ImageLimits()
     if len(data) > limits.max_bytes:
         raise ImageError(f"image of {len(data)} bytes exceeds the limit of {limits.max_bytes} bytes")
     try:
-        image = Image.open(io.BytesIO(data))
-        # The header gives the size: refuse before decoding the pixels.
-        w, h = image.size
-        if w * h > limits.max_pixels:
-            raise ImageError(f"image of {w}x{h} pixels exceeds the limit of {limits.max_pixels} pixels")
-        image.load()
-        return ImageOps.exif_transpose(image).convert("RGB")
+        with Image.open(io.BytesIO(data)) as image:
+            w, h = image.size
+            if w * h > limits.max_pixels:
+                raise ImageError(f"image of {w}x{h} pixels exceeds the limit of {limits.max_pixels} pixels")
+            orientation = int(image.getexif().get(EXIF_ORIENTATION, 1) or 1)
+            mode = image.mode
     except ImageError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError, Image.DecompressionBombError) as exc:
+    except (UnidentifiedImageError, OSError, ValueError, TypeError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise ImageError(f"cannot decode image: {exc}") from exc
+    if orientation not in range(1, 9):
+        orientation = 1
+    if orientation in _SWAPS_SIDES:
+        w, h = h, w
+    return ImageHeader(w, h, mode, orientation, len(data))
+
+
+def check_decode_memory(header: ImageHeader, cfg: ProcessorConfig | None, limits: ImageLimits) -> None:
+    """ImageError when decoding ``header``'s image (and resizing it as ``cfg`` would) takes
+    more than ``limits.max_memory``."""
+    target = None
+    if cfg is not None and cfg.do_resize:
+        target = smart_resize(header.height, header.width, cfg.factor, cfg.min_pixels, cfg.max_pixels)
+    need = header.decode_bytes(target)
+    if need > limits.max_memory:
+        turned = ", turned upright by its EXIF orientation" if header.orientation != 1 else ""
+        raise ImageError(
+            f"image of {header.width}x{header.height} pixels ({header.mode}{turned}) needs about {need / 2**20:.1f} MiB "
+            f"to decode, more than the limit of {limits.max_memory / 2**20:.1f} MiB per image (EDGE_IMAGE_MAX_MEMORY): "
+            "send a smaller image"
+        )
+
+
+def decode_image(data: bytes, limits: ImageLimits | None = None, cfg: ProcessorConfig | None = None) -> Image.Image:
+    """Encoded bytes -> upright RGB image; ImageError for anything unusable, or larger than
+    the limits allow (checked from the header, before decoding: see :func:`check_decode_memory`)."""
+    limits = limits or ImageLimits()
+    check_decode_memory(inspect_image(data, limits), cfg, limits)
+    try:
+        image = Image.open(io.BytesIO(data))
+        image.load()
+        if int(image.getexif().get(EXIF_ORIENTATION, 1) or 1) != 1:
+            image = ImageOps.exif_transpose(image)
+        # As transformers' load_image: a plain conversion (an RGB image is used as it is).
+        return image if image.mode == "RGB" else image.convert("RGB")
+    except ImageError:
+        raise
+    except (UnidentifiedImageError, OSError, ValueError, TypeError, SyntaxError, Image.DecompressionBombError) as exc:
         raise ImageError(f"cannot decode image: {exc}") from exc
 
 
-def load_image(path: str | Path, limits: ImageLimits | None = None) -> Image.Image:
+def read_image_file(path: str | Path, limits: ImageLimits | None = None) -> bytes:
+    limits = limits or ImageLimits()
     try:
-        data = Path(path).read_bytes()
+        if Path(path).stat().st_size > limits.max_bytes:
+            raise ImageError(f"image {path} exceeds the limit of {limits.max_bytes} bytes")
+        return Path(path).read_bytes()
     except OSError as exc:
         raise ImageError(f"cannot read image {path}: {exc.strerror or exc}") from exc
-    return decode_image(data, limits)
+
+
+def load_image(path: str | Path, limits: ImageLimits | None = None, cfg: ProcessorConfig | None = None) -> Image.Image:
+    return decode_image(read_image_file(path, limits), limits, cfg)
 
 
 def to_rgb(image: Image.Image) -> Image.Image:
@@ -175,16 +274,42 @@ def preprocess(image: Image.Image, cfg: ProcessorConfig) -> PreparedImage:
     raw = np.asarray(image, dtype=np.uint8)  # [H, W, C]
     digest = hashlib.blake2b(raw.tobytes(), digest_size=32)
     digest.update(repr((raw.shape, cfg)).encode())
-    x = raw.astype(np.float64) * cfg.rescale_factor if cfg.do_rescale else raw.astype(np.float64)
-    x = x.astype(np.float32)
+    p = cfg.patch_size
+    return PreparedImage(raw, (1, height // p, width // p), digest.digest(), cfg.merge_size, cfg)
+
+
+def value_table(cfg: ProcessorConfig, channels: int = 3) -> np.ndarray:
+    """``[channels, 256]`` float32: what each uint8 value becomes, computed exactly as the
+    processor computes it pixel by pixel (rescale in float64, then float32; normalise in
+    float32)."""
+    x = np.arange(256, dtype=np.float64)
+    x = (x * cfg.rescale_factor if cfg.do_rescale else x).astype(np.float32)
+    x = np.broadcast_to(x, (channels, 256))
     if cfg.do_normalize:
-        x = (x - np.asarray(cfg.image_mean, dtype=np.float32)) / np.asarray(cfg.image_std, dtype=np.float32)
+        mean = np.asarray(cfg.image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(cfg.image_std, dtype=np.float32)[:, None]
+        x = (x - mean) / std
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+# Patches looked up at once: each step holds the GIL for a few milliseconds at most.
+PATCH_STEP = 4096
+
+
+def patch_values(raw: np.ndarray, cfg: ProcessorConfig) -> torch.Tensor:
+    """uint8 ``[H, W, C]`` -> the tower's float32 ``[patches, C x temporal x patch x patch]``
+    in merge-block order (raster blocks, raster patches inside a block, each patch
+    channel-major, the still image repeated over the temporal patch)."""
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
+    height, width, c = raw.shape
     gh, gw = height // p, width // p
-    c = x.shape[2]
-    # [H, W, C] -> [gh/m, gw/m, m, m, C, p, p]: merge blocks in raster order, patches
-    # in raster order inside a block, each patch channel-major.
-    blocks = x.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5)
-    patches = np.broadcast_to(blocks[:, :, :, :, :, None], (*blocks.shape[:5], tp, p, p))
-    pixels = torch.from_numpy(np.ascontiguousarray(patches).reshape(gh * gw, c * tp * p * p))
-    return PreparedImage(pixels, (1, gh, gw), digest.digest(), m)
+    # [H, W, C] -> [gh/m, gw/m, m, m, C, p, p] in uint8 (a copy of the small resized image).
+    codes = np.ascontiguousarray(raw.reshape(gh // m, m, p, gw // m, m, p, c).transpose(0, 3, 1, 4, 6, 2, 5))
+    codes = codes.reshape(gh * gw, c, p * p)
+    table = value_table(cfg, c)
+    out = np.empty((gh * gw, c, tp, p * p), dtype=np.float32)
+    for start in range(0, gh * gw, PATCH_STEP):
+        rows = slice(start, start + PATCH_STEP)
+        for ch in range(c):
+            out[rows, ch] = table[ch][codes[rows, ch]][:, None, :]
+    return torch.from_numpy(out.reshape(gh * gw, c * tp * p * p))

@@ -24,10 +24,13 @@ REMOTE_SCHEMES = ("http://", "https://")
 
 @dataclass(frozen=True)
 class ImageLimits:
-    """What a request may send: encoded bytes and decoded pixels per image."""
+    """What a request may send: encoded bytes and decoded pixels per image, and the memory
+    decoding one may take (its pixels as stored, the upright copy an EXIF orientation
+    asks for, the RGB conversion): larger images are refused from their header."""
 
     max_bytes: int = 20 * 2**20
     max_pixels: int = 40_000_000
+    max_memory: int = 192 * 2**20
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ in a cached prefix never runs it.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,12 +29,16 @@ from edge.model.vision.config import VLConfig
 from edge.model.vision.mrope import frequency_axes, mrope_tables, rope_positions
 from edge.model.vision.preprocess import (
     ImageError,
+    ImageHeader,
     ImageLimits,
     PreparedImage,
     ProcessorConfig,
+    check_decode_memory,
     decode_image,
-    load_image,
+    inspect_image,
     preprocess,
+    read_image_file,
+    smart_resize,
 )
 from edge.model.vision.tower import ImageFeatures, VisionTower
 
@@ -101,19 +105,47 @@ class VisionLanguage:
     # -- prompts ------------------------------------------------------------------------
 
     def prepare(self, source: Any, limits: ImageLimits | None = None) -> PreparedImage:
-        """Bytes, a path or a PIL image -> a preprocessed image (ImageError if unusable)."""
+        """Bytes, a path or a PIL image -> a preprocessed image (ImageError if unusable, or
+        larger than ``limits`` let it be decoded: checked from its header first)."""
         from PIL import Image
 
         limits = limits or ImageLimits()
+        if isinstance(source, (str, Path)):
+            source = read_image_file(source, limits)
         if isinstance(source, (bytes, bytearray)):
-            image = decode_image(bytes(source), limits)
-        elif isinstance(source, (str, Path)):
-            image = load_image(source, limits)
+            image = decode_image(bytes(source), limits, self.processor)
         elif isinstance(source, Image.Image):
             image = source
         else:
             raise ImageError(f"unsupported image source {type(source).__name__}")
         return preprocess(image, self.processor)
+
+    def inspect(self, source: Any, limits: ImageLimits | None = None) -> ImageHeader:
+        """An image's header (nothing decoded), checked against ``limits``' bytes and
+        pixels: what :meth:`image_tokens` and :meth:`check_memory` take."""
+        from PIL import Image
+
+        limits = limits or ImageLimits()
+        if isinstance(source, (str, Path)):
+            source = read_image_file(source, limits)
+        if isinstance(source, (bytes, bytearray)):
+            return inspect_image(bytes(source), limits)
+        if isinstance(source, Image.Image):
+            return ImageHeader(source.width, source.height, source.mode)
+        raise ImageError(f"unsupported image source {type(source).__name__}")
+
+    def check_memory(self, header: ImageHeader, limits: ImageLimits | None = None) -> None:
+        """ImageError when decoding and resizing the image would take more than ``limits.max_memory``."""
+        if header.encoded_bytes:  # PIL images given as such are decoded already
+            check_decode_memory(header, self.processor, limits or ImageLimits())
+
+    def image_tokens(self, header: ImageHeader) -> int:
+        """Placeholder tokens the image of ``header`` will take in the prompt."""
+        proc = self.processor
+        h, w = header.height, header.width
+        if proc.do_resize:
+            h, w = smart_resize(h, w, proc.factor, proc.min_pixels, proc.max_pixels)
+        return (h // proc.patch_size) * (w // proc.patch_size) // proc.merge_size**2
 
     def build_prompt(self, ids: Sequence[int], images: Sequence[PreparedImage]) -> MultimodalPrompt:
         """A rendered prompt ``ids`` holding one image placeholder token per image (as the
@@ -145,20 +177,27 @@ class VisionLanguage:
         """Chat messages whose content may hold ``{"type": "image", "image": source}``
         parts -> the prompt the model's chat template and image processor make of them."""
         rendered, sources = split_images(messages)
+        for source in sources:  # every header before any image is decoded
+            self.check_memory(self.inspect(source, limits), limits)
         images = [self.prepare(s, limits) for s in sources]
         return self.build_prompt(tokenizer.encode_chat(rendered), images)
 
     # -- prefill inputs -----------------------------------------------------------------
 
-    def features(self, prompt: MultimodalPrompt, index: int) -> ImageFeatures:
+    def features(self, prompt: MultimodalPrompt, index: int, progress: Callable[[], None] | None = None) -> ImageFeatures:
+        """The tower's features of the prompt's image ``index`` (run once a prompt);
+        ``progress`` is called after each tower block (the engine loop's heartbeat)."""
         if index not in prompt._features:
             image = prompt.images[index]
-            prompt._features[index] = self.tower(image.pixels, [image.grid])[0]
+            prompt._features[index] = self.tower(image.pixels, [image.grid], progress=progress)[0]
             prompt.tower_runs += 1
         return prompt._features[index]
 
-    def chunk_inputs(self, prompt: MultimodalPrompt, start: int, end: int) -> dict[str, Any]:
-        """``Model.hidden``'s keyword arguments for the prompt tokens [start, end)."""
+    def chunk_inputs(
+        self, prompt: MultimodalPrompt, start: int, end: int, progress: Callable[[], None] | None = None
+    ) -> dict[str, Any]:
+        """``Model.hidden``'s keyword arguments for the prompt tokens [start, end)
+        (``progress``: see :meth:`features`)."""
         ids = torch.tensor(prompt.ids[start:end], device=self.device)
         embeds = embedding(ids, self.embed_tokens)  # a table, or int8 rows (int4 models)
         rows: list[torch.Tensor] = []
@@ -167,7 +206,7 @@ class VisionLanguage:
             lo, hi = max(s, start), min(e, end)
             if lo >= hi:
                 continue
-            f = self.features(prompt, i)
+            f = self.features(prompt, i, progress)
             embeds[lo - start : hi - start] = f.embeds[lo - s : hi - s].to(embeds.dtype)
             rows.append(torch.arange(lo - start, hi - start, device=self.device))
             deepstack.append([d[lo - s : hi - s] for d in f.deepstack])

@@ -99,7 +99,11 @@ class VisionTower:
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
 
     @torch.inference_mode()
-    def __call__(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> list[ImageFeatures]:
+    def __call__(
+        self, pixels: torch.Tensor, grids: Sequence[Grid], progress: Callable[[], None] | None = None
+    ) -> list[ImageFeatures]:
+        """``progress`` is called after each block: a long tower pass on a slow board keeps
+        the engine loop's heartbeat fresh (the service's watchdog reads it)."""
         cfg = self.cfg
         n = sum(t * h * w for t, h, w in grids)
         if pixels.dim() != 2 or pixels.shape != (n, cfg.patch_dim):
@@ -111,9 +115,9 @@ class VisionTower:
         cos, sin = self._rotary(rows, cols)
         seqs = _image_bounds(grids)
         if cfg.kind == "qwen3_vl":
-            merged, deepstack = self._qwen3_blocks(x, cos, sin, seqs)
+            merged, deepstack = self._qwen3_blocks(x, cos, sin, seqs, progress)
         else:
-            merged, deepstack = self._qwen2_5_blocks(x, cos, sin, seqs, grids), []
+            merged, deepstack = self._qwen2_5_blocks(x, cos, sin, seqs, grids, progress), []
         sizes = [t * h * w // cfg.merge_unit for t, h, w in grids]
         per_layer = [f.split(sizes) for f in deepstack]
         return [
@@ -183,11 +187,14 @@ class VisionTower:
         return torch.cat(out)
 
     def _qwen3_blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int],
+        progress: Callable[[], None] | None = None,
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         deepstack = []
         for i in range(self.cfg.depth):
             x = self._block(x, i, cos, sin, seqs)
+            if progress is not None:
+                progress()
             if i in self.cfg.deepstack_visual_indexes:
                 j = self.cfg.deepstack_visual_indexes.index(i)
                 deepstack.append(self._merge(x, f"deepstack_merger_list.{j}.", post_shuffle=True))
@@ -196,7 +203,8 @@ class VisionTower:
     # -- Qwen2.5-VL -------------------------------------------------------------------
 
     def _qwen2_5_blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int], grids: Sequence[Grid]
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int], grids: Sequence[Grid],
+        progress: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         cfg = self.cfg
         order, windows = window_order(grids, cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)
@@ -209,6 +217,8 @@ class VisionTower:
         x, cos, sin = permute(x), permute(cos), permute(sin)
         for i in range(cfg.depth):
             x = self._block(x, i, cos, sin, seqs if i in cfg.fullatt_block_indexes else windows)
+            if progress is not None:
+                progress()
         return self._merge(x, "merger.")[torch.argsort(order)]
 
 
