@@ -76,6 +76,12 @@ class GGUFFiles:
         self._made[key] = out
         return out
 
+    def vocab_only(self, hf_dir: Path, pre: str) -> Path:
+        """The converter's vocabulary-only file of ``hf_dir`` (metadata, no tensors)."""
+        out = hf_dir / "vocab.gguf"
+        gguf_files.convert(self.source(), hf_dir, out, "f32", pre=pre, vocab_only=True)
+        return out
+
     def split(self, variant: str, max_tensors: int) -> list[Path]:
         out = self.root / f"split-{variant}" / f"{variant}.gguf"
         if not out.parent.is_dir():

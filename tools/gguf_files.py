@@ -107,13 +107,16 @@ def quantize_binary(cache: Path, src: Path, jobs: int = 2) -> Path:
 
 
 def convert(src: Path, hf_dir: Path, out: Path, outtype: str, pre: str | None = None,
-            split_max_tensors: int | None = None) -> list[Path]:
-    """``convert_hf_to_gguf.py`` on ``hf_dir`` -> ``out`` (or its split files)."""
+            split_max_tensors: int | None = None, vocab_only: bool = False) -> list[Path]:
+    """``convert_hf_to_gguf.py`` on ``hf_dir`` -> ``out`` (or its split files; with
+    ``vocab_only`` the metadata and tokenizer without tensors)."""
     if outtype not in CONVERTER_TYPES:
         raise ToolError(f"the converter writes {CONVERTER_TYPES}, not {outtype!r}")
     args = [str(hf_dir), "--outfile", str(out), "--outtype", outtype]
     if split_max_tensors:
         args += ["--split-max-tensors", str(split_max_tensors)]
+    if vocab_only:
+        args.append("--vocab-only")
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     _run([sys.executable, "-c", _CONVERT_WITH_PRE, str(src), pre or "", *args], "convert_hf_to_gguf.py", env=env)
     if split_max_tensors:

@@ -108,9 +108,26 @@ def split_files(path: Path) -> tuple[Path, ...]:
     return files
 
 
-def _read_one(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
+def _reader(path: Path):  # noqa: ANN202 - a gguf.GGUFReader
+    """gguf-py's reader, its slices taken from a plain ndarray view of its memory map: a
+    vocabulary of 150k tokens is parsed element by element, and numpy's memmap subclass
+    costs three quarters of that time (its result is the same)."""
+    import numpy as np
     from gguf import GGUFReader
 
+    class Reader(GGUFReader):
+        def _get(self, offset: int, dtype: Any, count: int = 1, override_order: Any = None) -> Any:
+            plain = self.__dict__.get("_plain")
+            if plain is None or plain.base is not self.data:
+                plain = self.__dict__["_plain"] = self.data.view(np.ndarray)
+            dt = np.dtype(dtype)
+            arr = plain[offset : offset + dt.itemsize * int(count)].view(dtype=dt)[: int(count)]
+            return arr.view(arr.dtype.newbyteorder(self.byte_order if override_order is None else override_order))
+
+    return Reader(path)
+
+
+def _read_one(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     try:
         size = path.stat().st_size
         with path.open("rb") as f:
@@ -120,7 +137,7 @@ def _read_one(path: Path) -> tuple[dict[str, Any], list[TensorInfo]]:
     if magic != GGUF_MAGIC:
         raise GGUFError(f"{path.name} is not a GGUF file (its first bytes are {magic!r}, not {GGUF_MAGIC!r})")
     try:
-        reader = GGUFReader(path)
+        reader = _reader(path)
     except Exception as exc:  # gguf raises ValueError, IndexError, KeyError, numpy errors
         reason = " ".join(str(exc).split()) or type(exc).__name__
         if "not a valid GGMLQuantizationType" in reason:
