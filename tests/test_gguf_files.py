@@ -18,7 +18,9 @@ from edge.model.config import ModelConfig, rope_inv_freq
 from edge.model.gguf_file import GGUFError, open_gguf
 from edge.model.gguf_loader import gguf_config, load_gguf_weights, open_model_file
 from edge.model.loader import expected_shapes, fused_layout, load_weights
+from edge.quant.embedding import Int8Embedding
 from edge.quant.gguf import GGUFEmbedding, GGUFWeight
+from edge.quant.q8_0 import Int8Weight
 from edge.runtime.engine import Engine
 from edge.sampling import SamplingParams
 
@@ -64,9 +66,9 @@ def test_f32_file_holds_the_checkpoints_weights(gguf_files, variant: str) -> Non
 
 
 def _dense(w) -> torch.Tensor:  # noqa: ANN001
-    if isinstance(w, GGUFEmbedding):
+    if isinstance(w, (GGUFEmbedding, Int8Embedding)):
         return w.table.dequantize()
-    return w.dequantize() if isinstance(w, GGUFWeight) else w
+    return w if isinstance(w, torch.Tensor) else w.dequantize()
 
 
 @pytest.mark.parametrize("qtype", FILE_TYPES)
@@ -105,6 +107,18 @@ def test_quantized_weights_are_held_as_stored(gguf_files) -> None:
     # The budget counts what is held: the file's tensors, norms widened to the model's dtype.
     assert engine.model.weight_bytes() == engine.budget.weights
     assert engine.model.weight_bytes() <= f.nbytes()
+
+
+def test_q8_0_runs_as_edges_int8_groups(gguf_files) -> None:
+    """Q8_0 blocks repacked into int8 codes + float32 scales per 32 values: every value
+    exact (the greedy test compares them bit for bit), held at 9 bits a weight."""
+    f = open_model_file(gguf_files.file("qwen2", "Q8_0"))
+    w = load_gguf_weights(f, gguf_config(f), CPU, torch.float32)
+    qkv = w["model.layers.0.self_attn.qkv_proj.weight"]
+    assert isinstance(qkv, Int8Weight) and qkv.group_size == 32 and qkv.scale.dtype == torch.float32
+    assert isinstance(w["model.embed_tokens.weight"], Int8Embedding)
+    stored = sum(f.tensors[f"blk.0.attn_{p}.weight"].nbytes for p in "qkv")
+    assert qkv.nbytes() == stored * 36 // 34
 
 
 def test_split_files_load_as_one_model(gguf_files) -> None:
