@@ -16,7 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tools"))
 import gguf_files  # noqa: E402
@@ -134,3 +136,77 @@ def assert_same_greedy(ours: list[int], ref: list[int], logits: list[torch.Tenso
         assert gap < NEAR_TIE, f"{what}: token {i} is {a}, transformers {b} (relative logit gap {gap:.2e})"
         return
     assert len(ours) == len(ref), what
+
+
+# Where each type keeps its float16 scales (byte offsets in a block): filled with finite
+# random halves, so the comparison has no NaN payloads to disagree on.
+HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+
+
+def random_rows(name: str, rows: int, in_features: int, seed: int = 0, scale: float = 0.01) -> np.ndarray:
+    """uint8 ``[rows, row_bytes]`` of random blocks of type ``name`` (scales ~ ``scale``)."""
+    qtype = GGMLQuantizationType[name]
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    if block == 1:
+        dt = {"F32": np.float32, "F16": np.float16, "BF16": np.float32}[name]
+        vals = (rng.standard_normal((rows, in_features)) * scale).astype(dt)
+        if name == "BF16":
+            return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
+        return vals.view(np.uint8).reshape(rows, -1)
+    data = rng.integers(0, 256, size=(rows, in_features // block, size), dtype=np.uint8)
+    for off in HALF_OFFSETS[name]:
+        halves = (rng.standard_normal((rows, in_features // block)) * scale).astype(np.float16)
+        data[:, :, off : off + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
+    return data.reshape(rows, -1)
+
+
+# Scales of random blocks that give weights of about 0.02 (a 6-bit sub-scale times a code
+# is up to ~2000 for Q6_K, ~1000 for Q5_K).
+WEIGHT_SCALES = {"Q4_0": 4e-3, "Q8_0": 3e-4, "Q4_K": 1e-4, "Q5_K": 5e-5, "Q6_K": 2e-5}
+
+
+def random_gguf_model(root: Path, device: torch.device, dtype: torch.dtype):  # noqa: ANN201 - a Model
+    """A 2-layer qwen3 model (make_model's tiny shape, tied lm_head) on random GGUF blocks
+    mixed as in a Q4_K_M file: q/k Q4_K with v Q6_K, o Q4_K, gate/up Q5_K, down Q6_K, the
+    embedding (and so the lm_head) Q6_K."""
+    from edge.model.config import ModelConfig
+    from edge.model.decoder import Model
+    from edge.quant.gguf import GGUFEmbedding, GGUFPart, GGUFWeight
+
+    hf = root / "cfg"
+    make_model(hf, arch="qwen3", preset="tiny", num_hidden_layers=2)
+    cfg = ModelConfig.from_pretrained(hf)
+    seed = [0]
+
+    def blocks(parts: list[tuple[str, int]], cols: int) -> GGUFWeight:
+        out = []
+        for name, rows in parts:
+            seed[0] += 1
+            data = random_rows(name, rows, cols, seed=seed[0], scale=WEIGHT_SCALES[name])
+            out.append(GGUFPart(int(GGMLQuantizationType[name]), torch.from_numpy(data).to(device)))
+        return GGUFWeight(out, cols)
+
+    def norm(n: int) -> torch.Tensor:
+        seed[0] += 1
+        g = torch.Generator().manual_seed(seed[0])
+        return (1 + 0.05 * torch.randn(n, generator=g)).to(device=device, dtype=dtype)
+
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    w: dict = {
+        "model.embed_tokens.weight": GGUFEmbedding(blocks([("Q6_K", cfg.vocab_size)], h), dtype),
+        "model.norm.weight": norm(h),
+    }
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        w |= {
+            p + "input_layernorm.weight": norm(h),
+            p + "post_attention_layernorm.weight": norm(h),
+            p + "self_attn.qkv_proj.weight": blocks([("Q4_K", cfg.q_size + cfg.kv_size), ("Q6_K", cfg.kv_size)], h),
+            p + "self_attn.o_proj.weight": blocks([("Q4_K", h)], cfg.q_size),
+            p + "mlp.gate_up_proj.weight": blocks([("Q5_K", 2 * inter)], h),
+            p + "mlp.down_proj.weight": blocks([("Q6_K", h)], inter),
+            p + "self_attn.q_norm.weight": norm(cfg.head_dim),
+            p + "self_attn.k_norm.weight": norm(cfg.head_dim),
+        }
+    return Model(cfg, w, 256)

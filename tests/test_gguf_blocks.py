@@ -6,12 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf_support import random_rows
 
-gguf = pytest.importorskip("gguf")
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType  # noqa: E402
-from gguf.quants import dequantize as gguf_dequantize  # noqa: E402
-
-from edge.quant.gguf import (  # noqa: E402
+from edge.quant.gguf import (
     BLOCK_TYPES,
     GGUFEmbedding,
     GGUFPart,
@@ -19,29 +18,7 @@ from edge.quant.gguf import (  # noqa: E402
     dequantize_rows,
     gguf_linear_reference,
 )
-from edge.quant.q8_0 import QuantError  # noqa: E402
-
-# Where each type keeps its float16 scales (byte offsets in a block): filled with finite
-# random halves, so the comparison has no NaN payloads to disagree on.
-HALF_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-
-
-def random_rows(name: str, rows: int, in_features: int, seed: int = 0) -> np.ndarray:
-    """uint8 ``[rows, row_bytes]`` of random blocks of type ``name``."""
-    qtype = GGMLQuantizationType[name]
-    block, size = GGML_QUANT_SIZES[qtype]
-    rng = np.random.default_rng(seed)
-    if block == 1:
-        dt = {"F32": np.float32, "F16": np.float16, "BF16": np.float32}[name]
-        vals = rng.standard_normal((rows, in_features)).astype(dt)
-        if name == "BF16":
-            return (vals.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8).reshape(rows, -1)
-        return vals.view(np.uint8).reshape(rows, -1)
-    data = rng.integers(0, 256, size=(rows, in_features // block, size), dtype=np.uint8)
-    for off in HALF_OFFSETS[name]:
-        halves = (rng.standard_normal((rows, in_features // block)) * 0.01).astype(np.float16)
-        data[:, :, off : off + 2] = halves.view(np.uint8).reshape(rows, -1, 2)
-    return data.reshape(rows, -1)
+from edge.quant.q8_0 import QuantError
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))

@@ -23,8 +23,8 @@
 //
 // Modes (int8_gemv.cu has the same epilogues and their reasons):
 //   kNorm       the input is the residual stream; the dot products run on x * norm_w (the
-//               norm weight staged in shared memory) and are scaled by 1 / rms(x), whose
-//               sum of squares the warp takes while it reads x.
+//               norm weight staged in shared memory, except for argmax) and are scaled by
+//               1 / rms(x), whose sum of squares the warp takes while it reads x.
 //   kResidual   y[row] = T(y[row] + T(dot + bias)), in place (y must not alias x).
 //   kSwiglu     the weight is [gate; up]: a warp's rows are R / 2 gate rows and their up
 //               rows; y[j] = T(silu(T(g)) * T(u)).
@@ -267,7 +267,10 @@ __device__ __forceinline__ void gguf_gemv(T* __restrict__ y, const T* __restrict
   }
   extern __shared__ __align__(16) unsigned char smem_w[];
   const T* sw = reinterpret_cast<const T*>(smem_w);
-  if (kNorm) {  // the norm weight, by the whole CTA
+  // The argmax lm_head (thousands of CTAs) reads the norm weight beside x through L1
+  // rather than staging it in every CTA.
+  constexpr bool kStaged = kNorm && kEpi != kArgmax;
+  if (kStaged) {  // the norm weight, by the whole CTA
     for (int v = threadIdx.x; v < (in >> 3); v += kThreads)
       reinterpret_cast<uint4*>(smem_w)[v] = __ldg(reinterpret_cast<const uint4*>(norm_w) + v);
     __syncthreads();
@@ -299,7 +302,8 @@ __device__ __forceinline__ void gguf_gemv(T* __restrict__ y, const T* __restrict
         load_vals<T, true>(x, blk, i, xf);
         if (kNorm) {
           float nw[16];
-          load_vals<T, false>(sw, blk, i, nw);
+          if (kStaged) load_vals<T, false>(sw, blk, i, nw);
+          else load_vals<T, true>(norm_w, blk, i, nw);
 #pragma unroll
           for (int k = 0; k < 16; ++k) {
             ss = fmaf(xf[k], xf[k], ss);
