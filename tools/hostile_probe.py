@@ -9,7 +9,8 @@ before it. The figures docs/reliability.md quotes:
     EDGE_CACHE_DIR=/tmp/edge-cache PYTHONPATH=. python tools/hostile_probe.py [--only NAME ...]
 
 Attacks (``--only``): ``malformed`` (1, 4 and 54 MiB ``{"prompt": [null, 0, 0, ...]}``
-bodies, with the body limit raised to 64 MiB so that all three are read and scanned),
+bodies, and a valid 54 MiB body of one long string, with the body limit raised to
+64 MiB so that all of them are read and scanned),
 ``slow`` (1100 connections that send nothing, half a head or a stalled body, at a
 descriptor limit of 1024), ``inject`` (special-token strings in chat messages).
 """
@@ -127,15 +128,18 @@ def malformed(tmp: Path) -> list[dict]:
     srv, sink = start(tmp, "malformed", EDGE_MAX_BODY="64MiB")
     out = []
     try:
-        for mib in (1, 4, 54):
-            n = (mib << 20) // 2
-            body = b'{"prompt":[null' + b",0" * (n - 1) + b'],"max_tokens":1}'
-            attackers = Attackers(srv, body, senders=1, rounds=1, path="/v1/completions")
+        bodies = [(f"{mib} MiB malformed body", "/v1/completions",
+                   b'{"prompt":[null' + b",0" * ((mib << 20) // 2 - 1) + b'],"max_tokens":1}') for mib in (1, 4, 54)]
+        text = "the quick brown fox jumps over the lazy dog " * ((54 << 20) // 44)
+        bodies.append(("54 MiB valid body, one long string", CHAT,
+                       json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()))
+        for name, path, body in bodies:
+            attackers = Attackers(srv, body, senders=1, rounds=1, path=path)
             with Probes(srv, sink) as probes:
                 statuses = attackers.run()
                 time.sleep(1.2)  # a watchdog ping due after the answer counts too
                 fig = probes.figures()
-            out.append({"attack": f"{mib} MiB malformed body", "statuses": statuses, **fig})
+            out.append({"attack": name, "statuses": statuses, **fig})
     finally:
         srv.stop()
         sink.close()

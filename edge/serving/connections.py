@@ -21,6 +21,7 @@ import asyncio
 import json
 import logging
 import os
+import random
 import resource
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +150,9 @@ class GuardedH11Protocol(H11Protocol):
 
     def _arm(self, delay: float, callback: Any, cycle: Any) -> None:
         self._cancel_deadline()
-        self._deadline = self.loop.call_later(delay, callback, cycle)
+        # Spread over a tenth of the delay: a thousand connections opened together must
+        # not all be closed in one turn of the event loop, which would delay the streams.
+        self._deadline = self.loop.call_later(delay * (1.0 + 0.1 * random.random()), callback, cycle)
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:

@@ -55,8 +55,10 @@ class ShapeLimits:
 
     @classmethod
     def for_context(cls, max_seq_len: int, max_text_bytes: int) -> ShapeLimits:
-        """Room for a context of token ids beside an ordinary request."""
-        return cls(max_values=2 * max_seq_len + (1 << 14), max_skeleton=max_text_bytes)
+        """Room for a context of token ids beside an ordinary request, and for a message,
+        content part or tool per two tokens of context."""
+        return cls(max_values=2 * max_seq_len + (1 << 14), max_containers=max(1 << 12, max_seq_len // 2),
+                   max_skeleton=max_text_bytes)
 
 
 @dataclass
