@@ -140,7 +140,8 @@ def _link(path: Path, target: str) -> None:
 
 
 HOSTILE_DIRS = [
-    ("config is a list", lambda d: (d / "config.json").write_text("[1, 2]"), "must hold a JSON object, not a JSON array"),
+    ("config is a list", lambda d: (d / "config.json").write_text("[1, 2]"),
+     "must hold a JSON object, not a JSON array"),
     ("a million layers", lambda d: _edit_json(d, "config.json", num_hidden_layers=1_000_000), "beyond any model"),
     ("three layers of two", lambda d: _edit_json(d, "config.json", num_hidden_layers=3), "holds 2 layers"),
     ("vocab of another model", lambda d: _edit_json(d, "config.json", vocab_size=1000), "has "),

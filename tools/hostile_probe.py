@@ -9,8 +9,8 @@ before it. The figures docs/reliability.md quotes:
     EDGE_CACHE_DIR=/tmp/edge-cache PYTHONPATH=. python tools/hostile_probe.py [--only NAME ...]
 
 Attacks (``--only``): ``malformed`` (1, 4 and 54 MiB ``{"prompt": [null, 0, 0, ...]}``
-bodies, and a valid 54 MiB body of one long string, with the body limit raised to
-64 MiB so that all of them are read and scanned),
+bodies) and ``long`` (a valid 54 MiB chat body, one long string), with the body limit
+raised to 64 MiB so that all of them are read and scanned;
 ``slow`` (1100 connections that send nothing, half a head or a stalled body, at a
 descriptor limit of 1024), ``inject`` (special-token strings in chat messages).
 """
@@ -124,26 +124,34 @@ def start(tmp: Path, name: str, nofile: int | None = None, **env: str) -> tuple[
     return srv.wait_ready(), sink
 
 
-def malformed(tmp: Path) -> list[dict]:
-    srv, sink = start(tmp, "malformed", EDGE_MAX_BODY="64MiB")
+def _bodies(tmp: Path, name: str, bodies: list[tuple[str, str, bytes]]) -> list[dict]:
+    """Each body posted once while the probes run (the body limit raised to 64 MiB)."""
+    srv, sink = start(tmp, name, EDGE_MAX_BODY="64MiB")
     out = []
     try:
-        bodies = [(f"{mib} MiB malformed body", "/v1/completions",
-                   b'{"prompt":[null' + b",0" * ((mib << 20) // 2 - 1) + b'],"max_tokens":1}') for mib in (1, 4, 54)]
-        text = "the quick brown fox jumps over the lazy dog " * ((54 << 20) // 44)
-        bodies.append(("54 MiB valid body, one long string", CHAT,
-                       json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()))
-        for name, path, body in bodies:
+        for attack, path, body in bodies:
             attackers = Attackers(srv, body, senders=1, rounds=1, path=path)
             with Probes(srv, sink) as probes:
                 statuses = attackers.run()
                 time.sleep(1.2)  # a watchdog ping due after the answer counts too
                 fig = probes.figures()
-            out.append({"attack": name, "statuses": statuses, **fig})
+            out.append({"attack": attack, "statuses": statuses, **fig})
     finally:
         srv.stop()
         sink.close()
     return out
+
+
+def malformed(tmp: Path) -> list[dict]:
+    return _bodies(tmp, "malformed", [
+        (f"{mib} MiB malformed body", "/v1/completions",
+         b'{"prompt":[null' + b",0" * ((mib << 20) // 2 - 1) + b'],"max_tokens":1}') for mib in (1, 4, 54)])
+
+
+def long_string(tmp: Path) -> list[dict]:
+    text = "the quick brown fox jumps over the lazy dog " * ((54 << 20) // 44)
+    body = json.dumps({"messages": [{"role": "user", "content": text}], "max_tokens": 1}).encode()
+    return _bodies(tmp, "long", [("54 MiB valid body, one long string", CHAT, body)])
 
 
 def slow(tmp: Path) -> list[dict]:
@@ -191,7 +199,7 @@ def inject(tmp: Path) -> list[dict]:
     return out
 
 
-ATTACKS = {"malformed": malformed, "slow": slow, "inject": inject}
+ATTACKS = {"malformed": malformed, "long": long_string, "slow": slow, "inject": inject}
 
 
 def main(argv: list[str] | None = None) -> int:

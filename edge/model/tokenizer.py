@@ -350,6 +350,10 @@ class Tokenizer:
         return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
 
     @cached_property
+    def _special_starts(self) -> frozenset[str]:
+        return frozenset(name[:2] for name in self._specials)
+
+    @cached_property
     def _text_tokenizer(self) -> _HFTokenizer:
         """The same tokenizer, reading special-token strings as ordinary text."""
         tok = _HFTokenizer.from_str(self._tok.to_str())
@@ -367,11 +371,13 @@ class Tokenizer:
             return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
         strings: list[str] = []
         _collect_strings([messages, kwargs], strings)
-        found = sorted({m for s in strings for m in pattern.findall(s)})
+        # A substring search per distinct two-character start first (C speed); the regex
+        # only over the strings that may hold a special token.
+        maybe = [s for s in strings if any(start in s for start in self._special_starts)]
+        found = sorted({m for s in maybe for m in pattern.findall(s)})
         if not found:
             return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
-        used = set().union(*map(set, strings))
-        free = (c for c in map(chr, range(0xE000, 0xF900)) if c not in used)  # private use, absent from the text
+        free = (c for c in map(chr, range(0xE000, 0xF900)) if not any(c in s for s in strings))  # private use
         left, right = next(free), next(free)
         hide = {name: f"{left}{k}{right}" for k, name in enumerate(found)}
         masked = _replace_strings([list(messages), kwargs], lambda s: pattern.sub(lambda m: hide[m.group(0)], s))

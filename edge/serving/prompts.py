@@ -97,7 +97,7 @@ def encode_request(
         kwargs = schema.template_kwargs(req)
         if count_images(messages):
             return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {}, kwargs)
-        ids = _encode_text(tok, tok.render_chat(messages, **kwargs), ctx, param)
+        ids = _encode_text(tok, _render(tok, messages, ctx, param, kwargs), ctx, param)
     else:
         param = "prompt"
         prompt = schema.completion_prompt(req)
@@ -131,7 +131,7 @@ def _image_prompt(
     rendered, sources = split_images(resolve_images(messages, images, fetched))
     # The text, then every image's header: a prompt too long for the context, or an image
     # too large to decode, fails before any image is decoded.
-    ids = _encode_text(tok, tok.render_chat(rendered, **kwargs), engine.max_seq_len, "messages")
+    ids = _encode_text(tok, _render(tok, rendered, engine.max_seq_len, "messages", kwargs), engine.max_seq_len, "messages")
     headers = [vision.inspect(s, images.limits) for s in sources]
     image_tokens = sum(vision.image_tokens(h) for h in headers)
     total = len(ids) - len(sources) + image_tokens
@@ -151,7 +151,31 @@ def _image_prompt(
 def _encode_text(tok: Tokenizer, text: str | RenderedChat, ctx: int, param: str) -> list[int]:
     """A raw prompt (special-token strings are tokens) or a rendered chat (only the
     template's are), refused untokenized when too long to fit."""
-    n = len(text if isinstance(text, str) else text.text)
+    _check_chars(tok, len(text if isinstance(text, str) else text.text), ctx, param)
+    return tok.encode_releasing_gil(text) if isinstance(text, str) else tok.encode_rendered(text)
+
+
+def _render(
+    tok: Tokenizer, messages: list[dict[str, Any]], ctx: int, param: str, kwargs: dict[str, Any] | None = None
+) -> RenderedChat:
+    """The chat template over messages (and tools) whose text can fit: a 50 MB message is
+    refused before the template copies it and its special tokens are looked for."""
+    kwargs = kwargs or {}
+    _check_chars(tok, _chars(messages) + _chars(kwargs), ctx, param)
+    return tok.render_chat(messages, **kwargs)
+
+
+def _chars(node: Any) -> int:
+    if isinstance(node, str):
+        return len(node)
+    if isinstance(node, dict):
+        return sum(_chars(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(_chars(v) for v in node)
+    return 0
+
+
+def _check_chars(tok: Tokenizer, n: int, ctx: int, param: str) -> None:
     limit = ctx * tok.chars_per_token
     if n > limit:
         raise BadRequest(
@@ -159,7 +183,6 @@ def _encode_text(tok: Tokenizer, text: str | RenderedChat, ctx: int, param: str)
             f"than {ctx} tokens of at most {tok.chars_per_token} characters each can hold",
             param=param, code="context_length_exceeded",
         )
-    return tok.encode_releasing_gil(text) if isinstance(text, str) else tok.encode_rendered(text)
 
 
 def _check_no_placeholders(engine: Engine, ids: list[int], param: str) -> None:
