@@ -17,7 +17,8 @@ from edge.serving import schema
 from edge.serving.errors import BadRequest, BodyTooLarge
 from edge.serving.json_body import ShapeLimits, decode_string, parse_body, scan
 
-LIMITS = ShapeLimits(max_values=1 << 16, max_containers=1 << 12, max_depth=64, max_skeleton=1 << 20)
+LIMITS = ShapeLimits(max_values=1 << 16, max_containers=1 << 12, max_depth=64, max_skeleton=1 << 20,
+                     max_string=1 << 20)
 
 
 class Anything(RootModel[Any]):
@@ -97,12 +98,17 @@ def test_long_strings_reach_the_model_and_text_is_bounded() -> None:
     image = "data:image/png;base64," + "QUJD" * 300_000
     body = json.dumps({"messages": [{"role": "user", "content": [
         {"type": "text", "text": "what is this? \u00e9\u4f60"}, {"type": "image_url", "image_url": {"url": image}}]}]})
-    req = parse_body(body.encode(), schema.ChatCompletionRequest, ShapeLimits(max_skeleton=1 << 16))
+    req = parse_body(body.encode(), schema.ChatCompletionRequest, ShapeLimits(max_skeleton=1 << 16,
+                                                                              max_string=2 << 20))
     assert req.messages[0].content[1].image_url.url == image
     assert req.messages[0].content[0].text == "what is this? \u00e9\u4f60"
     body = json.dumps({"messages": [{"role": "user", "content": "x" * 10_000}] * 20}).encode()
-    with pytest.raises(BodyTooLarge):
+    with pytest.raises(BodyTooLarge, match="text exceeds"):
         parse_body(body, schema.ChatCompletionRequest, ShapeLimits(max_skeleton=100_000))
+    # one string longer than the text limit (or one image) is refused before it is decoded
+    with pytest.raises(BodyTooLarge, match="a string in the request body exceeds 1000000 bytes"):
+        scan(json.dumps({"messages": [{"role": "user", "content": "x" * 1_000_001}]}).encode(),
+             ShapeLimits(max_string=1_000_000))
 
 
 def test_dense_escapes_decode_in_pieces() -> None:

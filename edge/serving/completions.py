@@ -104,7 +104,7 @@ async def read_body(request: Request, limit: int, scanner: ShapeScanner | None =
                 scanner.feed(bytes(body[scanner.size:]))
         if scanner is not None:
             scanner.feed(bytes(body[scanner.size:]))
-    except BadRequest as exc:
+    except (BadRequest, BodyTooLarge) as exc:
         exc.headers |= close
         raise
     return body
@@ -146,7 +146,10 @@ class Completions:
         engine = svc.engine
         assert engine is not None
         image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
-        limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len))
+        images = self.prompts.images
+        one_image = images.body_bytes // max(1, images.max_images) + 256  # a data: URL, its prefix included
+        limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len),
+                                         one_image if engine.vision is not None else 0)
         scanner = ShapeScanner(limits)
         body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes), scanner)
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest

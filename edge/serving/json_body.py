@@ -52,13 +52,15 @@ class ShapeLimits:
     max_containers: int = 1 << 12
     max_depth: int = 64
     max_skeleton: int = 1 << 20
+    max_string: int = 1 << 20  # bytes of one string as sent: the text limit, or one image
 
     @classmethod
-    def for_context(cls, max_seq_len: int, max_text_bytes: int) -> ShapeLimits:
-        """Room for a context of token ids beside an ordinary request, and for a message,
-        content part or tool per two tokens of context."""
+    def for_context(cls, max_seq_len: int, max_text_bytes: int, max_image_bytes: int = 0) -> ShapeLimits:
+        """Room for a context of token ids beside an ordinary request, a message, content
+        part or tool per two tokens of context, and strings of the text limit or of one
+        base64 image (``max_image_bytes``, on a vision-language model)."""
         return cls(max_values=2 * max_seq_len + (1 << 14), max_containers=max(1 << 12, max_seq_len // 2),
-                   max_skeleton=max_text_bytes)
+                   max_skeleton=max_text_bytes, max_string=max(max_text_bytes, max_image_bytes))
 
 
 @dataclass
@@ -141,12 +143,16 @@ class ShapeScanner:
             seq = np.concatenate(([self._open_at - 1], seq))
         n_pairs = seq.size // 2
         first, last = seq[0:2 * n_pairs:2] + 1, seq[1:2 * n_pairs:2]
-        long = (last - first) >= self.blob_bytes
+        lengths = last - first
+        long = lengths >= self.blob_bytes
         shape.blobs += zip(first[long].tolist(), last[long].tolist())
         self._in_string = bool(seq.size % 2)
         if self._in_string:
             self._open_at = int(seq[-1]) + 1
         self.size += c.size
+        longest = max(int(lengths.max()) if lengths.size else 0, self.size - self._open_at if self._in_string else 0)
+        if longest > limits.max_string:  # refused before it is decoded, or even read to its end
+            raise BodyTooLarge(f"a string in the request body exceeds {limits.max_string} bytes")
         if shape.containers > limits.max_containers:
             raise _too_big("arrays and objects", limits.max_containers)
         if shape.separators > limits.max_values:
