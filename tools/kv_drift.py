@@ -83,7 +83,8 @@ def preset_rows(device: torch.device, dtype: str | None, quantize: str | None, t
     """The verification suite with float K/V (baseline) and int8 K/V, each case's turns
     run as verify_paged runs them; teacher forcing along the baseline's last turn."""
     path = default_model(device, dtype)
-    common = dict(device=device, dtype=dtype, max_seq_len=1024, cuda_graph=False, quantize=quantize)
+    # A pool for two full sequences, not the budget's default share of the device.
+    common = dict(device=device, dtype=dtype, max_seq_len=1024, cuda_graph=False, quantize=quantize, kv_blocks=128)
     base = Engine.from_pretrained(path, **common)
     q8 = Engine(base.model, base.tokenizer, base.model_dir, max_seq_len=1024, kv_dtype="int8",
                 num_blocks=2 * -(-1024 // base.page_size), cuda_graph=False)
