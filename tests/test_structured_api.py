@@ -238,6 +238,26 @@ def test_bad_schemas_400_while_a_stream_runs(server: ServerProc, client: openai.
     assert events[-1]["usage"]["completion_tokens"] == n
 
 
+def test_pathological_schemas_do_not_stall_a_stream(server: ServerProc) -> None:
+    """A schema that takes seconds to compile, posted again and again while a stream
+    runs: each is refused (400 grammar_too_complex, the compile shared, then its refusal
+    cached) and the stream's largest gap and /health's latency stay within 100 ms, or
+    three times a quiet second's (the hostile tests' rule, tests/test_hostile.py)."""
+    from hostile_support import large_prompt_attack
+
+    huge = {"enum": [str(i) for i in range(100_000)]}
+    body = json.dumps({"messages": ask("x"), "max_tokens": 4, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "huge", "schema": huge}}}).encode()
+    for _ in range(2):  # a stall must show twice in a row to count (once can be the machine)
+        fig = large_prompt_attack(server, senders=2, rounds=3, body=body)
+        assert fig["attack_statuses"] == [400] * 6 and fig["count_503"] == 0, fig
+        limit = 100.0
+        if (fig["stream_max_gap_ms"] <= max(limit, 3 * fig["quiet_stream_max_gap_ms"])
+                and fig["health_max_ms"] <= max(limit, 3 * fig["quiet_health_max_ms"])):
+            return
+    raise AssertionError(f"stalled twice: {json.dumps(fig)}")
+
+
 def test_voice_runs_the_calls_and_speaks_the_answer(server: ServerProc, tmp_path: Path) -> None:
     """``edge voice --tools --tool-handler``: a spoken request, a call (required on the
     turn's first answer), the handler's result back to the model, its answer spoken."""

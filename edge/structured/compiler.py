@@ -5,14 +5,17 @@ The llguidance tokenizer (the model's vocabulary as a token trie; a second or tw
 150k vocabulary) is built once, in the compiler's own threads, as soon as the compiler
 exists. llguidance releases the GIL while it builds a grammar, so a slow compile stalls
 neither the event loop nor the engine loop; its parser limits bound the work, and a
-compile that still takes longer than ``time_limit_s`` is refused (it finishes in the
-background and is dropped)."""
+request whose compile takes longer than ``time_limit_s`` is refused (the compile
+finishes in the background). Requests of the same canonical form share one compile, and
+the outcome is cached either way: a repeated schema costs nothing, and a repeated
+pathological one is refused at once."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -60,7 +63,9 @@ class GrammarCompiler:
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
         self.format = fmt
         self.time_limit_s = time_limit_s
-        self._cache: OrderedDict[str, CompiledGrammar] = OrderedDict()
+        # Outcomes by canonical request: grammars, and the errors refusing the others.
+        self._cache: OrderedDict[str, CompiledGrammar | GrammarError] = OrderedDict()
+        self._running: dict[str, concurrent.futures.Future] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge-grammar")
@@ -82,11 +87,10 @@ class GrammarCompiler:
     def compile(self, req: StructuredRequest) -> CompiledGrammar | None:
         """The request's grammar (None: it constrains nothing), waiting on this thread;
         GrammarError for what cannot be enforced or compiles too slowly."""
-        found = self._cached(req)
-        if found is not None or not req.constrained:
-            return found
+        if not req.constrained:
+            return None
         self._tokenizer.result()  # built once; not part of a request's time limit
-        future = self._pool.submit(self._build, req)
+        future = self._future(req)
         try:
             return future.result(timeout=self.time_limit_s)
         except concurrent.futures.TimeoutError:
@@ -94,14 +98,37 @@ class GrammarCompiler:
 
     async def compile_async(self, req: StructuredRequest) -> CompiledGrammar | None:
         """:meth:`compile` for an event loop, which keeps running meanwhile."""
-        found = self._cached(req)
-        if found is not None or not req.constrained:
-            return found
+        if not req.constrained:
+            return None
         await asyncio.wrap_future(self._tokenizer)
+        future = self._future(req)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(self._pool.submit(self._build, req)), self.time_limit_s)
+            # shield: a timed-out wait must not cancel the compile other requests share
+            return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(future)), self.time_limit_s)
         except asyncio.TimeoutError:
             raise self._too_slow() from None
+
+    def _future(self, req: StructuredRequest) -> concurrent.futures.Future:
+        """The compile of ``req``: done already (cached grammar or refusal), running for
+        another request with the same key, or started now."""
+        key = req.key()
+        with self._lock:
+            done = self._cache.get(key)
+            if done is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                future: concurrent.futures.Future = concurrent.futures.Future()
+                if isinstance(done, GrammarError):
+                    future.set_exception(done)
+                else:
+                    future.set_result(done)
+                return future
+            running = self._running.get(key)
+            if running is not None:
+                return running
+            future = self._pool.submit(self._build, req, time.monotonic())
+            self._running[key] = future
+            return future
 
     def _too_slow(self) -> GrammarError:
         return GrammarError(
@@ -109,33 +136,42 @@ class GrammarCompiler:
             "simplify the schema", code="grammar_too_complex",
         )
 
-    def _cached(self, req: StructuredRequest) -> CompiledGrammar | None:
-        if not req.constrained:
-            return None
+    def _remember(self, key: str, outcome: CompiledGrammar | GrammarError) -> None:
         with self._lock:
-            found = self._cache.get(req.key())
-            if found is not None:
-                self._cache.move_to_end(req.key())
-                self.hits += 1
-            return found
+            self._running.pop(key, None)
+            self._cache[key] = outcome
+            while len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
 
-    def _build(self, req: StructuredRequest) -> CompiledGrammar:
-        text = build_grammar(req, self.format)
-        assert text is not None
-        tok = self._tokenizer.result()
-        ll = LLMatcher(tok, LLMatcher.grammar_from_lark(text), log_level=0, limits=_limits())
-        if not ll.is_error():
-            # The first mask here, not on the engine loop: a grammar too large to step
-            # through (llguidance's per-token limits) is refused with the others.
-            ll.compute_bitmask()
-        if ll.is_error():
-            raise self._locate(req, first_line(ll.get_error()))
+    def _build(self, req: StructuredRequest, t_start: float) -> CompiledGrammar:
+        """Compile ``req`` (in a pool thread). The outcome is cached either way: a grammar,
+        or the error that refuses it; one that took longer than the time limit is refused
+        as too slow from then on, so repeating a pathological schema costs nothing."""
+        key = req.key()
+        try:
+            text = build_grammar(req, self.format)
+            assert text is not None
+            tok = self._tokenizer.result()
+            ll = LLMatcher(tok, LLMatcher.grammar_from_lark(text), log_level=0, limits=_limits())
+            if not ll.is_error():
+                # The first mask here, not on the engine loop: a grammar too large to step
+                # through (llguidance's per-token limits) is refused with the others.
+                ll.compute_bitmask()
+            if ll.is_error():
+                raise self._locate(req, first_line(ll.get_error()))
+            if time.monotonic() - t_start > self.time_limit_s:
+                raise self._too_slow()
+        except GrammarError as exc:
+            self._remember(key, exc)
+            raise
+        except BaseException:
+            with self._lock:
+                self._running.pop(key, None)
+            raise
         grammar = CompiledGrammar(ll, text, self.vocab_size, self.eos_token_ids)
         with self._lock:
             self.compiles += 1
-            self._cache[req.key()] = grammar
-            while len(self._cache) > self._cache_size:
-                self._cache.popitem(last=False)
+        self._remember(key, grammar)
         return grammar
 
     def _locate(self, req: StructuredRequest, message: str) -> GrammarError:
