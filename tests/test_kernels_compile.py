@@ -135,17 +135,71 @@ def _compile(source: str, arch: str, defines: dict) -> tuple[bytes, str]:
         rt.nvrtcDestroyProgram(prog)
 
 
+def _tuning_jobs(arch: str, tuning: tuple[str, dict]) -> list[tuple]:
+    source, knobs = tuning
+    return [("both", source, arch, _key({"CFG_DTYPE": dtype, "CFG_HEAD_DIM": 128, **knobs}))
+            for dtype in ((2,) if "_tc" in source else (2, 3))]
+
+
+def _smem_jobs(warps: int, stages: int) -> list[tuple]:
+    # float16 and bfloat16 stage 2-byte elements alike: both at the default tuning, bf16 elsewhere.
+    codes = (1, 2) if (warps, stages) == (8, 2) else (2,)
+    # int8 KV (bf16 only): stages of codes and scales, entry points suffixed _q8.
+    return [("ptx", "paged_decode_tc.cu", "sm_87",
+             _key({"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
+                  | ({"CFG_KV_INT8": 1} if q8 else {})))
+            for code in codes for d in (64, 128) for q8 in ((False, True) if code == 2 else (False,))]
+
+
+def _key(defines: dict) -> tuple[tuple[str, object], ...]:
+    return tuple(defines.items())
+
+
+def _jobs_of(test: str, params: dict) -> list[tuple]:
+    if test == "test_kernel_compiles_cleanly_and_waits_for_its_predecessor":
+        return [("both", params["variant"][0], params["arch"], _key(params["variant"][1]))]
+    if test == "test_decode_tunings_compile":
+        return _tuning_jobs(params["arch"], params["tuning"])
+    if test == "test_decode_tc_asks_for_the_shared_memory_the_host_passes":
+        return _smem_jobs(params["warps"], params["stages"])
+    return []
+
+
+def _run(job: tuple):
+    kind, source, arch, defines = job
+    return _compile(source, arch, dict(defines)) if kind == "both" else _ptx(source, arch, dict(defines))
+
+
+@pytest.fixture(scope="module")
+def compiled(request: pytest.FixtureRequest):
+    """The NVRTC compiles of this module's selected tests, started at once on every core
+    (NVRTC releases the GIL): each test then checks its own result, so a failure still
+    names its variant, and the module takes the wall time of its compiles spread over
+    the cores instead of their sum."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    _nvrtc_or_skip()
+    jobs: dict[tuple, None] = {}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            jobs.update(dict.fromkeys(_jobs_of(item.originalname, item.callspec.params)))
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="nvrtc")
+    futures = {job: pool.submit(_run, job) for job in jobs}
+    yield lambda job: (futures[job] if job in futures else pool.submit(_run, job)).result()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
-def test_kernel_compiles_cleanly_and_waits_for_its_predecessor(arch, variant):
+def test_kernel_compiles_cleanly_and_waits_for_its_predecessor(arch, variant, compiled):
     """Every instantiation compiles for the arch without a warning. The decode graph
     launches every kernel overlapped on sm_90 (nvrtc.overlapped): a kernel without
     griddepcontrol.wait would read its inputs before they are written, so on sm_90 each
     entry waits and lets the next kernel start; Orin (sm_87) has no such instruction.
     Both from the PTX of the same compilation."""
-    _nvrtc_or_skip()
     source, defines = variant
-    cubin, ptx = _compile(source, arch, defines)
+    cubin, ptx = compiled(("both", source, arch, _key(defines)))
     assert cubin[:4] == b"\x7fELF"
     if arch == "sm_87":
         assert "griddepcontrol" not in ptx
@@ -195,24 +249,16 @@ def _ptx(source: str, arch: str, defines: dict) -> str:
         t[0].replace(".cu", "") + "-" + "-".join(str(v) for v in t[1].values())
     ),
 )
-def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
-    _nvrtc_or_skip()
-    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    source, knobs = tuning
-    for dtype in (2,) if "_tc" in source else (2, 3):
-        cubin = nvrtc.compile_cubin(
-            source,
-            arch,
-            {"CFG_DTYPE": dtype, "CFG_HEAD_DIM": 128, **knobs},
-            use_cache=False,
-        )
+def test_decode_tunings_compile(arch, tuning, compiled):
+    for job in _tuning_jobs(arch, tuning):
+        cubin, _ = compiled(job)
         assert cubin[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize(
     "warps,stages", [(8, 1), (8, 2), (8, 3), (8, 4), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
 )
-def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
+def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages, compiled):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
     the host works out (paged_cuda.tc_smem_bytes) and the kernel traps below: the two
     formulas must agree for every entry point (the verify step's pairs of row tiles
@@ -223,27 +269,25 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
 
     from edge.kernels import paged_cuda
 
-    _nvrtc_or_skip()
-    # float16 and bfloat16 stage 2-byte elements alike: both at the default tuning, bf16 elsewhere.
-    dtypes = ((1, torch.float16), (2, torch.bfloat16)) if (warps, stages) == (8, 2) else ((2, torch.bfloat16),)
-    for code, dtype in dtypes:
-        for d in (64, 128):
-            for q8 in (False, True) if code == 2 else (False,):  # int8 KV: stages of codes and scales
-                defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
-                ptx = _ptx("paged_decode_tc.cu", "sm_87", defines | ({"CFG_KV_INT8": 1} if q8 else {}))
-                entries = re.split(r"\.visible \.entry ", ptx)[1:]
-                names = sorted(e.split("(")[0] for e in entries)
-                # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
-                pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
-                want = ["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc", "paged_verify_tc_rope", *pairs]
-                assert names == sorted(n + ("_q8" if q8 else "") for n in want), names
-                for entry in entries:
-                    name = entry.split("(")[0]
-                    reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
-                    op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
-                    needed = int(n) + 1 if op == "gt" else int(n)
-                    tiles = 2 if "_pair" in name else 1
-                    assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles, q8), (name, dtype, d)
+    dtypes = {1: torch.float16, 2: torch.bfloat16}
+    for job in _smem_jobs(warps, stages):
+        defines = dict(job[3])
+        dtype, d = dtypes[defines["CFG_DTYPE"]], defines["CFG_HEAD_DIM"]
+        ptx = compiled(job)
+        entries = re.split(r"\.visible \.entry ", ptx)[1:]
+        names = sorted(e.split("(")[0] for e in entries)
+        # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
+        pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
+        q8 = defines.get("CFG_KV_INT8") == 1
+        want = ["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc", "paged_verify_tc_rope", *pairs]
+        assert names == sorted(n + ("_q8" if q8 else "") for n in want), names
+        for entry in entries:
+            name = entry.split("(")[0]
+            reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
+            op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
+            needed = int(n) + 1 if op == "gt" else int(n)
+            tiles = 2 if "_pair" in name else 1
+            assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles, q8), (name, dtype, d)
 
 
 @pytest.mark.parametrize(
