@@ -31,6 +31,8 @@ step() {  # name, command...
     local t0=$SECONDS
     if "$@" >"$OUT/$name.log" 2>&1; then r=ok; else r="FAIL($?)"; fi
     status+=("$(printf '%-26s %-8s %4ss  %s' "$name" "$r" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)")")
+    echo "${status[-1]}"
+    tar czf "$RESULTS/session.tgz" -C "$OUT" .  # after every step: a timeout loses nothing
 }
 B="python3 tools/bench.py"
 for s in "$@"; do
@@ -117,13 +119,12 @@ for s in "$@"; do
         new-tests)  # the GPU tests of int8 K/V, structured output and GGUF
             step new-tests python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kv_int8_cuda.py tests/test_structured_cuda.py tests/test_gguf_cuda.py ;;
         verify-kv8) for q in none int4; do step verify-kv8-$q python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize $q --kv-dtype int8; done ;;
-        before-after)  # decode and TTFT of the previous release (.before) and this tree, alternated, same card
-            for q in none int8 int4; do
-                step before-$q sh -c "cd .before && PYTHONPATH=. $B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/before-$q.json"
-                step after-$q sh -c "$B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/after-$q.json"
-            done ;;
+        ba-*)  # ba-<quantize>: decode and TTFT of this tree, then of the previous release (.before), same card
+            q=${s#ba-}
+            step after-$q sh -c "timeout ${STEP_LIMIT:-240} $B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/after-$q.json"
+            step before-$q sh -c "cd .before && PYTHONPATH=. timeout ${STEP_LIMIT:-240} $B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/before-$q.json" ;;
         kv8k) for kv in auto int8; do step kv8k-$kv sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --context 8192 --max-seq-len 9216 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 --kv-dtype $kv > $OUT/kv8k-$kv.json"; done ;;
-        structured) for n in 16 8; do step structured-$n sh -c "$B structured --preset qwen3-8b --quantize int4 --sms $n > $OUT/structured-$n.json"; done ;;
+        structured) for n in 16 8; do step structured-$n sh -c "timeout ${STEP_LIMIT:-240} $B structured --preset qwen3-8b --quantize int4 --sms $n > $OUT/structured-$n.json"; done ;;
         board) for n in 16 8; do step board-$n sh -c "$B board --preset qwen3-8b --quantize int4 --sms $n > $OUT/board-$n.json"; done ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
