@@ -203,9 +203,11 @@ def select_backend(
     if kernels == "reference":
         log.warning("torch reference kernels on %s, as chosen: no CUDA graphs, slow decode", device)
         return reference_backend(device, "chosen by the operator (kernels='reference')")
+    weights = list(weights)
+    _check_verified_on_gpu(weights, kv_int8)
     try:
         return _cuda_backend(
-            cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms, kv_int8
+            cfg, device, dtype, weights, overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms, kv_int8
         )
     except BackendUnavailable:
         raise
@@ -215,6 +217,22 @@ def select_backend(
         if isinstance(exc, (KernelsUnavailable, KernelCompileError, ImportError, OSError)):
             raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         raise
+
+
+def _check_verified_on_gpu(weights: list[Any], kv_int8: bool) -> None:
+    """Refuse, in one line, the CUDA kernels that have not yet matched the torch reference
+    on a GPU (int8 K/V, GGUF blocks): their CPU reference path is exact, the GPU one is not
+    yet proven, and a wrong answer must never be served silently."""
+    what = []
+    if kv_int8:
+        what.append("int8 K/V (--kv-dtype int8)")
+    if any(isinstance(w, (GGUFWeight, GGUFEmbedding)) for w in weights):
+        what.append("GGUF weights")
+    if what:
+        raise BackendUnavailable(
+            f"the CUDA kernels for {' and '.join(what)} have not passed their GPU checks against the torch "
+            "reference in this release: use --kernels reference on this GPU (slow, exact), or the CPU"
+        )
 
 
 def _cuda_backend(
