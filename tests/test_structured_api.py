@@ -75,6 +75,15 @@ class Reading(BaseModel):
     ok: bool
 
 
+def slow_schema(depth: int = 10) -> dict:
+    """Nested anyOf of arrays and objects: 120 kB that take a second or so to compile."""
+    node: dict = {"type": "integer"}
+    for _ in range(depth):
+        node = {"anyOf": [{"type": "array", "items": node, "maxItems": 3},
+                          {"type": "object", "properties": {"x": node}}]}
+    return node
+
+
 def tools_model(tmp: Path) -> Path:
     """The embedded model with the tools template (weights linked, not copied)."""
     src = ensure_default_model()
@@ -89,8 +98,17 @@ def tools_model(tmp: Path) -> Path:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("structured")
-    # A quarter second to compile: ten times what the tests' schemas take, far less than HUGE.
-    srv = ServerProc(tmp, "--model", str(tools_model(tmp)), "--grammar-time-limit-s", "0.25")
+    srv = ServerProc(tmp, "--model", str(tools_model(tmp)))
+    try:
+        yield srv.wait_ready()
+    finally:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory: pytest.TempPathFactory):
+    """Grammars must compile within 0.1 s: far less than slow_schema() takes."""
+    srv = ServerProc(tmp_path_factory.mktemp("strict"), "--grammar-time-limit-s", "0.1")
     try:
         yield srv.wait_ready()
     finally:
@@ -212,7 +230,6 @@ def test_bad_schemas_400_while_a_stream_runs(server: ServerProc, client: openai.
 
     t = threading.Thread(target=stream)
     t.start()
-    huge = {"enum": [f"{i:06d}" + "-x" * 12 for i in range(20_000)]}  # seconds to compile, under the body and value limits
     cases = [
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "foo"}}}},
          "response_format.json_schema.schema"),
@@ -221,36 +238,35 @@ def test_bad_schemas_400_while_a_stream_runs(server: ServerProc, client: openai.
         ({"tools": [{"type": "function", "function": {"name": "q", "parameters": {
             "type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}}}]},
          "tools[0].function.parameters"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "huge", "schema": huge}}},
-         "grammar_too_complex"),
     ]
     for extra, param in cases:
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="m", messages=ask("x"), max_tokens=8, **extra)
         err = info.value.body
         assert info.value.status_code == 400 and err["message"] and "\n" not in err["message"]
-        if param == "grammar_too_complex":
-            assert err["code"] == param, err
-        else:
-            assert err["param"] == param, err
+        assert err["param"] == param, err
     t.join(300)
     events = [json.loads(line[6:]) for line in result["text"].splitlines() if line.startswith("data: {")]
     assert events[-1]["usage"]["completion_tokens"] == n
 
 
-def test_pathological_schemas_do_not_stall_a_stream(server: ServerProc) -> None:
+def test_pathological_schemas_do_not_stall_a_stream(strict_server: ServerProc) -> None:
     """A schema that takes seconds to compile, posted again and again while a stream
     runs: each is refused (400 grammar_too_complex, the compile shared, then its refusal
     cached) and the stream's largest gap and /health's latency stay within 100 ms, or
-    three times a quiet second's (the hostile tests' rule, tests/test_hostile.py)."""
+    three times a quiet second's (the hostile tests' rule, tests/test_hostile.py).
+    (Parsing a large JSON body holds the interpreter in any request; this schema's
+    120 kB keep that well under the rule.)"""
     from hostile_support import large_prompt_attack
 
-    huge = {"enum": [str(i) for i in range(100_000)]}
     body = json.dumps({"messages": ask("x"), "max_tokens": 4, "response_format": {
-        "type": "json_schema", "json_schema": {"name": "huge", "schema": huge}}}).encode()
+        "type": "json_schema", "json_schema": {"name": "huge", "schema": slow_schema()}}}).encode()
+    with strict_server.client() as c:
+        err = c.post("/v1/chat/completions", content=body, headers={"Content-Type": "application/json"}).json()
+    assert err["error"]["code"] == "grammar_too_complex", err
     for _ in range(2):  # a stall must show twice in a row to count (once can be the machine)
-        fig = large_prompt_attack(server, senders=2, rounds=3, body=body)
-        assert fig["attack_statuses"] == [400] * 6 and fig["count_503"] == 0, fig
+        fig = large_prompt_attack(strict_server, senders=1, rounds=3, body=body)
+        assert fig["attack_statuses"] == [400] * 3 and fig["count_503"] == 0, fig
         limit = 100.0
         if (fig["stream_max_gap_ms"] <= max(limit, 3 * fig["quiet_stream_max_gap_ms"])
                 and fig["health_max_ms"] <= max(limit, 3 * fig["quiet_health_max_ms"])):

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +31,7 @@ from edge.structured.request import StructuredRequest
 
 DEFAULT_TIME_LIMIT_S = 10.0
 DEFAULT_CACHE_SIZE = 64
+COMPILE_NICE = 10  # added to the compile threads' nice value: background work
 
 
 class CompiledGrammar:
@@ -68,7 +71,8 @@ class GrammarCompiler:
         self._running: dict[str, concurrent.futures.Future] = {}
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge-grammar")
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="edge-grammar",
+                                                           initializer=_background_priority)
         self._tokenizer = self._pool.submit(
             LLTokenizer, tokenizer_json, n_vocab=vocab_size, eos_token=list(self.eos_token_ids)
         )
@@ -111,7 +115,7 @@ class GrammarCompiler:
     def _future(self, req: StructuredRequest) -> concurrent.futures.Future:
         """The compile of ``req``: done already (cached grammar or refusal), running for
         another request with the same key, or started now."""
-        key = req.key()
+        key = req.key
         with self._lock:
             done = self._cache.get(key)
             if done is not None:
@@ -147,7 +151,7 @@ class GrammarCompiler:
         """Compile ``req`` (in a pool thread). The outcome is cached either way: a grammar,
         or the error that refuses it; one that took longer than the time limit is refused
         as too slow from then on, so repeating a pathological schema costs nothing."""
-        key = req.key()
+        key = req.key
         try:
             text = build_grammar(req, self.format)
             assert text is not None
@@ -192,6 +196,14 @@ class GrammarCompiler:
                 why = first_line(ll.get_error()).removeprefix("at 1(8): ").removeprefix("failed to compile JSON schema: ")
                 return GrammarError(f"{param} cannot be enforced: {why}", param)
         return GrammarError(f"the structured output request cannot be enforced: {message}")
+
+
+def _background_priority() -> None:
+    """Compiles yield the CPU to the engine and the event loop: on a board's few cores a
+    busy compile thread would otherwise slow every stream (Linux nice values are per
+    thread; threads a compile starts inherit it)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
 
 
 def _limits() -> LLParserLimits:

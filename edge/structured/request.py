@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 from edge.structured.errors import GrammarError
@@ -67,8 +68,10 @@ class StructuredRequest:
             return tuple(t for t in self.tools if t.name == self.tool_name)
         return self.tools if self.calls_tools else ()
 
+    @cached_property
     def key(self) -> str:
-        """Canonical text of what the grammar depends on: the compile cache's key."""
+        """Canonical text of what the grammar depends on: the compile cache's key
+        (computed once: a schema may be large)."""
         return json.dumps(
             {
                 "schema": self.schema,
