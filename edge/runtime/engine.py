@@ -347,12 +347,9 @@ class Engine:
         if gguf is None:
             check_checkpoint_matches_config(path, cfg)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
-        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
-        on_status = options.pop("on_status", None)
-        first_compile = None
-        if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
-            # Fail before loading gigabytes of weights when the kernels cannot load.
+        cuda_kernels = dev.type == "cuda" and options.get("kernels", "auto") != "reference"
+        if cuda_kernels:
+            # Fail before planning or loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
 
             try:
@@ -361,7 +358,10 @@ class Engine:
                 from edge.runtime.backend import BackendUnavailable, kernel_fix_hint
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
-            first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status)
+        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
+        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
+        on_status = options.pop("on_status", None)
+        first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status) if cuda_kernels else None
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         if gguf is not None:
             from edge.model.gguf_tokenizer import gguf_tokenizer
