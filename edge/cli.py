@@ -64,8 +64,7 @@ POSITIVE_INT = _checked(positive_int)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory, GGUF file (split: any part) or ollama:NAME[:TAG] "
-                   "(default: the embedded random model)")
+    p.add_argument("--model", help="Hugging Face model directory (default: the embedded random model)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--kv", choices=("paged", "contiguous"), default="paged", help="KV-cache backend")
@@ -152,10 +151,9 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def check_engine_args(model: str | None, device: str | None, dtype: str | None) -> None:
     """Model directory, device and dtype, checked before anything loads."""
-    from edge.model.gguf_loader import is_gguf_spec
     from edge.model.validate import check_device_and_dtype, model_directory
 
-    if model is not None and not is_gguf_spec(model):
+    if model is not None:
         model_directory(model)
     check_device_and_dtype(device, dtype)
 
@@ -556,8 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP service (OpenAI-compatible API, /health, /metrics)",
                        description="Settings: command line > environment (EDGE_*) > --config file > defaults.")
-    s.add_argument("--model", help="model directory, GGUF file or ollama:NAME[:TAG] [EDGE_MODEL] "
-                   "(default: the embedded random model)")
+    s.add_argument("--model", help="model directory [EDGE_MODEL] (default: the embedded random model)")
     s.add_argument("--model-name", help="model id served in the API [EDGE_MODEL_NAME] (default: directory name)")
     s.add_argument("--host", help="TCP address [EDGE_HOST] (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="TCP port [EDGE_PORT] (default 8000)")

@@ -229,7 +229,7 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}
 
 # Read elsewhere in the process (not by Settings): not typos when found in the file.
-OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE", "OLLAMA_MODELS"})
+OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE"})
 
 
 def from_environment(name: str, environ: Mapping[str, str] | None = None) -> Any:
@@ -389,10 +389,3 @@ def read_api_key(path: str | os.PathLike[str]) -> str:
         if line.strip():
             return line.strip()
     raise ValueError(f"API key file {p} is empty")
-
-
-def ollama_models_dir(environ: Mapping[str, str] | None = None) -> Path:
-    """The local Ollama store that ``--model ollama:NAME[:TAG]`` reads: ``$OLLAMA_MODELS``
-    (Ollama's own variable), else ``~/.ollama/models``."""
-    environ = os.environ if environ is None else environ
-    return Path(environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()

@@ -66,9 +66,6 @@ VARIANTS = [
     ),
     ("int4_gemv.cu", {"CFG_INT4_SKIP_MATH": 1}),  # tools/bench_int4.py gemv --sweep
     ("int4_gemv.cu", {"CFG_INT4_PREFETCH": 4}),
-    # GGUF blocks (gguf_cuda.py: a module per ggml type), the default tuning
-    *[("gguf_gemv.cu", {"CFG_GGUF_TYPE": t}) for t in (2, 8, 12, 13, 14)],
-    ("gguf_gemv.cu", {"CFG_GGUF_TYPE": 12, "CFG_GGUF_WARPS": 8, "CFG_GGUF_UNROLL": 2, "CFG_GGUF_MIN_BLOCKS": 0}),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [

@@ -78,9 +78,6 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     rope_scaling: RopeScaling | None = None
-    # Per-frequency divisors of the inverse frequencies (a GGUF file's rope_freqs tensor,
-    # llama.cpp's form of Llama 3 scaling); None: none.
-    rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -210,8 +207,6 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    if cfg.rope_freq_factors is not None:
-        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     rs = cfg.rope_scaling
     if rs is None:
         return inv

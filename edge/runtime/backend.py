@@ -26,8 +26,6 @@ import torch
 
 from edge.model.config import ModelConfig
 from edge.kernels import reference
-from edge.quant.gguf import FORMAT as GGUF_FORMAT
-from edge.quant.gguf import GGUFEmbedding, GGUFReferenceLinear, GGUFWeight
 from edge.quant.int4 import Int4ReferenceLinear, Int4Weight
 from edge.kernels.int4_cuda import Int4Tuning
 from edge.kernels.int8_cuda import Int8Tuning
@@ -159,10 +157,9 @@ def reference_backend(device: torch.device | str = "cpu", why: str | None = None
 
 
 def _reference_linears(layer: LayerOps) -> Linears:
-    return Linears({
-        "float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer), Int4Weight.FORMAT: Int4ReferenceLinear(layer),
-        GGUF_FORMAT: GGUFReferenceLinear(layer),
-    })
+    return Linears(
+        {"float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer), Int4Weight.FORMAT: Int4ReferenceLinear(layer)}
+    )
 
 
 def kernel_fix_hint(exc: BaseException) -> str:
@@ -247,7 +244,7 @@ def _cuda_backend(
     sms: int | None,
     kv_int8: bool = False,
 ) -> Backend:
-    from edge.kernels import fused_cuda, gguf_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
+    from edge.kernels import fused_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
     from edge.kernels.launcher import Launcher
 
     dev = nvrtc.device_index(device, "the CUDA kernels")
@@ -278,15 +275,6 @@ def _cuda_backend(
     if int4 and int4_why:
         notes.append(f"int4 linear: {int4_why}")
 
-    # GGUF blocks (the tied lm_head multiplies by the embedding's table).
-    gguf = [w.table if isinstance(w, GGUFEmbedding) else w for w in weights if isinstance(w, (GGUFWeight, GGUFEmbedding))]
-    gguf_why = next((r for r in (gguf_cuda.weight_support(w, dtype) for w in gguf) if r), None)
-    if gguf and gguf_why:
-        notes.append(f"gguf linear: {gguf_why}")
-    gg = None
-    if gguf and not gguf_why:
-        gg = gguf_cuda.GGUFCudaLinear(launcher, None, qtypes=tuple(sorted({p.qtype for w in gguf for p in w.parts})))
-
     def step(l: Launcher, fz: fused_cuda.FusedCuda, att: paged_cuda.PagedAttentionCuda | None,
              i8: int8_cuda.Int8CudaLinear | None, i4: int4_cuda.Int4CudaLinear | None) -> StepKernels:
         pick = {op: (reference if why[op] else fz) for op in LAYER_OPS}
@@ -310,7 +298,6 @@ def _cuda_backend(
         else:
             impls[QUANT_METHOD] = Int8ReferenceLinear(layer)
         impls[Int4Weight.FORMAT] = i4.with_launcher(l, layer) if i4 is not None else Int4ReferenceLinear(layer)
-        impls[GGUF_FORMAT] = gg.with_launcher(l, layer) if gg is not None else GGUFReferenceLinear(layer)
         return StepKernels(layer, attention, Linears(impls))
 
     att = None

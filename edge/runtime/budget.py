@@ -753,8 +753,6 @@ def plan_kv_budget(
     (int8: about twice the blocks of a bfloat16 pool). See the module docstring.
     ``vision_activations``: the vision tower's peak (edge/runtime/memory_plan.py
     ``tower_peak``); the tower runs before a prefill chunk's layers, so the larger counts."""
-    from edge.quant.gguf import DEQUANT_CHUNK_ELEMENTS as GGUF_CHUNK_ELEMENTS
-    from edge.quant.gguf import GGUFWeight
     from edge.quant.int4 import BLOCK_ROWS, Int4Weight
     from edge.quant.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
     from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight
@@ -769,14 +767,12 @@ def plan_kv_budget(
         if cuda_graph:
             graphs = GRAPH_SLOTS * decode_peak + GRAPH_OVERHEAD
     else:
-        # The float temporaries of the reference linears' largest expansion (int8, int4, GGUF).
+        # The float temporaries of the reference linears' largest expansion (int8 or int4).
         deq = max(
             [min(w.weight.numel(), max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features) * w.in_features)
              for w in model.w.values() if isinstance(w, Int8Weight)]
             + [min(w.packed.shape[0], max(1, INT4_CHUNK_ELEMENTS // (BLOCK_ROWS * w.in_features)))
-               * BLOCK_ROWS * w.in_features for w in model.w.values() if isinstance(w, Int4Weight)]
-            + [min(w.out_features, max(1, GGUF_CHUNK_ELEMENTS // w.in_features)) * w.in_features
-               for w in model.w.values() if isinstance(w, GGUFWeight)],
+               * BLOCK_ROWS * w.in_features for w in model.w.values() if isinstance(w, Int4Weight)],
             default=0,
         )
         activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)

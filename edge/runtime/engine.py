@@ -330,22 +330,14 @@ class Engine:
             from edge.model.random_model import default_model_path
 
             path = default_model_path()
-        from edge.model.gguf_loader import gguf_config, is_gguf_spec, load_gguf_model, open_model_file
-
-        # A GGUF file (or ollama:NAME): parsed and checked here, its weights loaded below.
-        gguf = open_model_file(path) if is_gguf_spec(path) else None
-        path = gguf.path if gguf is not None else model_directory(path)
+        path = model_directory(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         from edge.model.vision.config import VLConfig, is_vision_language
 
-        vl = gguf is None and is_vision_language(path)
-        if gguf is not None:
-            cfg = gguf_config(gguf)
-        else:
-            cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
-        if gguf is None:
-            check_checkpoint_matches_config(path, cfg)
+        vl = is_vision_language(path)
+        cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
+        check_checkpoint_matches_config(path, cfg)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         cuda_kernels = dev.type == "cuda" and options.get("kernels", "auto") != "reference"
         if cuda_kernels:
@@ -363,19 +355,9 @@ class Engine:
         on_status = options.pop("on_status", None)
         first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status) if cuda_kernels else None
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
-        if gguf is not None:
-            from edge.model.gguf_tokenizer import gguf_tokenizer
-
-            tokenizer = gguf_tokenizer(gguf, cfg.eos_token_ids)
-        else:
-            tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
+        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
         vision = None
-        if gguf is not None:
-            model = load_gguf_model(gguf, cfg, dev, dt, seq_len, quantize)
-            if check_weights:  # the float tensors (norms, biases, float weights); blocks are bytes
-                tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
-                check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
-        elif vl:
+        if vl:
             from edge.model.vision.loader import checked_tensors, load_vision_language
 
             model, vision = load_vision_language(
