@@ -423,7 +423,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from edge.model.validate import model_directory
 
         model_directory(settings.model)
-    fit_settings(settings)
+    try:
+        fit_settings(settings)
+    except ValueError as exc:  # a broken checkpoint, found before loading: the service's load-failure line
+        logging.getLogger("edge.serving.service").error("model load failed: %s", exc)
+        return 1
     check_engine_args(settings.model, settings.device, settings.dtype)
     export_file_vars(file_vars)
     if not args.verbose:

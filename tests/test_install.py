@@ -105,6 +105,11 @@ def test_jetson_install_keeps_nvidia_torch(tmp_path: Path) -> None:
     assert chosen["numpy"] < Version("2"), chosen["numpy"]
 
 
+# Ubuntu 22.04 (L4T r36) has glibc 2.35: every manylinux tag up to 2_35 installs there.
+JETPACK6_PLATFORMS = [arg for glibc in ("2014", "_2_28", "_2_31", "_2_34", "_2_35")
+                      for arg in ("--platform", f"manylinux{glibc}_aarch64")]
+
+
 def test_jetson_stack_has_jetpack6_wheels(tmp_path: Path) -> None:
     """The same requirements for the board itself (aarch64, CPython 3.10), binary wheels only,
     with the NVRTC wheel that JetPack 6.1/6.2 may use instead of the toolkit's."""
@@ -113,7 +118,7 @@ def test_jetson_stack_has_jetpack6_wheels(tmp_path: Path) -> None:
     reqs += proj["optional-dependencies"]["jetson"] + ["nvidia-cuda-nvrtc-cu12"]
     report = tmp_path / "report.json"
     pip("install", "--dry-run", "-q", "--ignore-installed", "--report", str(report), "--only-binary=:all:",
-        "--platform", "manylinux2014_aarch64", "--platform", "manylinux_2_28_aarch64", "--python-version", "3.10",
+        *JETPACK6_PLATFORMS, "--python-version", "3.10",
         "--implementation", "cp", "--target", str(tmp_path / "target"), "-c", str(JETPACK6_CONSTRAINTS), *reqs)
     chosen = installs(report)
     assert chosen["cuda-bindings"].major == 12 and chosen["numpy"] < Version("2")

@@ -263,7 +263,7 @@ def test_silero_finds_the_utterance_and_its_end(espeak) -> None:
     assert [e.kind for e, _ in events] == ["start", "end"], events
     (start, _), (end, detected) = events
     assert on - 0.05 <= start.t <= on + 0.25
-    assert off - 0.3 <= end.t <= off + 0.1
+    assert off - 0.3 <= end.t <= off + 0.15  # the probability decays over a few 32 ms frames past the last loud sample
     assert detected - end.t == pytest.approx(0.4, abs=0.033)  # the trailing silence, to a frame
 
 

@@ -96,6 +96,7 @@ class Client:
         self.service = service
         self.last_finish: str | None = None
         self.last_usage: dict | None = None
+        self.last_tool_calls: list[dict] = []  # as ChatClient: this service never calls tools
 
     def stream_chat(self, messages: list[dict], params: dict, request_id: str) -> Iterator[str]:
         with self.service.lock:

@@ -40,12 +40,11 @@ from edge.runtime.budget import (  # noqa: E402
     kv_row_bytes,
 )
 from edge.model.config import ModelConfig  # noqa: E402
-from edge.model.loader import expected_shapes  # noqa: E402
-from edge.quant.q8_0 import DEFAULT_GROUP_SIZE, LM_HEAD, quantized_names  # noqa: E402
+from edge.quant.q8_0 import DEFAULT_GROUP_SIZE  # noqa: E402
+from edge.runtime import memory_plan as mp  # noqa: E402
 from edge.model.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
-EMBED = "model.embed_tokens.weight"
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 FORMATS = ("bf16", "int8", "int4")
@@ -77,30 +76,24 @@ def preset_config(preset: str) -> ModelConfig:
     return ModelConfig.from_dict(model_config(preset=preset))
 
 
+def _held(cfg: ModelConfig, fmt: str, group_size: int) -> tuple[mp.Checkpoint, mp.Held]:
+    """A float checkpoint of ``cfg`` as the engine holds it in ``fmt`` (the plan's loader rules)."""
+    ckpt = mp.Checkpoint(cfg.architecture, cfg, stored_dtype="bfloat16")
+    quantize = None if fmt == "bf16" else fmt
+    return ckpt, mp.held_form(ckpt, "bfloat16", quantize, group_size=group_size)
+
+
 def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """What the loaded model holds (``Model.weight_bytes``): bf16 tensors; for int8 the
-    projections (and an untied lm_head) as int8 with one float32 scale per group; for int4
-    (edge/quant/int4.py, as loaded by default) the projections as 4-bit codes with a float16
-    scale and a uint8 zero point per group, the lm_head and the embedding as int8 rows."""
-    shapes = expected_shapes(cfg)
-    quantized = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt != "bf16" else set()
-    total = 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        groups = n // group_size
-        if fmt == "int4" and (name == LM_HEAD or name == EMBED):
-            total += n + 4 * groups
-        elif fmt == "int4" and name in quantized:
-            total += n // 2 + 3 * groups
-        else:
-            total += n + 4 * groups if name in quantized else 2 * n
-    return total
+    """What the loaded model holds (``Model.weight_bytes``), as ``edge plan`` counts it: int8
+    and int4 quantize the projections; lm_head and embedding stay bf16 unless chosen lossy."""
+    ckpt, held = _held(cfg, fmt, group_size)
+    return sum(mp.weight_parts(ckpt, held).values())
 
 
 def embedding_row_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """Bytes of one embedding row as loaded (int4 models hold int8 rows)."""
-    h = cfg.hidden_size
-    return h + 4 * (h // group_size) if fmt == "int4" else 2 * h
+    """Bytes of one embedding row as loaded."""
+    ckpt, held = _held(cfg, fmt, group_size)
+    return mp.row_table_bytes(1, cfg.hidden_size, held.embedding, held)
 
 
 def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int, kv_dtype: str = "auto") -> int:

@@ -310,7 +310,7 @@ def _linear_bytes(out: int, cols: int, kind: str, held: Held) -> int:
         4 * cols if layout.act_order else 0)
 
 
-def _row_table_bytes(rows: int, cols: int, kind: str, held: Held) -> int:
+def row_table_bytes(rows: int, cols: int, kind: str, held: Held) -> int:
     """An lm_head or embedding table held as ``kind`` (int8: edge's q8_0 rows)."""
     if kind == "int8":
         g = INT8_GROUP_SIZE if cols % INT8_GROUP_SIZE == 0 else cols
@@ -333,9 +333,9 @@ def weight_parts(ckpt: Checkpoint, held: Held) -> dict[str, int]:
     b = dtype_bytes(held.dtype)
     for dest, shape in fused.items():
         if dest == EMBED:
-            parts["embedding"] += _row_table_bytes(shape[0], shape[1], held.embedding, held)
+            parts["embedding"] += row_table_bytes(shape[0], shape[1], held.embedding, held)
         elif dest == LM_HEAD:
-            parts["lm_head"] += _row_table_bytes(shape[0], shape[1], held.lm_head, held)
+            parts["lm_head"] += row_table_bytes(shape[0], shape[1], held.lm_head, held)
         elif is_linear_weight(dest.replace("qkv_proj", "q_proj").replace("gate_up_proj", "gate_proj")):
             kind = {"float": "float", "int8": "int8", "int4": "int4-proj"}[held.projections]
             parts["mlp" if ".mlp." in dest else "attention"] += _linear_bytes(shape[0], shape[1], kind, held)
