@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image, ImageFile
 
 from edge.model.vision.preprocess import ImageError, ImageLimits, decode_image, inspect_image
@@ -158,3 +159,42 @@ def test_the_heartbeat_beats_between_tower_blocks(engine, monkeypatch) -> None:
     assert len(beats) == depth
     # Each block after the first sees the beat its predecessor left: the loop is alive.
     assert all(later > earlier for earlier, later in zip(beats, beats[1:]))
+
+
+def test_a_tower_pass_beside_a_stream_runs_in_slices_between_its_decode_steps(engine, monkeypatch) -> None:
+    """An image request prefilled beside a decoding conversation runs its tower a slice at a
+    time (here a block a slice: a tiny budget), with the other conversation's decode steps in
+    between, and its features are those of the whole pass."""
+    sched = Scheduler(engine, queue_size=2, prefill_budget_ms=0.001)
+    tower = type(engine.vision.tower)
+    block = tower._block
+    stream_tokens_at_block: list[int] = []
+    images = [{"type": "image", "image": jpeg(96, 64)}, {"type": "image", "image": jpeg(64, 96)}]
+    messages = [{"role": "user", "content": [*images, {"type": "text", "text": "?"}]}]
+    whole = engine.chat_prompt(messages)
+    features = [engine.vision.features(whole, i) for i in range(2)]
+    prompt = engine.chat_prompt(messages)
+    sched.start()
+    try:
+        stream = sched.submit([1, 2, 3], SamplingParams(max_tokens=3000, ignore_eos=True))
+        next(iter(stream))  # decoding
+
+        def recording_block(self, *args, **kwargs):  # noqa: ANN001, ANN202
+            stream_tokens_at_block.append(len(stream._chunks))  # on the engine thread: what it pushed
+            return block(self, *args, **kwargs)
+
+        monkeypatch.setattr(tower, "_block", recording_block)
+        result = sched.submit(prompt, SamplingParams(max_tokens=0)).result()
+        assert not stream.finished  # the images were prefilled beside it
+        stream.cancel()
+    finally:
+        sched.stop()
+    assert result.finish_reason == "length"
+    depth = engine.vision.cfg.vision.depth
+    assert len(stream_tokens_at_block) == 2 * depth
+    # Every block after the first ran after at least one more token of the stream.
+    pairs = zip(stream_tokens_at_block, stream_tokens_at_block[1:])
+    assert all(later > earlier for earlier, later in pairs), stream_tokens_at_block
+    for i, f in enumerate(features):
+        assert torch.equal(prompt._features[i].embeds, f.embeds)
+        assert all(torch.equal(a, b) for a, b in zip(prompt._features[i].deepstack, f.deepstack))

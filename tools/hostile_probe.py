@@ -12,7 +12,9 @@ Attacks (``--only``): ``malformed`` (1, 4 and 54 MiB ``{"prompt": [null, 0, 0, .
 bodies) and ``long`` (a valid 54 MiB chat body, one long string), with the body limit
 raised to 64 MiB so that all of them are read and scanned;
 ``slow`` (1100 connections that send nothing, half a head or a stalled body, at a
-descriptor limit of 1024), ``inject`` (special-token strings in chat messages).
+descriptor limit of 1024), ``inject`` (special-token strings in chat messages),
+``images`` (on a random ``qwen3-vl-tiny``: two requests of four 6300x6300 JPEGs each
+beside the stream, and how long a one-token text request waits meanwhile).
 """
 
 from __future__ import annotations
@@ -117,9 +119,9 @@ def _spread(values: list[float]) -> dict | None:
             "max": round(v[-1], 1), "n": len(v)}
 
 
-def start(tmp: Path, name: str, nofile: int | None = None, **env: str) -> tuple[ServerProc, WatchdogSink]:
+def start(tmp: Path, name: str, *args: str, nofile: int | None = None, **env: str) -> tuple[ServerProc, WatchdogSink]:
     sink = WatchdogSink(tmp / f"{name}.notify")
-    srv = ServerProc(tmp / name, env=server_env(NOTIFY_SOCKET=sink.path, WATCHDOG_USEC=str(WATCHDOG_USEC), **env),
+    srv = ServerProc(tmp / name, *args, env=server_env(NOTIFY_SOCKET=sink.path, WATCHDOG_USEC=str(WATCHDOG_USEC), **env),
                      nofile=nofile)
     return srv.wait_ready(), sink
 
@@ -199,7 +201,88 @@ def inject(tmp: Path) -> list[dict]:
     return out
 
 
-ATTACKS = {"malformed": malformed, "long": long_string, "slow": slow, "inject": inject}
+def _jpeg(side: int, seed: int) -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    # Smooth noise: a large picture that still compresses to a few MiB, as photos do.
+    small = np.random.default_rng(seed).integers(0, 256, (side // 64, side // 64, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(small).resize((side, side), Image.BILINEAR).save(buf, format="JPEG", quality=90)
+    return buf.getvalue()
+
+
+def _text_request_ms(srv: ServerProc) -> float:
+    with srv.client(timeout=120.0) as c:
+        t = time.monotonic()
+        r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        r.raise_for_status()
+        return round((time.monotonic() - t) * 1e3, 1)
+
+
+def images(tmp: Path) -> list[dict]:
+    """Prefill-only requests (``max_tokens`` 0: a request beside a stream waits, READY, for
+    the stream to end before it decodes), so that the attack is the images' reading,
+    decoding, tower and prefill."""
+    import base64
+
+    import httpx
+
+    from edge.model.vision.random_model import make_vl_model
+
+    model = make_vl_model(tmp / "vl", "qwen3-vl-tiny", std=0.1)
+    url = "data:image/jpeg;base64," + base64.b64encode(_jpeg(6300, 0)).decode()
+    body = {"messages": [{"role": "user", "content": [*[{"type": "image_url", "image_url": {"url": url}}] * 4,
+                                                      {"type": "text", "text": "describe"}]}], "max_tokens": 0}
+    srv, sink = start(tmp, "images", "--model", str(model), EDGE_MAX_BODY="64MiB")
+    statuses: list[int] = []
+
+    def post(n: int) -> list[threading.Thread]:
+        def one() -> None:
+            with srv.client(timeout=300.0) as c:
+                try:
+                    statuses.append(c.post(CHAT, json=body).status_code)
+                except httpx.HTTPError:
+                    statuses.append(-1)
+
+        threads = [threading.Thread(target=one) for _ in range(n)]
+        for th in threads:
+            th.start()
+        return threads
+
+    try:
+        quiet_text_ms = _text_request_ms(srv)
+        senders = post(2)  # no stream: a text request beside the images' decoding
+        time.sleep(0.5)
+        text_ms = _text_request_ms(srv)
+        for th in senders:
+            th.join()
+        rss0 = peak = _rss_mib(srv)
+        with Probes(srv, sink) as probes:
+            senders = post(2)
+            while any(th.is_alive() for th in senders):
+                peak = max(peak, _rss_mib(srv))
+                time.sleep(0.05)
+            time.sleep(1.2)
+            fig = probes.figures()
+    finally:
+        srv.stop()
+        sink.close()
+    return [{"attack": "2 requests x 4 images of 6300x6300 beside a text stream", "statuses": statuses,
+             "text_request_ms": text_ms, "quiet_text_request_ms": quiet_text_ms,
+             "rss_growth_mib": round(peak - rss0, 1), **fig}]
+
+
+def _rss_mib(srv: ServerProc) -> float:
+    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+ATTACKS = {"malformed": malformed, "long": long_string, "slow": slow, "inject": inject, "images": images}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -657,6 +657,12 @@ class Engine:
             self._vision()  # a text model's template cannot place an image: say so, in one line
         return self.tokenizer.encode_chat(messages)
 
+    def run_towers(self, mm: MultimodalPrompt, start: int, end: int, budget_s: float | None,
+                   progress: Callable[[], None] | None = None) -> bool:
+        """A slice of the vision tower's work for prompt tokens [start, end) of ``mm``
+        (:meth:`VisionLanguage.run_towers`); True when it is all done and nothing ran."""
+        return self._vision().run_towers(mm, start, end, budget_s, progress)
+
     def _vision(self) -> VisionLanguage:
         if self.vision is None:
             raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images "

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -188,6 +188,8 @@ class ActionRunner:
             if seq.length != action.start:
                 raise AssertionError(f"the policy prefills from {action.start}, the sequence holds {seq.length}")
             with self.streams.on(run.lane, high=not action.background, carry=run.next_input):
+                if action.background and req.mm is not None and not self._tower_slice(req.mm, action):
+                    return  # the images' tower runs in slices first, a slice a round
                 logits = self._forward(seq, prompt[action.start : action.stop], action.background, req.mm)
                 with self._lock:
                     self.policy.prefilled(action.slot, action.stop, len(_blocks(seq)))
@@ -227,17 +229,34 @@ class ActionRunner:
         for the pacing."""
         if not background:
             return self.engine.forward(seq, ids, mm=mm, progress=self._beat)
+        with self._timed_chunk() as ran:
+            logits = self.engine.forward(seq, ids, mm=mm, progress=self._beat)
+            ran.append(len(ids))
+        return logits
+
+    def _tower_slice(self, mm: MultimodalPrompt, action: Prefill) -> bool:
+        """Before a background chunk with images: a slice of their vision-tower passes,
+        about one chunk's time budget, so that the decoding conversation keeps its pace
+        through a long pass. True when the features are ready (nothing ran)."""
+        if not mm.towers_due(action.start, action.stop):
+            return True
+        with self._timed_chunk():
+            self.engine.run_towers(mm, action.start, action.stop, self.policy.pacing.budget_s, progress=self._beat)
+        return False
+
+    @contextlib.contextmanager
+    def _timed_chunk(self) -> Iterator[list[int]]:
+        """Time the background work in the block for the pacing; the caller appends the
+        prompt tokens it prefilled (none for tower work: its time paces, but is not fitted)."""
         timer = self.streams.timer()
         with self._lock:
             self.policy.pacing.chunk_started(time.perf_counter())
-        ran = 0
+        ran: list[int] = []
         try:
-            logits = self.engine.forward(seq, ids, mm=mm, progress=self._beat)
-            ran = len(ids)
-            return logits
+            yield ran
         finally:
             timer.stop()
-            self._timing = (timer, ran)
+            self._timing = (timer, sum(ran))
             self._poll_timing()  # known at once on the CPU
 
     def _take_first_token(self, run: _SlotRun) -> None:

@@ -15,6 +15,8 @@ in a cached prefix never runs it.
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,7 +42,7 @@ from edge.model.vision.preprocess import (
     read_image_file,
     smart_resize,
 )
-from edge.model.vision.tower import ImageFeatures, VisionTower
+from edge.model.vision.tower import ImageFeatures, TowerPass, VisionTower
 
 
 @dataclass
@@ -61,11 +63,16 @@ class MultimodalPrompt:
     rope_delta: int
     key_ids: list[int]  # ``ids`` with image tokens replaced by their image's digest
     _features: dict[int, ImageFeatures] = field(default_factory=dict, repr=False)
+    _passes: dict[int, TowerPass] = field(default_factory=dict, repr=False)  # tower passes run in slices
     _tables: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     tower_runs: int = 0
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def towers_due(self, start: int, end: int) -> list[int]:
+        """The images in tokens [start, end) whose tower features are not ready yet."""
+        return [i for i, (s, e) in enumerate(self.spans) if s < end and e > start and i not in self._features]
 
 
 class VisionLanguage:
@@ -188,10 +195,49 @@ class VisionLanguage:
         """The tower's features of the prompt's image ``index`` (run once a prompt);
         ``progress`` is called after each tower block (the engine loop's heartbeat)."""
         if index not in prompt._features:
-            image = prompt.images[index]
-            prompt._features[index] = self.tower(image.pixels, [image.grid], progress=progress)[0]
-            prompt.tower_runs += 1
+            run = self._pass(prompt, index)
+            while not run.step():
+                if progress is not None:
+                    progress()
+            self._finish_pass(prompt, index)
         return prompt._features[index]
+
+    def run_towers(self, prompt: MultimodalPrompt, start: int, end: int, budget_s: float | None,
+                   progress: Callable[[], None] | None = None) -> bool:
+        """A slice of the tower passes of the images in tokens [start, end): blocks until
+        ``budget_s`` is spent (at least one; one when None). True when those images'
+        features are all ready and nothing ran."""
+        todo = prompt.towers_due(start, end)
+        if not todo:
+            return True
+        t0 = time.perf_counter()
+        for index in todo:
+            run = self._pass(prompt, index)
+            while True:
+                done = run.step()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()  # the slice's time is the device's
+                if progress is not None:
+                    progress()
+                if done:
+                    self._finish_pass(prompt, index)
+                if budget_s is None or time.perf_counter() - t0 >= budget_s:
+                    return False
+                if done:
+                    break
+        return False
+
+    def _pass(self, prompt: MultimodalPrompt, index: int) -> TowerPass:
+        if index not in prompt._passes:
+            image = prompt.images[index]
+            prompt._passes[index] = self.tower.start(image.pixels, [image.grid])
+        return prompt._passes[index]
+
+    def _finish_pass(self, prompt: MultimodalPrompt, index: int) -> None:
+        run = prompt._passes.pop(index)
+        assert run.result is not None
+        prompt._features[index] = run.result[0]
+        prompt.tower_runs += 1
 
     def chunk_inputs(
         self, prompt: MultimodalPrompt, start: int, end: int, progress: Callable[[], None] | None = None

@@ -17,7 +17,7 @@ block of neighbouring patches and projects it to the decoder's width: one token 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 
@@ -84,6 +84,27 @@ def vision_shapes(cfg: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+class TowerPass:
+    """One tower pass run a block at a time, so that a long pass can share the device
+    with another conversation's decoding (the scheduler runs it in slices)."""
+
+    def __init__(self, steps: Generator[None, None, list[ImageFeatures]]) -> None:
+        self._steps = steps
+        self.result: list[ImageFeatures] | None = None
+        self.blocks_run = 0
+
+    def step(self) -> bool:
+        """Run the next block (the merger with the last); True once the features are ready."""
+        if self.result is None:
+            with torch.inference_mode():
+                try:
+                    next(self._steps)
+                    self.blocks_run += 1
+                except StopIteration as done:
+                    self.result = done.value
+        return self.result is not None
+
+
 class VisionTower:
     """A loaded tower: ``tower(pixels, grids)`` -> one :class:`ImageFeatures` per image."""
 
@@ -98,26 +119,38 @@ class VisionTower:
         half = cfg.head_dim // 2  # each axis rotates a quarter of the head dim's pairs
         self.inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, half, 2, dtype=torch.float32) / half))
 
-    @torch.inference_mode()
     def __call__(
         self, pixels: torch.Tensor, grids: Sequence[Grid], progress: Callable[[], None] | None = None
     ) -> list[ImageFeatures]:
         """``progress`` is called after each block: a long tower pass on a slow board keeps
         the engine loop's heartbeat fresh (the service's watchdog reads it)."""
-        cfg = self.cfg
+        run = self.start(pixels, grids)
+        while not run.step():
+            if progress is not None:
+                progress()
+        assert run.result is not None
+        return run.result
+
+    def start(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> TowerPass:
+        """A pass over ``pixels`` that runs a block a call (:meth:`TowerPass.step`)."""
         n = sum(t * h * w for t, h, w in grids)
-        if pixels.dim() != 2 or pixels.shape != (n, cfg.patch_dim):
-            raise ValueError(f"pixels must be [{n}, {cfg.patch_dim}] for grids {list(grids)}, got {tuple(pixels.shape)}")
+        if pixels.dim() != 2 or pixels.shape != (n, self.cfg.patch_dim):
+            raise ValueError(f"pixels must be [{n}, {self.cfg.patch_dim}] for grids {list(grids)}, got {tuple(pixels.shape)}")
+        return TowerPass(self._steps(pixels, list(grids)))
+
+    def _steps(self, pixels: torch.Tensor, grids: list[Grid]) -> Generator[None, None, list[ImageFeatures]]:
+        cfg = self.cfg
         x = F.linear(pixels.to(self.device, self.dtype), self.patch_weight, self.w.get("patch_embed.proj.bias"))
         rows, cols = _block_order_positions(grids, cfg.spatial_merge_size, self.device)
         if cfg.kind == "qwen3_vl":
             x = x + self._position_embedding(grids).to(x.dtype)
         cos, sin = self._rotary(rows, cols)
         seqs = _image_bounds(grids)
+        deepstack: list[torch.Tensor] = []
         if cfg.kind == "qwen3_vl":
-            merged, deepstack = self._qwen3_blocks(x, cos, sin, seqs, progress)
+            merged = yield from self._qwen3_blocks(x, cos, sin, seqs, deepstack)
         else:
-            merged, deepstack = self._qwen2_5_blocks(x, cos, sin, seqs, grids, progress), []
+            merged = yield from self._qwen2_5_blocks(x, cos, sin, seqs, grids)
         sizes = [t * h * w // cfg.merge_unit for t, h, w in grids]
         per_layer = [f.split(sizes) for f in deepstack]
         return [
@@ -187,25 +220,22 @@ class VisionTower:
         return torch.cat(out)
 
     def _qwen3_blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int],
-        progress: Callable[[], None] | None = None,
-    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        deepstack = []
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int], deepstack: list[torch.Tensor]
+    ) -> Generator[None, None, torch.Tensor]:
+        """The blocks, a yield after each; the deepstack features are appended to ``deepstack``."""
         for i in range(self.cfg.depth):
             x = self._block(x, i, cos, sin, seqs)
-            if progress is not None:
-                progress()
             if i in self.cfg.deepstack_visual_indexes:
                 j = self.cfg.deepstack_visual_indexes.index(i)
                 deepstack.append(self._merge(x, f"deepstack_merger_list.{j}.", post_shuffle=True))
-        return self._merge(x, "merger."), deepstack
+            yield
+        return self._merge(x, "merger.")
 
     # -- Qwen2.5-VL -------------------------------------------------------------------
 
     def _qwen2_5_blocks(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int], grids: Sequence[Grid],
-        progress: Callable[[], None] | None = None,
-    ) -> torch.Tensor:
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqs: list[int], grids: Sequence[Grid]
+    ) -> Generator[None, None, torch.Tensor]:
         cfg = self.cfg
         order, windows = window_order(grids, cfg.spatial_merge_size, cfg.window_size, cfg.patch_size)
         order = order.to(self.device)
@@ -217,8 +247,7 @@ class VisionTower:
         x, cos, sin = permute(x), permute(cos), permute(sin)
         for i in range(cfg.depth):
             x = self._block(x, i, cos, sin, seqs if i in cfg.fullatt_block_indexes else windows)
-            if progress is not None:
-                progress()
+            yield
         return self._merge(x, "merger.")[torch.argsort(order)]
 
 
