@@ -76,9 +76,11 @@ def _fit(
     (``num_blocks`` / ``memory_info``)."""
     if dev.type == "cpu":
         kind = "cpu"
-    else:
+    elif torch.cuda.is_available():
         kind = "integrated" if getattr(torch.cuda.get_device_properties(dev), "is_integrated", False) else "discrete"
-    faked = "num_blocks" in options or "memory_info" in options
+    else:  # no CUDA here: what runs next names that, the plan cannot probe anything
+        kind = "discrete"
+    faked = "num_blocks" in options or "memory_info" in options or (kind != "cpu" and not torch.cuda.is_available())
     memory = None
     if not faked:
         try:
@@ -325,11 +327,10 @@ class Engine:
         vl = is_vision_language(path)
         cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
-        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
         on_status = options.pop("on_status", None)
         first_compile = None
-        if dev.type == "cuda" and options.get("kernels", "auto") != "reference":
+        kernels = dev.type == "cuda" and options.get("kernels", "auto") != "reference"
+        if kernels:
             # Fail before loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
 
@@ -339,6 +340,9 @@ class Engine:
                 from edge.runtime.backend import BackendUnavailable, kernel_fix_hint
 
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
+        plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
+        quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
+        if kernels:
             first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status)
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
         tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
