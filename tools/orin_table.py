@@ -14,7 +14,6 @@ board's SM count (``--fraction``), else the column says so.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,8 +33,8 @@ from edge.runtime.budget import (  # noqa: E402
     kv_block_bytes,
 )
 from edge.model.config import ModelConfig  # noqa: E402
-from edge.model.loader import expected_shapes  # noqa: E402
-from edge.quant.q8_0 import DEFAULT_GROUP_SIZE, LM_HEAD, quantized_names  # noqa: E402
+from edge.runtime.memory_plan import Checkpoint, held_form, weight_parts  # noqa: E402
+from edge.quant.q8_0 import DEFAULT_GROUP_SIZE  # noqa: E402
 from edge.model.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
@@ -72,23 +71,15 @@ def preset_config(preset: str) -> ModelConfig:
 
 
 def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """What the loaded model holds (``Model.weight_bytes``): bf16 tensors; for int8 the
-    projections (and an untied lm_head) as int8 with one float32 scale per group; for int4
-    (edge/quant/int4.py, as loaded by default) the projections as 4-bit codes with a float16
-    scale and a uint8 zero point per group, the lm_head and the embedding as int8 rows."""
-    shapes = expected_shapes(cfg)
-    quantized = set(quantized_names(shapes, cfg.tie_word_embeddings)) if fmt != "bf16" else set()
-    total = 0
-    for name, shape in shapes.items():
-        n = math.prod(shape)
-        groups = n // group_size
-        if fmt == "int4" and (name == LM_HEAD or name == EMBED):
-            total += n + 4 * groups
-        elif fmt == "int4" and name in quantized:
-            total += n // 2 + 3 * groups
-        else:
-            total += n + 4 * groups if name in quantized else 2 * n
-    return total
+    """What the loaded model holds (``Model.weight_bytes``, from edge/runtime/memory_plan.py):
+    bf16 tensors; for int8 the projections (and an untied lm_head) as int8 with one float32
+    scale per group; for int4 the projections as 4-bit codes with a float16 scale and a
+    uint8 zero point per group, and the lm_head and the embedding as int8 rows (as these
+    tables have always counted int4; `edge plan` gives the as-published default)."""
+    ckpt = Checkpoint("preset", cfg)
+    quantize = {"bf16": None, "int8": "int8", "int4": "int4"}[fmt]
+    rows = "int8" if fmt == "int4" else "auto"
+    return sum(weight_parts(ckpt, held_form(ckpt, "bfloat16", quantize, rows, rows, group_size)).values())
 
 
 def embedding_row_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
