@@ -196,7 +196,7 @@ def _headers(root: Path) -> dict[str, tuple[dict[str, str], dict[str, tuple[str,
                     infos[key] = (s.get_dtype(), tuple(s.get_shape()))
                 out[name] = (f.metadata() or {}, infos)
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{root / name}: cannot read its safetensors header: {exc}") from None
+            raise CheckpointError(f"cannot read safetensors file {root / name}: {exc}") from None
     return out
 
 
