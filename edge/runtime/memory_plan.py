@@ -428,6 +428,7 @@ class MemoryPlan:
     board: Board | None = None
     kv_blocks: int | None = None  # explicit sizes: the plan checks them, the budget warns
     kv_memory: int | None = None
+    file_bytes: int = 0  # the checkpoint's safetensors files on disk (0: a preset)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -518,6 +519,7 @@ class MemoryPlan:
             "memory_kind": self.kind,
             "weights": dict(self.weights),
             "weight_bytes": self.weight_bytes,
+            "file_bytes": self.file_bytes,
             "runtime": self.runtime,
             "activations": self.activations,
             "vision_tower_activations": self.tower,
@@ -551,7 +553,8 @@ class MemoryPlan:
         else:
             where = f"{self.kind}: memory not known here (checked when the engine starts)"
         lines.append(f"memory     {where}")
-        lines.append(f"weights    {g(self.weight_bytes):>10}")
+        disk = f"  ({g(self.file_bytes)} of safetensors on disk)" if self.file_bytes else ""
+        lines.append(f"weights    {g(self.weight_bytes):>10}{disk}")
         layers = self.weights
         for part, n in layers.items():
             if n:
@@ -636,7 +639,7 @@ def plan(
         kv_per_token={d: kv_block_bytes(cfg, 1, d) for d in kv_dtypes if d in KV_DTYPES},
         max_seq_len=seq, page_size=page_size, prefill_chunk=chunk, activations=max(activations, tower),
         graphs=graphs, tower=tower, runtime=runtime, reserve=kept, utilization=utilization, memory=memory,
-        board=board, kv_blocks=kv_blocks, kv_memory=kv_memory,
+        board=board, kv_blocks=kv_blocks, kv_memory=kv_memory, file_bytes=ckpt.file_bytes,
     )
 
 
