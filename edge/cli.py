@@ -1,4 +1,4 @@
-"""The ``edge`` command: generate, chat, voice, info, verify, monitor, serve."""
+"""The ``edge`` command: generate, chat, voice, info, verify, pull, monitor, serve."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, NoReturn
 
+from edge.runtime.budget import parse_kv_dtype
 from edge.runtime.memory_plan import EXIT_DOES_NOT_FIT, DoesNotFit
-from edge.settings import non_negative_float, positive_int, power_of_two
+from edge.settings import from_environment, non_negative_float, positive_int, power_of_two
 
 if TYPE_CHECKING:
     from edge.serving.chat_client import ChatClient, InProcessService
@@ -63,7 +64,8 @@ POSITIVE_INT = _checked(positive_int)
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="Hugging Face model directory (default: the embedded random model)")
+    p.add_argument("--model", help="Hugging Face model directory, GGUF file (split: any part) or ollama:NAME[:TAG] "
+                   "(default: the embedded random model)")
     p.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     p.add_argument("--dtype", help="float32, bfloat16 or float16 (default: float32 on CPU, bfloat16 on GPU)")
     p.add_argument("--kv", choices=("paged", "contiguous"), default="paged", help="KV-cache backend")
@@ -89,6 +91,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torch-threads", type=POSITIVE_INT, help=THREADS_HELP)
     p.add_argument("--kv-blocks", type=POSITIVE_INT, help="KV pool size in blocks (default: from the memory budget)")
     p.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB, 512MiB (default: budget)")
+    p.add_argument(
+        "--kv-dtype", type=_checked(parse_kv_dtype),
+        help="how K/V rows are held: auto (the model's dtype) or int8 (about twice the tokens in the same "
+        "memory; env EDGE_KV_DTYPE)",
+    )
     p.add_argument(
         "--memory-utilization", type=_in_range(0, 1, low_open=True), default=0.9,
         help="fraction of available memory to use (default 0.9)"
@@ -145,9 +152,10 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 def check_engine_args(model: str | None, device: str | None, dtype: str | None) -> None:
     """Model directory, device and dtype, checked before anything loads."""
+    from edge.model.gguf_loader import is_gguf_spec
     from edge.model.validate import check_device_and_dtype, model_directory
 
-    if model is not None:
+    if model is not None and not is_gguf_spec(model):
         model_directory(model)
     check_device_and_dtype(device, dtype)
 
@@ -173,6 +181,7 @@ def load_engine(args: argparse.Namespace):  # noqa: ANN201 - keeps torch out of 
         quant_embedding=args.quant_embedding,
         kv_blocks=args.kv_blocks,
         kv_memory=args.kv_memory,
+        kv_dtype=args.kv_dtype or from_environment("kv_dtype") or "auto",
         memory_utilization=args.memory_utilization,
         memory_reserve=args.memory_reserve,
         check_weights=not args.skip_weight_check,
@@ -230,10 +239,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
     else:
         assert prompt is not None
         prompt_ids = engine.encode(prompt)
+    structured = None
+    if args.json_schema or args.tools:
+        from edge.structured.local import prepare, read_structured
+
+        if not isinstance(prompt, str):
+            raise ValueError("--json-schema / --tools take --prompt text, not --prompt-ids or --image")
+        req = read_structured(args.json_schema, args.tools, args.tool_choice)
+        # Tools are offered through the chat template, as a chat request would.
+        chat = bool(args.tools) and engine.tokenizer is not None and bool(engine.tokenizer.chat_template)
+        structured = prepare(engine, req, prompt, chat)
+        prompt_ids = structured.prompt_ids
     sched = Scheduler(engine, queue_size=1)
     sched.start()
     try:
-        handle = sched.submit(prompt_ids, params)
+        handle = sched.submit(prompt_ids, params, grammar=structured.grammar if structured else None)
         if args.json:
             r = handle.result()
             out = {
@@ -244,18 +264,26 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 "decode_tok_s": r.usage.decode_tok_s,
                 "usage": r.usage.as_dict(),
             }
+            if structured is not None and structured.request.calls_tools:
+                parsed = structured.parse(r.text)
+                out |= {"content": parsed.content, "tool_calls": [c.as_dict() for c in parsed.tool_calls]}
             if r.message:
                 out["message"] = r.message
             print(json.dumps(out))
             return 0
-        if isinstance(prompt, str):
+        if isinstance(prompt, str) and structured is None:
             print(prompt, end="", flush=True)
         final = None
+        text = ""
         for chunk in handle:
             print(chunk.text, end="", flush=True)
+            text += chunk.text
             final = chunk
     finally:
         sched.stop()
+    if structured is not None and structured.request.calls_tools:
+        for call in structured.parse(text).tool_calls:
+            print(f"\n[tool call] {call.name}({call.arguments})", file=sys.stderr)
     u = final.usage if final else None
     if u is not None:
         tps = f"{u.decode_tok_s:.1f} tok/s" if u.decode_tok_s else "n/a"
@@ -307,6 +335,11 @@ def _chat_params(args: argparse.Namespace) -> dict:
         params["seed"] = args.seed
     if args.stop:
         params["stop"] = args.stop
+    if getattr(args, "tools", None):
+        data = json.loads(Path(args.tools).read_text(encoding="utf-8"))
+        params["tools"] = data.get("tools") if isinstance(data, dict) else data
+        if getattr(args, "tool_choice", None):
+            params["tool_choice"] = args.tool_choice
     return params
 
 
@@ -314,6 +347,9 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
     """The service a front-end talks to: --url/--uds, or started here with --in-process."""
     from edge.serving.chat_client import ChatClient, InProcessService
 
+    if not args.verbose:  # one INFO line per HTTP request would land inside the conversation
+        for name in ("httpx", "httpcore"):
+            logging.getLogger(name).setLevel(logging.WARNING)
     api_key = os.environ.get("EDGE_API_KEY")
     if args.api_key_file:
         from edge.settings import read_api_key
@@ -331,6 +367,7 @@ def _open_service(args: argparse.Namespace) -> tuple[Callable[[], ChatClient], I
             model=args.model, device=args.device, dtype=args.dtype, page_size=args.page_size,
             max_seq_len=args.max_seq_len, cuda_graph=False if args.no_cuda_graph else None,
             skip_weight_check=getattr(args, "skip_weight_check", False),
+            kv_dtype=args.kv_dtype or from_environment("kv_dtype") or "auto",
             log_level="debug" if args.verbose else "warning",
         )
     )
@@ -376,9 +413,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k, None) for k in (
         "model", "model_name", "host", "port", "uds", "api_key_file", "queue_size", "device", "dtype", "kernels",
-        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "memory_reserve", "prefill_chunk", "prefill_budget_ms",
-        "speculative", "draft_model", "config", "log_level", "quantize", "quant_lm_head", "quant_embedding",
-        "torch_threads")}
+        "page_size", "max_seq_len", "kv_blocks", "kv_memory", "kv_dtype", "memory_reserve", "prefill_chunk",
+        "prefill_budget_ms", "speculative", "draft_model", "config", "log_level", "grammar_time_limit_s", "quantize",
+        "quant_lm_head", "quant_embedding", "torch_threads")}
     cli["skip_weight_check"] = args.skip_weight_check or None
     settings, file_vars = resolve(cli)
     # The fit check first: before torch is imported, a model that cannot fit is refused in one line.
@@ -439,9 +476,37 @@ def model_directory_arg(path: str) -> Path:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from edge.runtime.verify import main as verify_main
+    from edge.runtime.verify import run as verify_run
 
-    return verify_main(args.verify_args)
+    return verify_run(args)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """Download a checkpoint from the Hugging Face Hub (edge.model.hub); its directory on stdout."""
+    from edge.model.hub import CATALOGUE, default_directory, pull, recommended, resolve
+    from edge.model.random_model import cache_dir
+
+    if args.model is None:
+        from edge.runtime.budget import fmt_bytes, host_memory
+
+        width = max(len(c.name) for c in CATALOGUE)
+        print("checkpoints (edge pull NAME, or any Hugging Face repository id owner/name):")
+        for c in CATALOGUE:
+            print(f"  {c.name:<{width}}  {c.repo:<28} {c.format}; for {c.boards}")
+        total = host_memory()[0]
+        print(f"recommended for this machine ({fmt_bytes(total)} of memory): edge pull {recommended(total).name}")
+        return 0
+    repo = resolve(args.model)
+    directory = Path(args.dir).expanduser() if args.dir else default_directory(repo, cache_dir() / "models")
+    print(f"edge: downloading {repo} into {directory} (if interrupted, the same command resumes)", file=sys.stderr)
+    try:
+        path = pull(repo, directory, args.revision)
+    except KeyboardInterrupt:
+        print("\nedge: pull interrupted: run the same command again to resume", file=sys.stderr)
+        return 130
+    print(f"edge: ready: edge generate --model {path}", file=sys.stderr)
+    print(path)
+    return 0
 
 
 def cmd_monitor(args: argparse.Namespace) -> int:
@@ -466,12 +531,17 @@ def build_parser() -> argparse.ArgumentParser:
         "the prompt then goes through the chat template as one user message: the images, then the text"
     )
     g.add_argument("--json", action="store_true", help="print one JSON object")
+    g.add_argument("--json-schema", help="JSON Schema file the output must follow (docs/structured.md)")
+    g.add_argument("--tools", help="file of OpenAI tools (a JSON list): the prompt goes through the chat template "
+                   "with them and the model may call them")
+    g.add_argument("--tool-choice", help="with --tools: auto (default), required, none or a tool's name")
     g.set_defaults(func=cmd_generate)
 
     c = sub.add_parser("chat", help="interactive chat with the service (or --in-process)")
     _service_args(c)
     _engine_args(c)
     _sampling_args(c)
+    c.add_argument("--tools", help="file of OpenAI tools (a JSON list) offered to the model; its calls are shown")
     c.set_defaults(func=cmd_chat, max_tokens=256)
 
     # argparse only: the audio engines load when the command runs
@@ -486,7 +556,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="run the HTTP service (OpenAI-compatible API, /health, /metrics)",
                        description="Settings: command line > environment (EDGE_*) > --config file > defaults.")
-    s.add_argument("--model", help="model directory [EDGE_MODEL] (default: the embedded random model)")
+    s.add_argument("--model", help="model directory, GGUF file or ollama:NAME[:TAG] [EDGE_MODEL] "
+                   "(default: the embedded random model)")
     s.add_argument("--model-name", help="model id served in the API [EDGE_MODEL_NAME] (default: directory name)")
     s.add_argument("--host", help="TCP address [EDGE_HOST] (default 127.0.0.1)")
     s.add_argument("--port", type=int, help="TCP port [EDGE_PORT] (default 8000)")
@@ -502,6 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-seq-len", type=int, help="context length [EDGE_MAX_SEQ_LEN]")
     s.add_argument("--kv-blocks", type=int, help="KV block pool size [EDGE_KV_BLOCKS]")
     s.add_argument("--kv-memory", type=_byte_size, help="KV pool size in bytes, e.g. 2GiB [EDGE_KV_MEMORY]")
+    s.add_argument("--kv-dtype", help="K/V rows: auto (the model's dtype) or int8 [EDGE_KV_DTYPE] (default auto)")
     s.add_argument("--memory-reserve", type=_reserve_size, help=f"{RESERVE_HELP} [EDGE_MEMORY_RESERVE]")
     s.add_argument("--prefill-chunk", type=int, help="largest background prefill chunk in tokens [EDGE_PREFILL_CHUNK]")
     s.add_argument("--prefill-budget-ms", help="time one background prefill chunk may take [EDGE_PREFILL_BUDGET_MS] "
@@ -510,6 +582,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "draft[:K] or off [EDGE_SPECULATIVE] (default off)")
     s.add_argument("--draft-model", help="draft model directory (same tokenizer) for speculative method "
                    "'draft' [EDGE_DRAFT_MODEL]")
+    s.add_argument("--grammar-time-limit-s", help="seconds a request's response format / tools may take to compile "
+                   "into a grammar before a 400 [EDGE_GRAMMAR_TIME_LIMIT_S] (default 10)")
     s.add_argument("--log-level", help="debug, info, warning, error [EDGE_LOG_LEVEL] (default info)")
     s.add_argument("--skip-weight-check", action="store_true",
                    help="load weights holding NaN or infinity anyway [EDGE_SKIP_WEIGHT_CHECK]")
@@ -551,9 +625,19 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(i)
     i.set_defaults(func=cmd_info)
 
-    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token", add_help=False)
-    v.add_argument("verify_args", nargs=argparse.REMAINDER)
+    from edge.runtime.verify_args import DESCRIPTION as VERIFY_DESCRIPTION, add_verify_args
+
+    v = sub.add_parser("verify", help="diff contiguous and paged KV paths token by token",
+                       description=VERIFY_DESCRIPTION)
+    add_verify_args(v)
     v.set_defaults(func=cmd_verify)
+
+    pl = sub.add_parser("pull", help="download a checkpoint from the Hugging Face Hub (no argument: the list, "
+                        "and the one recommended for this board)")
+    pl.add_argument("model", nargs="?", help="a name from the list (e.g. qwen3-4b-awq) or a repository id owner/name")
+    pl.add_argument("--dir", help="directory to download into (default: the cache, ~/.cache/edge/models/NAME)")
+    pl.add_argument("--revision", help="branch, tag or commit (default: main)")
+    pl.set_defaults(func=cmd_pull)
 
     m = sub.add_parser("monitor", help="print live temperature and power samples")
     m.add_argument("--period", type=_in_range(0, 3600, low_open=True), default=1.0, help="seconds between samples")

@@ -41,8 +41,8 @@ class SamplingParams:
             raise SamplingError(f"max_tokens {self.max_tokens} exceeds the limit {max_allowed_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
             raise SamplingError(f"temperature must be in [0, 100], got {self.temperature}")
-        if self.top_k < 0:
-            raise SamplingError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.top_k < 1 << 63:  # the sampler holds it in an int64
+            raise SamplingError(f"top_k must be in [0, 2^63), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 < self.repetition_penalty <= 10.0:
@@ -108,9 +108,25 @@ class SamplerState:
             self.seen[ids.to(self.seen.device)] = True
 
 
-def sample(logits: torch.Tensor, state: SamplerState, greedy: bool) -> torch.Tensor:
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """``logits [..., vocab]`` with -inf at the tokens a grammar forbids. ``bitmask [...,
+    ceil(vocab / 32)]`` int32 words: bit ``i % 32`` of word ``i // 32`` set = token ``i``
+    allowed (the llguidance / xgrammar layout). Shape-static: runs inside graph capture."""
+    vocab = logits.shape[-1]
+    shifts = torch.arange(32, device=bitmask.device, dtype=torch.int32)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1  # arithmetic shift: the sign bit reads as bit 31
+    allowed = bits.flatten(-2)[..., :vocab].to(torch.bool)
+    return logits.masked_fill(~allowed, float("-inf"))
+
+
+def sample(
+    logits: torch.Tensor, state: SamplerState, greedy: bool, bitmask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Next token ``[1]`` (long) from float32 ``logits [vocab]``; advances ``state.step``
-    and marks the token as seen, all on the device."""
+    and marks the token as seen, all on the device. ``bitmask``: the tokens a grammar
+    allows (:func:`apply_token_bitmask`), applied before the penalty and the choice."""
+    if bitmask is not None:
+        logits = apply_token_bitmask(logits, bitmask)
     logits = penalized(logits, state)
     if greedy:
         token = torch.argmax(logits).view(1)

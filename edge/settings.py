@@ -16,7 +16,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from edge.runtime.budget import parse_bytes, parse_reserve
+from edge.runtime.budget import parse_bytes, parse_kv_dtype, parse_reserve
 from edge.speculative.params import SpeculativeParams
 
 log = logging.getLogger(__name__)
@@ -145,10 +145,12 @@ class Settings:
     max_seq_len: int | None = None
     kv_blocks: int | None = None  # KV block pool size (default: the memory budget)
     kv_memory: int | None = None  # KV pool size in bytes (default: the memory budget)
+    kv_dtype: str = "auto"  # how K/V rows are held: "auto" (the model's dtype) or "int8"
     memory_reserve: int | None = None  # kept free on an integrated GPU (default: edge.runtime.budget.DEFAULT_RESERVE)
     prefill_chunk: int | None = None  # the largest background prefill chunk (default: the engine's, 512)
     prefill_budget_ms: float | None = None  # time per background chunk (default: 2x the ITL alone, measured)
     prefix_cache: bool = True
+    grammar_time_limit_s: float = 10.0  # a response format / tool set must compile within this
     speculative: SpeculativeParams | None = None  # speculative decoding of requests that do not choose
     draft_model: str | None = None  # the draft model directory of speculative method "draft"
     cuda_graph: bool | None = None  # None: on a GPU
@@ -167,6 +169,11 @@ class Settings:
     max_images: int = 4
     image_max_memory: int = 192 << 20  # decoded pixels and conversions of one image at a time
     allow_remote_images: bool = False  # fetch http(s) image URLs (off: data: URLs only)
+    # Connections: a request head and body must arrive in time; past the cap, 503.
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0  # an idle connection between requests is closed after this
+    max_connections: int = 256  # lowered to fit the file descriptor limit
     log_level: str = "info"
     config: str | None = None  # the file these settings were read from (informative)
 
@@ -191,9 +198,11 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_MAX_SEQ_LEN": ("max_seq_len", positive_int),
     "EDGE_KV_BLOCKS": ("kv_blocks", positive_int),
     "EDGE_KV_MEMORY": ("kv_memory", parse_bytes),
+    "EDGE_KV_DTYPE": ("kv_dtype", parse_kv_dtype),
     "EDGE_MEMORY_RESERVE": ("memory_reserve", parse_reserve),
     "EDGE_PREFILL_CHUNK": ("prefill_chunk", positive_int),
     "EDGE_PREFILL_BUDGET_MS": ("prefill_budget_ms", positive_float),
+    "EDGE_GRAMMAR_TIME_LIMIT_S": ("grammar_time_limit_s", positive_float),
     "EDGE_PREFIX_CACHE": ("prefix_cache", parse_bool),
     "EDGE_SPECULATIVE": ("speculative", parse_speculative),
     "EDGE_DRAFT_MODEL": ("draft_model", str),
@@ -211,12 +220,32 @@ ENV: dict[str, tuple[str, Callable[[str], Any]]] = {
     "EDGE_MAX_IMAGES": ("max_images", positive_int),
     "EDGE_IMAGE_MAX_MEMORY": ("image_max_memory", parse_bytes),
     "EDGE_ALLOW_REMOTE_IMAGES": ("allow_remote_images", parse_bool),
+    "EDGE_HEADER_TIMEOUT_S": ("header_timeout_s", positive_float),
+    "EDGE_BODY_TIMEOUT_S": ("body_timeout_s", positive_float),
+    "EDGE_KEEP_ALIVE_S": ("keep_alive_s", positive_float),
+    "EDGE_MAX_CONNECTIONS": ("max_connections", positive_int),
     "EDGE_LOG_LEVEL": ("log_level", str),
 }
 FIELD_PARSERS: dict[str, Callable[[str], Any]] = {name: parse for name, parse in ENV.values()}
 
 # Read elsewhere in the process (not by Settings): not typos when found in the file.
-OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE"})
+OTHER_KNOWN_VARS = frozenset({"EDGE_CONFIG", "EDGE_CACHE_DIR", "EDGE_CUDA_INCLUDE", "OLLAMA_MODELS"})
+
+
+def from_environment(name: str, environ: Mapping[str, str] | None = None) -> Any:
+    """Field ``name`` as its variable in ``environ`` (default ``os.environ``) sets it,
+    parsed, or None when unset (the commands other than ``serve`` take their defaults so)."""
+    environ = os.environ if environ is None else environ
+    for var, (field_name, parse) in ENV.items():
+        if field_name == name:
+            raw = environ.get(var)
+            if raw is None or raw == "":
+                return None
+            try:
+                return parse(raw)
+            except ValueError as exc:
+                raise ValueError(f"bad {var}={raw!r} (environment): {exc}") from None
+    raise KeyError(f"no variable sets {name!r}")
 
 
 def parse_env_file(text: str, source: str = "<config>") -> dict[str, str]:
@@ -340,13 +369,30 @@ def export_file_vars(file_vars: Mapping[str, str], environ: Any = None) -> None:
 
 
 def read_api_key(path: str | os.PathLike[str]) -> str:
-    """The bearer key: the file's first non-empty line, stripped."""
+    """The bearer key: the file's first non-empty line, stripped. A key file others may
+    read is used, with a warning."""
+    from edge.model.files import check_regular, read_text
+
     p = Path(path)
     try:
-        text = p.read_text(encoding="utf-8")
+        check_regular(p, ValueError, 1 << 16)
     except FileNotFoundError:
         raise FileNotFoundError(f"API key file {p} does not exist") from None
+    except ValueError as exc:
+        raise ValueError(f"API key file: {exc}") from None
+    mode = p.stat().st_mode
+    if mode & 0o004:
+        log.warning("API key file %s is readable by every user (mode %03o); make it private: chmod 600 %s",
+                    p, mode & 0o777, p)
+    text = read_text(p, ValueError, 1 << 16)
     for line in text.splitlines():
         if line.strip():
             return line.strip()
     raise ValueError(f"API key file {p} is empty")
+
+
+def ollama_models_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The local Ollama store that ``--model ollama:NAME[:TAG]`` reads: ``$OLLAMA_MODELS``
+    (Ollama's own variable), else ``~/.ollama/models``."""
+    environ = os.environ if environ is None else environ
+    return Path(environ.get("OLLAMA_MODELS") or Path.home() / ".ollama" / "models").expanduser()

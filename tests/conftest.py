@@ -104,3 +104,11 @@ def hf_checkpoint(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     out = tmp_path_factory.mktemp(request.param)
     model = build_hf_model(arch, out, **spec)
     return request.param, model, out
+
+
+@pytest.fixture(scope="session")
+def gguf_files(tmp_path_factory: pytest.TempPathFactory):
+    """GGUF files made by llama.cpp's converter and llama-quantize (tests/gguf_support.py)."""
+    from gguf_support import GGUFFiles
+
+    return GGUFFiles(tmp_path_factory.mktemp("gguf"))

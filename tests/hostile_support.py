@@ -80,9 +80,13 @@ class HealthProbe:
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
 
-    def start(self) -> HealthProbe:
+    def start(self, warm: int = 3, timeout: float = 60.0) -> HealthProbe:
+        """Start polling; return once ``warm`` answers came (a busy machine is slow to begin)."""
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
+        deadline = time.monotonic() + timeout
+        while len(self.latencies_ms) < warm and time.monotonic() < deadline:
+            time.sleep(0.01)
         return self
 
     def _run(self) -> None:
@@ -157,6 +161,7 @@ def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int
     attackers = Attackers(server, body, senders, rounds, path)
     stream = StreamProbe(server).start()
     health = HealthProbe(server).start()
+    n_warm = len(health.latencies_ms)
     time.sleep(1.0)  # the quiet window
     t0 = time.monotonic()
     n_quiet = len(health.latencies_ms)
@@ -179,10 +184,83 @@ def large_prompt_attack(server: ServerProc, n_bytes: int = 5 << 20, senders: int
         "quiet_stream_max_gap_ms": round(max(quiet), 1) if quiet else None,
         "quiet_stream_median_gap_ms": round(statistics.median(quiet), 1) if quiet else None,
         "health_max_ms": round(max(health.latencies_ms[n_quiet:]), 1),
-        "quiet_health_max_ms": round(max(health.latencies_ms[:n_quiet]), 1),
+        "quiet_health_max_ms": round(max(health.latencies_ms[n_warm:n_quiet] or health.latencies_ms[:n_quiet]), 1),
         "health_polls": len(health.statuses),
         "count_503": health.statuses.count(503) + statuses.count(503),
     }
+
+
+SLOW_CLIENT = """
+import resource, socket, sys, time
+host, port, n, kind = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, n + 64)), hard))
+starts = {
+    "silent": b"",
+    "head": b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: localhost\\r\\n",
+    "body": b"POST /v1/chat/completions HTTP/1.1\\r\\nHost: localhost\\r\\nContent-Type: application/json\\r\\n"
+            b"Content-Length: 1000\\r\\n\\r\\n{\\"messages\\": [",
+}
+socks, failed = [], 0
+for i in range(n):
+    k = kind if kind != "mix" else ("silent", "head", "body")[i % 3]
+    try:
+        s = socket.create_connection((host, port), timeout=10)
+        if starts[k]:
+            s.sendall(starts[k])
+        socks.append(s)
+    except OSError:
+        failed += 1
+print(len(socks), failed, flush=True)
+wait_s = float(sys.stdin.readline())  # then: what becomes of each connection within wait_s
+busy = closed = 0
+deadline = time.monotonic() + wait_s
+for s in socks:
+    s.setblocking(False)
+while socks and time.monotonic() < deadline:
+    left = []
+    for s in socks:
+        try:
+            data = s.recv(65536)
+        except BlockingIOError:
+            left.append(s)
+            continue
+        except OSError:
+            data = b""
+        if data.startswith(b"HTTP/1.1 503"):
+            busy += 1
+        else:
+            closed += 1
+    socks = left
+    time.sleep(0.1)
+still = len(socks)
+print(busy, closed, still, flush=True)
+"""
+
+
+class SlowClients:
+    """``n`` connections from another process (its own descriptors) that send nothing,
+    half a request head, or a head and a stalled body (``kind``: silent, head, body,
+    mix); ``outcome()`` says how many were answered 503, closed, or are still open."""
+
+    def __init__(self, server: ServerProc, n: int, kind: str = "mix") -> None:
+        self.proc = subprocess.Popen([sys.executable, "-c", SLOW_CLIENT, "127.0.0.1", str(server.port), str(n), kind],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        opened, failed = self.proc.stdout.readline().split()
+        self.opened, self.failed = int(opened), int(failed)
+
+    def outcome(self, wait_s: float = 0.0) -> dict[str, int]:
+        """How the connections ended up, waiting up to ``wait_s`` for them all to end."""
+        out, _ = self.proc.communicate(f"{wait_s}\n", timeout=wait_s + 60)
+        busy, closed, still = (int(x) for x in out.split())
+        return {"opened": self.opened, "connect_failed": self.failed, "answered_503": busy, "closed": closed,
+                "still_open": still}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def process_figures(server: ServerProc) -> dict:

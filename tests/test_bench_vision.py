@@ -41,4 +41,3 @@ def test_bench_vision_smoke() -> None:
         assert row["prompt_tokens"] > row["image_tokens"]
         for key in ("preprocess_ms", "tower_ms", "ttft_ms", "decode_tok_s", "text_only_decode_tok_s"):
             assert row[key] > 0, key
-        assert row["ttft_ms"] > row["tower_ms"]

@@ -151,22 +151,22 @@ def test_cgroup_is_the_process_own_not_the_root(tmp_path: Path) -> None:
     limit (or a larger one); the slice above the service may bind too."""
     cg = tmp_path / "cg"
     cgroup_dir(cg, "/", memory_max=100 * GiB, memory_current=10 * GiB)
-    svc = cgroup_dir(cg, "system.slice/edge.serving.service", memory_max=6 * GiB, memory_current=4 * GiB)
+    svc = cgroup_dir(cg, "system.slice/edge.service", memory_max=6 * GiB, memory_current=4 * GiB)
     (svc / "memory.stat").write_text(f"anon {3 * GiB}\nfile {GiB}\ninactive_file {GiB}\nactive_file 0\n")
-    own = proc_cgroup(tmp_path, "0::/system.slice/edge.serving.service\n")
+    own = proc_cgroup(tmp_path, "0::/system.slice/edge.service\n")
     c = cgroup_headroom(cg, own)
     # The page cache the kernel reclaims first is not counted as used.
-    assert c == CgroupMemory(limit=6 * GiB, headroom=3 * GiB, path="/system.slice/edge.serving.service", version=2)
+    assert c == CgroupMemory(limit=6 * GiB, headroom=3 * GiB, path="/system.slice/edge.service", version=2)
     cgroup_dir(cg, "system.slice", memory_max=5 * GiB, memory_current=int(4.5 * GiB))  # the slice binds harder
-    assert cgroup_headroom(cg, own) == CgroupMemory(5 * GiB, GiB // 2, "/system.slice/edge.serving.service", 2)
+    assert cgroup_headroom(cg, own) == CgroupMemory(5 * GiB, GiB // 2, "/system.slice/edge.service", 2)
     # v1: the memory hierarchy's own line, not the others; hierarchical inactive file pages.
     v1 = tmp_path / "v1"
     cgroup_dir(v1, "memory")
-    d = cgroup_dir(v1, "memory/system.slice/edge.serving.service", memory_limit_in_bytes=2 * GiB,
+    d = cgroup_dir(v1, "memory/system.slice/edge.service", memory_limit_in_bytes=2 * GiB,
                    memory_usage_in_bytes=GiB)
     (d / "memory.stat").write_text(f"inactive_file 1\ntotal_inactive_file {GiB // 4}\n")
-    own_v1 = proc_cgroup(tmp_path, "5:cpu,cpuacct:/other\n4:memory:/system.slice/edge.serving.service\n0::/\n")
-    assert cgroup_headroom(v1, own_v1) == CgroupMemory(2 * GiB, 2 * GiB - 3 * GiB // 4, "/system.slice/edge.serving.service", 1)
+    own_v1 = proc_cgroup(tmp_path, "5:cpu,cpuacct:/other\n4:memory:/system.slice/edge.service\n0::/\n")
+    assert cgroup_headroom(v1, own_v1) == CgroupMemory(2 * GiB, 2 * GiB - 3 * GiB // 4, "/system.slice/edge.service", 1)
     # In a container the own path may be absent from the mount: its root is the container's cgroup.
     assert cgroup_headroom(cg, proc_cgroup(tmp_path, "0::/docker/abc\n")).limit == 100 * GiB
     assert cgroup_headroom(cg, tmp_path / "no-proc-file").limit == 100 * GiB
@@ -380,11 +380,11 @@ def test_board_service_under_memory_max(tmp_path: Path) -> None:
     """The 16 GB board with the unit's MemoryMax=8G: the service's own cgroup bounds the pool."""
     meminfo = write_meminfo(tmp_path / "meminfo", int(15.3 * 1024 * 1024), 12 * 1024 * 1024)
     cg = tmp_path / "cg"
-    cgroup_dir(cg, "system.slice/edge.serving.service", memory_max=8 * GiB, memory_current=5 * GiB)
-    own = proc_cgroup(tmp_path, "0::/system.slice/edge.serving.service\n")
+    cgroup_dir(cg, "system.slice/edge.service", memory_max=8 * GiB, memory_current=5 * GiB)
+    own = proc_cgroup(tmp_path, "0::/system.slice/edge.service\n")
     mem = probe_memory("cuda", meminfo=meminfo, cgroup_root=cg, proc_cgroup=own, integrated=True)
     assert (mem.kind, mem.total, mem.available) == ("integrated", 8 * GiB, 3 * GiB)
-    assert "cgroup v2 /system.slice/edge.serving.service limit 8.0 GiB" in mem.source
+    assert "cgroup v2 /system.slice/edge.service limit 8.0 GiB" in mem.source
     b = default_budget(mem, block_bytes=BLOCK, page_size=16, max_seq_len=4096, activations=256 * MiB)
     assert b.num_blocks == (3 * GiB - DEFAULT_RESERVE - 256 * MiB) // BLOCK and not b.capped
 

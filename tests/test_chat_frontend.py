@@ -84,6 +84,64 @@ def test_chat_streams_a_reply_and_resends_history(service: ServerProc) -> None:
         child.close(force=True)
 
 
+def chat_requests(m: dict[str, float]) -> float:
+    return sum(v for k, v in m.items() if k.startswith('edge_requests_total{endpoint="/v1/chat/completions"'))
+
+
+def test_chat_commands_stay_local_and_no_http_log_lines(service: ServerProc) -> None:
+    """/help and a mistyped /command are answered by edge chat, not sent as prompts, and
+    the conversation holds no httpx INFO lines ("HTTP Request: POST ...")."""
+    child = _spawn(service, "--max-tokens", "3", "--ignore-eos")
+    try:
+        child.expect_exact("> ")
+        before = service.metrics()
+        child.sendline("/help")
+        child.expect_exact("/set NAME VALUE")
+        child.expect_exact("> ")
+        child.sendline("/frobnicate now")
+        child.expect_exact("[unknown command /frobnicate")
+        child.expect_exact("> ")
+        assert chat_requests(service.metrics()) == chat_requests(before)
+        child.sendline("Hello")
+        child.expect_exact("> ")
+        service.wait_for(lambda m: m.get(LENGTH, 0) == before.get(LENGTH, 0) + 1, what="the answer")
+        child.sendeof()
+        child.expect(pexpect.EOF, timeout=20)
+        transcript = child.before or ""
+    finally:
+        child.close(force=True)
+    assert "HTTP Request" not in transcript and " INFO " not in transcript, transcript
+
+
+def test_chat_commands_in_process() -> None:
+    import io
+
+    from edge.serving.chat_client import run_chat
+
+    sent: list[list[dict]] = []
+
+    class Client:
+        def stream_chat(self, messages, params, rid):
+            sent.append(messages)
+            yield "ok"
+
+    lines = iter(["/help", "/nope", "/set temperature 0.5", "//etc/hosts is a file", "/systemic"])
+
+    def read_line(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    out = io.StringIO()
+    params: dict = {}
+    assert run_chat(Client(), params, out=out, read_line=read_line) == 0
+    text = out.getvalue()
+    assert "/image PATH" in text and "[unknown command /nope" in text and "[unknown command /systemic" in text
+    assert params == {"temperature": 0.5}
+    assert sent == [[{"role": "user", "content": "/etc/hosts is a file"}]]
+
+
 def test_chat_reports_an_unreachable_service(tmp_path: Path) -> None:
     child = pexpect.spawn(sys.executable, ["-m", "edge.cli", "chat", "--uds", str(tmp_path / "none.sock"),
                                            "--wait", "0.5"], cwd=str(ROOT), env=server_env(), encoding="utf-8",

@@ -121,3 +121,43 @@ def test_jetson_stack_has_jetpack6_wheels(tmp_path: Path) -> None:
     assert "cuda-core" in chosen and "torch" not in chosen
     urls = [i["download_info"]["url"] for i in json.loads(report.read_text())["install"]]
     assert all("aarch64" in u or "-none-any" in u for u in urls), urls
+
+
+def fake_wheel(index: Path, version: str) -> None:
+    """A metadata-only torch wheel of ``version`` in a PEP 503 index directory."""
+    import zipfile
+
+    project = index / "torch"
+    project.mkdir(parents=True, exist_ok=True)
+    name = f"torch-{version}-py3-none-any.whl"
+    dist = f"torch-{version}.dist-info"
+    with zipfile.ZipFile(project / name, "w") as z:
+        z.writestr(f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: torch\nVersion: {version}\n")
+        z.writestr(f"{dist}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{dist}/RECORD", "")
+    (project / "index.html").write_text(f'<html><body><a href="{name}">{name}</a></body></html>')
+    (index / "index.html").write_text('<html><body><a href="torch/">torch</a></body></html>')
+
+
+def test_cpu_index_gives_the_cpu_build_under_the_pin(tmp_path: Path) -> None:
+    """The README's CPU install: PyPI serves torch 2.13.0 (on x86-64 Linux, the CUDA build),
+    PyTorch's CPU index 2.13.0+cpu. Under constraints.txt's pin pip takes the +cpu build
+    when the CPU index is an extra index, and PyPI's without it. pip's resolver is the
+    oracle; two local indexes stand in for PyPI and the CPU index."""
+    pin = next(ln for ln in (ROOT / "constraints.txt").read_text().splitlines() if ln.startswith("torch=="))
+    version = pin.removeprefix("torch==")
+    pypi, cpu = tmp_path / "pypi", tmp_path / "cpu"
+    fake_wheel(pypi, version)
+    fake_wheel(cpu, f"{version}+cpu")
+
+    def chosen(*index_args: str) -> str:
+        report = tmp_path / "report.json"
+        cmd = [sys.executable, "-m", "pip", "--isolated", "--disable-pip-version-check", "install", "--dry-run",
+               "-q", "--ignore-installed", "--no-deps", "--report", str(report), "-c", str(ROOT / "constraints.txt"),
+               "--index-url", pypi.as_uri(), *index_args, "torch"]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+        assert r.returncode == 0, r.stdout + r.stderr
+        return str(installs(report)["torch"])
+
+    assert chosen("--extra-index-url", cpu.as_uri()) == f"{version}+cpu"
+    assert chosen() == version

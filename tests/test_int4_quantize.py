@@ -74,11 +74,16 @@ def float_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("method", ["rtn", "awq"])
-def test_written_checkpoint_reads_back_as_edge_loads_it(float_model: Path, tmp_path: Path, method: str) -> None:
+def test_written_checkpoint_reads_back_as_edge_loads_it(
+    float_model: Path, tmp_path: Path, method: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     from tools.quantize import main
 
     dst = tmp_path / "int4"
     assert main([str(float_model), str(dst), "--bits", "4", "--group-size", "32", "--method", method]) == 0
+    err = capsys.readouterr().err  # each long stage reports on stderr
+    stages = [f"int4 {method}: quantizing"] + (["AWQ: calibration inputs", "AWQ: scale search"] if method == "awq" else [])
+    assert all(stage in err for stage in stages), err
     qc = json.loads((dst / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert (dst / "tokenizer.json").is_file()

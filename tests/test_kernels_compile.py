@@ -34,6 +34,18 @@ VARIANTS = [
         for dt in (1, 2)
         for d in (64, 128)
     ],
+    # The int8-KV programs (pools of int8 codes and float32 scales, queries of any dtype).
+    *[
+        ("paged_decode.cu", {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for dt in (1, 2, 3)
+        for d in (64, 128)
+    ],
+    *[
+        (src, {"CFG_DTYPE": dt, "CFG_HEAD_DIM": d, "CFG_KV_INT8": 1})
+        for src in ("paged_decode_tc.cu", "paged_prefill.cu")
+        for dt in (1, 2)
+        for d in (64, 128)
+    ],
     ("kv_write.cu", {}),
     (str(READ_FLOOR), {}),  # tools/bench.py kernels --floor
     ("fused.cu", {}),  # every fused norm / qk_norm_rope / silu_mul instantiation
@@ -54,6 +66,9 @@ VARIANTS = [
     ),
     ("int4_gemv.cu", {"CFG_INT4_SKIP_MATH": 1}),  # tools/bench_int4.py gemv --sweep
     ("int4_gemv.cu", {"CFG_INT4_PREFETCH": 4}),
+    # GGUF blocks (gguf_cuda.py: a module per ggml type), the default tuning
+    *[("gguf_gemv.cu", {"CFG_GGUF_TYPE": t}) for t in (2, 8, 12, 13, 14)],
+    ("gguf_gemv.cu", {"CFG_GGUF_TYPE": 12, "CFG_GGUF_WARPS": 8, "CFG_GGUF_UNROLL": 2, "CFG_GGUF_MIN_BLOCKS": 0}),
 ]
 # Tuning variants of the decode kernel that tools/bench.py may select.
 TUNINGS = [
@@ -65,6 +80,8 @@ TUNINGS = [
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 2}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 4, "CFG_TC_MIN_BLOCKS": 1}),
     ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 3}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 3, "CFG_KV_INT8": 1}),
+    ("paged_decode_tc.cu", {"CFG_TC_WARPS": 8, "CFG_TC_STAGES": 4, "CFG_KV_INT8": 1}),
     (
         "paged_decode_tc.cu",
         {"CFG_TC_WARPS": 4, "CFG_TC_STAGES": 1, "CFG_TC_MIN_BLOCKS": 3},
@@ -86,14 +103,123 @@ def _vid(v) -> str:
     )
 
 
+def _compile(source: str, arch: str, defines: dict) -> tuple[bytes, str]:
+    """(cubin, PTX) of one NVRTC compilation for a real arch, with the options the
+    production path builds (nvrtc.compile_cubin: cuda.core's ProgramOptions), so one
+    compile serves both checks. Any log output fails, as it does there."""
+    rt = nvrtc._nvrtc_module()
+    path = Path(source) if Path(source).is_absolute() else nvrtc.KERNEL_DIR / source
+    opts = nvrtc.core().ProgramOptions(
+        name=source, arch=arch, std=nvrtc.STD, include_path=[str(nvrtc.KERNEL_DIR), *nvrtc.cuda_include_dirs()],
+        define_macro=list(nvrtc._normalize_defines(defines)) or None,
+    ).as_bytes("nvrtc")
+    err, prog = rt.nvrtcCreateProgram(path.read_bytes(), source.encode(), 0, [], [])
+    assert int(err) == 0, err
+    try:
+        (err,) = rt.nvrtcCompileProgram(prog, len(opts), list(opts))
+        _, log_size = rt.nvrtcGetProgramLogSize(prog)
+        log = b" " * log_size
+        rt.nvrtcGetProgramLog(prog, log)
+        text = log.decode(errors="replace").replace("\x00", "").strip()
+        assert int(err) == 0 and not text, f"{source} ({arch}, {defines}):\n{text}"
+        _, size = rt.nvrtcGetCUBINSize(prog)
+        cubin = b" " * size
+        (err,) = rt.nvrtcGetCUBIN(prog, cubin)
+        assert int(err) == 0, err
+        _, size = rt.nvrtcGetPTXSize(prog)
+        ptx = b" " * size
+        (err,) = rt.nvrtcGetPTX(prog, ptx)
+        assert int(err) == 0, err
+        return cubin, ptx.decode(errors="replace")
+    finally:
+        rt.nvrtcDestroyProgram(prog)
+
+
+def _tuning_jobs(arch: str, tuning: tuple[str, dict]) -> list[tuple]:
+    source, knobs = tuning
+    return [("both", source, arch, _key({"CFG_DTYPE": dtype, "CFG_HEAD_DIM": 128, **knobs}))
+            for dtype in ((2,) if "_tc" in source else (2, 3))]
+
+
+def _smem_jobs(warps: int, stages: int) -> list[tuple]:
+    # float16 and bfloat16 stage 2-byte elements alike: both at the default tuning, bf16 elsewhere.
+    codes = (1, 2) if (warps, stages) == (8, 2) else (2,)
+    # int8 KV (bf16 only): stages of codes and scales, entry points suffixed _q8.
+    return [("ptx", "paged_decode_tc.cu", "sm_87",
+             _key({"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
+                  | ({"CFG_KV_INT8": 1} if q8 else {})))
+            for code in codes for d in (64, 128) for q8 in ((False, True) if code == 2 else (False,))]
+
+
+def _key(defines: dict) -> tuple[tuple[str, object], ...]:
+    return tuple(defines.items())
+
+
+def _jobs_of(test: str, params: dict) -> list[tuple]:
+    if test == "test_kernel_compiles_cleanly_and_waits_for_its_predecessor":
+        return [("both", params["variant"][0], params["arch"], _key(params["variant"][1]))]
+    if test == "test_decode_tunings_compile":
+        return _tuning_jobs(params["arch"], params["tuning"])
+    if test == "test_decode_tc_asks_for_the_shared_memory_the_host_passes":
+        return _smem_jobs(params["warps"], params["stages"])
+    return []
+
+
+def _run(job: tuple):
+    kind, source, arch, defines = job
+    return _compile(source, arch, dict(defines)) if kind == "both" else _ptx(source, arch, dict(defines))
+
+
+@pytest.fixture(scope="module")
+def compiled(request: pytest.FixtureRequest):
+    """The NVRTC compiles of this module's selected tests, started at once on every core
+    (NVRTC releases the GIL): each test then checks its own result, so a failure still
+    names its variant, and the module takes the wall time of its compiles spread over
+    the cores instead of their sum."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    _nvrtc_or_skip()
+    jobs: dict[tuple, None] = {}
+    for item in request.session.items:
+        if item.module is request.module and hasattr(item, "callspec"):
+            jobs.update(dict.fromkeys(_jobs_of(item.originalname, item.callspec.params)))
+    pool = ThreadPoolExecutor(max_workers=os.cpu_count() or 1, thread_name_prefix="nvrtc")
+    futures = {job: pool.submit(_run, job) for job in jobs}
+    yield lambda job: (futures[job] if job in futures else pool.submit(_run, job)).result()
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
-def test_kernel_compiles_cleanly(arch, variant, tmp_path, monkeypatch):
+def test_kernel_compiles_cleanly_and_waits_for_its_predecessor(arch, variant, compiled):
+    """Every instantiation compiles for the arch without a warning. The decode graph
+    launches every kernel overlapped on sm_90 (nvrtc.overlapped): a kernel without
+    griddepcontrol.wait would read its inputs before they are written, so on sm_90 each
+    entry waits and lets the next kernel start; Orin (sm_87) has no such instruction.
+    Both from the PTX of the same compilation."""
+    source, defines = variant
+    cubin, ptx = compiled(("both", source, arch, _key(defines)))
+    assert cubin[:4] == b"\x7fELF"
+    if arch == "sm_87":
+        assert "griddepcontrol" not in ptx
+        return
+    entries = ptx.split(".entry ")[1:]
+    assert entries
+    for body in entries:
+        name = body.split("(", 1)[0]
+        assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
+        assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_checked_compile_is_the_production_compile(arch, tmp_path, monkeypatch):
+    """_compile builds the options as nvrtc.compile_cubin does: the same cubin, bit for bit."""
     _nvrtc_or_skip()
     monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    source, defines = variant
-    cubin = nvrtc.compile_cubin(source, arch, defines, use_cache=False)
-    assert cubin[:4] == b"\x7fELF"
+    defines = {"CFG_DTYPE": 2, "CFG_HEAD_DIM": 64}
+    assert _compile("paged_prefill.cu", arch, defines)[0] == nvrtc.compile_cubin(
+        "paged_prefill.cu", arch, defines, use_cache=False)
 
 
 def _ptx(source: str, arch: str, defines: dict) -> str:
@@ -115,24 +241,6 @@ def _ptx(source: str, arch: str, defines: dict) -> str:
         rt.nvrtcDestroyProgram(prog)
 
 
-@pytest.mark.parametrize("variant", VARIANTS, ids=_vid)
-def test_every_kernel_waits_for_its_predecessor(variant):
-    """The decode graph launches every kernel overlapped on sm_90 (nvrtc.overlapped): a
-    kernel without griddepcontrol.wait would read its inputs before they are written.
-    Orin (sm_87) has no such instruction: checked on each source's first variant (the
-    instructions come from common.cuh's arch-guarded helpers, whatever the defines)."""
-    _nvrtc_or_skip()
-    source, defines = variant
-    entries = _ptx(source, "sm_90", defines).split(".entry ")[1:]
-    assert entries
-    for body in entries:
-        name = body.split("(", 1)[0]
-        assert "griddepcontrol.wait" in body, f"{source}: {name} never waits for the previous kernel"
-        assert "griddepcontrol.launch_dependents" in body, f"{source}: {name} never lets the next kernel start"
-    if next(v for v in VARIANTS if v[0] == source) is variant:
-        assert "griddepcontrol" not in _ptx(source, "sm_87", defines)
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize(
     "tuning",
@@ -141,24 +249,16 @@ def test_every_kernel_waits_for_its_predecessor(variant):
         t[0].replace(".cu", "") + "-" + "-".join(str(v) for v in t[1].values())
     ),
 )
-def test_decode_tunings_compile(arch, tuning, tmp_path, monkeypatch):
-    _nvrtc_or_skip()
-    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
-    source, knobs = tuning
-    for dtype in (2,) if "_tc" in source else (2, 3):
-        cubin = nvrtc.compile_cubin(
-            source,
-            arch,
-            {"CFG_DTYPE": dtype, "CFG_HEAD_DIM": 128, **knobs},
-            use_cache=False,
-        )
+def test_decode_tunings_compile(arch, tuning, compiled):
+    for job in _tuning_jobs(arch, tuning):
+        cubin, _ = compiled(job)
         assert cubin[:4] == b"\x7fELF"
 
 
 @pytest.mark.parametrize(
-    "warps,stages", [(8, 1), (8, 2), (8, 3), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
+    "warps,stages", [(8, 1), (8, 2), (8, 3), (8, 4), (4, 1), (4, 2), (4, 3), (4, 4), (2, 4), (1, 4)]
 )
-def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
+def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages, compiled):
     """The tensor-core decode kernel's pipeline lives in dynamic shared memory whose size
     the host works out (paged_cuda.tc_smem_bytes) and the kernel traps below: the two
     formulas must agree for every entry point (the verify step's pairs of row tiles
@@ -169,41 +269,43 @@ def test_decode_tc_asks_for_the_shared_memory_the_host_passes(warps, stages):
 
     from edge.kernels import paged_cuda
 
-    _nvrtc_or_skip()
-    for code, dtype in ((1, torch.float16), (2, torch.bfloat16)):
-        for d in (64, 128):
-            defines = {"CFG_DTYPE": code, "CFG_HEAD_DIM": d, "CFG_TC_WARPS": warps, "CFG_TC_STAGES": stages}
-            ptx = _ptx("paged_decode_tc.cu", "sm_87", defines)
-            entries = re.split(r"\.visible \.entry ", ptx)[1:]
-            names = sorted(e.split("(")[0] for e in entries)
-            # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
-            pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
-            assert names == sorted(["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc",
-                                    "paged_verify_tc_rope", *pairs]), names
-            for entry in entries:
-                name = entry.split("(")[0]
-                reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
-                op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
-                needed = int(n) + 1 if op == "gt" else int(n)
-                tiles = 2 if "_pair" in name else 1
-                assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles), (name, dtype, d)
+    dtypes = {1: torch.float16, 2: torch.bfloat16}
+    for job in _smem_jobs(warps, stages):
+        defines = dict(job[3])
+        dtype, d = dtypes[defines["CFG_DTYPE"]], defines["CFG_HEAD_DIM"]
+        ptx = compiled(job)
+        entries = re.split(r"\.visible \.entry ", ptx)[1:]
+        names = sorted(e.split("(")[0] for e in entries)
+        # Pairs of row tiles split the warps: an even count only (DecodeTuning says so).
+        pairs = ["paged_verify_tc_pair", "paged_verify_tc_pair_rope"] if warps % 2 == 0 else []
+        q8 = defines.get("CFG_KV_INT8") == 1
+        want = ["paged_decode_tc", "paged_decode_tc_rope", "paged_verify_tc", "paged_verify_tc_rope", *pairs]
+        assert names == sorted(n + ("_q8" if q8 else "") for n in want), names
+        for entry in entries:
+            name = entry.split("(")[0]
+            reg = re.search(r"mov\.u32 (%r\d+), %dynamic_smem_size;", entry).group(1)
+            op, n = re.search(rf"setp\.(gt|ge|lt)\.u32\s+%p\d+, {re.escape(reg)}, (\d+);", entry).groups()
+            needed = int(n) + 1 if op == "gt" else int(n)
+            tiles = 2 if "_pair" in name else 1
+            assert needed == paged_cuda.tc_smem_bytes(dtype, d, warps, stages, tiles, q8), (name, dtype, d)
 
 
 @pytest.mark.parametrize(
-    "per_sm,optin,want,want64",
+    "per_sm,optin,want,want64,want_q8",
     [
-        (233472, 232448, 3, 3),  # H100 / H200: 228 KB an SM
-        (167936, 166912, 2, 3),  # Orin (sm_87): 164 KB an SM
-        (102400, 101376, 1, 2),  # 100 KB an SM (sm_86 / sm_89)
+        (233472, 232448, 3, 3, 4),  # H100 / H200: 228 KB an SM
+        (167936, 166912, 2, 3, 4),  # Orin (sm_87): 164 KB an SM
+        (102400, 101376, 1, 2, 2),  # 100 KB an SM (sm_86 / sm_89)
     ],
 )
 def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
-    monkeypatch, per_sm, optin, want, want64
+    monkeypatch, per_sm, optin, want, want64, want_q8
 ):
     """One 8-warp CTA of 128-key bf16 stages (68 KB a stage at head_dim 128, 36 KB at
     64) holds each SM, so a pipeline allowed 3 stages is as deep as the SM's shared
     memory allows; the default allows two. 4-warp CTAs (34 KB / 18 KB a stage) are
-    sized for two an SM, and come to the same depths."""
+    sized for two an SM, and come to the same depths. Int8 stages (37 KB at 128) may go
+    twice as deep: four by default where they fit."""
     import torch
 
     from edge.kernels import paged_cuda
@@ -216,6 +318,8 @@ def test_decode_tc_stages_follow_the_shared_memory_of_the_device(
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 128) == want
     assert paged_cuda.tc_stages(tune(tc_warps=4, tc_max_stages=3), smem, torch.bfloat16, 64) == want64
     assert paged_cuda.tc_stages(tune(tc_stages=4), smem, torch.bfloat16, 128) == 4  # a tuning wins
+    assert paged_cuda.tc_stages(tune(), smem, torch.bfloat16, 128, q8=True) == want_q8
+    assert paged_cuda.tc_stages(tune(tc_stages=3), smem, torch.bfloat16, 128, q8=True) == 3
 
 
 def test_verify_row_tiles_in_pairs_need_an_even_warp_count():

@@ -445,7 +445,8 @@ def test_sampler_thread_survives_raising_hook_and_stops_promptly():
     assert first.wait(5.0)  # first sample right away
     t0 = time.monotonic()
     slow.stop()
-    assert time.monotonic() - t0 < 1.0 and not slow.running
+    # Far below the 60 s period: stop() cut the wait short (a load-proof bound, not a speed check).
+    assert time.monotonic() - t0 < 30.0 and not slow.running
 
 
 def test_sampler_rejects_bad_period():

@@ -82,3 +82,14 @@ def test_tables_and_projection(tool, capsys: pytest.CaptureFixture) -> None:  # 
     for bad in ("Xavier=0.5", "16:fp8=0.5"):
         with pytest.raises(SystemExit):
             tool.main(["--fraction", bad])
+
+
+def test_int8_kv_holds_about_twice_the_contexts_where_memory_bounds_them(tool) -> None:  # noqa: ANN001
+    nano = tool.BOARDS[2]
+    cfg = tool.preset_config("qwen3-1.7b")
+    _, bf16 = tool.board_budget(nano, cfg, "bf16", 4096)
+    _, int8 = tool.board_budget(nano, cfg, "bf16", 4096, "int8")
+    assert not bf16.capped and int8.kv_bytes <= bf16.kv_bytes
+    assert int8.full_sequences == pytest.approx(bf16.full_sequences * 2 * 128 / 132, rel=0.02)
+    assert tool.decode_bytes_per_token(cfg, "bf16", 4096) - tool.decode_bytes_per_token(cfg, "bf16", 4096, "int8") == (
+        2 * cfg.num_layers * 4096 * cfg.num_kv_heads * (2 * 128 - 132))

@@ -72,6 +72,7 @@ def test_repetition_penalty_discourages_seen_tokens() -> None:
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_k=-3), "top_k"),
+        (dict(top_k=1 << 63), "top_k"),  # past an int64
         (dict(repetition_penalty=0.0), "repetition_penalty"),
         (dict(stop=[""]), "stop"),
     ],

@@ -166,7 +166,7 @@ def test_service_under_a_fake_notify_socket(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
 def test_unit_file_verifies(tmp_path: Path) -> None:
-    unit = (ROOT / "systemd" / "edge.serving.service").read_text()
+    unit = (ROOT / "systemd" / "edge.service").read_text()
     for needle in ("Type=notify", "WatchdogSec=30", "Restart=on-failure", "EnvironmentFile=/etc/edge/edge.env",
                    "User=edge", "SupplementaryGroups=video render jtop", "NoNewPrivileges=yes", "ProtectSystem=strict",
                    "StandardOutput=journal"):
@@ -177,11 +177,11 @@ def test_unit_file_verifies(tmp_path: Path) -> None:
     # at this interpreter so verify checks everything else.
     lines = [f"ExecStart={sys.executable} -m edge.cli serve" if line.startswith("ExecStart=") else line
              for line in unit.splitlines()]
-    path = tmp_path / "edge.serving.service"
+    path = tmp_path / "edge.service"
     path.write_text("\n".join(lines) + "\n")
     r = subprocess.run(["systemd-analyze", "verify", str(path)], capture_output=True, text=True, timeout=60, check=False)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "edge.serving.service" not in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "edge.service" not in r.stdout + r.stderr, r.stdout + r.stderr
 
 
 def test_env_example_is_valid_config() -> None:

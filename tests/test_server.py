@@ -244,15 +244,19 @@ BAD_CASES = [
      "max_completion_tokens", "invalid_value"),
     ("n > 1", CHAT, {"messages": M, "n": 2}, "n", "unsupported_parameter"),
     ("logprobs", CHAT, {"messages": M, "logprobs": True}, "logprobs", "unsupported_parameter"),
-    ("tools", CHAT, {"messages": M, "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools",
-     "unsupported_parameter"),
+    ("tool without a name", CHAT, {"messages": M, "tools": [{"type": "function", "function": {}}]},
+     "tools[0].function.name", "invalid_value"),
     ("functions", CHAT, {"messages": M, "functions": [{"name": "f"}]}, "functions", "unsupported_parameter"),
-    ("json_schema", CHAT, {"messages": M, "response_format": {"type": "json_schema", "json_schema": {}}},
-     "response_format", "unsupported_parameter"),
+    ("json_schema without a name", CHAT, {"messages": M, "response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.json_schema.name", "invalid_value"),
+    ("unknown schema type", CHAT, {"messages": M, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "color"}}}}, "response_format.json_schema.schema", "invalid_value"),
     ("frequency_penalty", CHAT, {"messages": M, "frequency_penalty": 0.5}, "frequency_penalty",
      "unsupported_parameter"),
     ("temperature out of range", CHAT, {"messages": M, "temperature": 3.5}, "temperature", "invalid_value"),
     ("top_p out of range", CHAT, {"messages": M, "top_p": 1.5}, "top_p", "invalid_value"),
+    ("top_k past an int64", CHAT, {"messages": M, "top_k": 2**63}, "top_k", "invalid_value"),
+    ("300 000 bad token ids", "/v1/completions", {"prompt": [None] + [0] * 300_000}, None, "request_too_complex"),
     ("empty stop", CHAT, {"messages": M, "stop": [""]}, "stop", "invalid_value"),
     ("image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].type", "unsupported_parameter"),
@@ -325,10 +329,7 @@ def test_16_concurrent_clients_all_answered(server: ServerProc) -> None:
         async with server.async_client(timeout=90.0) as client:
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
-    t0 = time.monotonic()
-    results = asyncio.run(main())
-    elapsed = time.monotonic() - t0
-    assert elapsed < 90, elapsed
+    results = asyncio.run(main())  # each request within the client's 90 s timeout
     statuses = [s for s, _, _ in results]
     assert set(statuses) <= {200, 429}, statuses
     assert statuses.count(200) >= 8, statuses  # at least the queue of 8 (+ up to two slots)

@@ -116,6 +116,39 @@ def test_api_key_file(tmp_path: Path) -> None:
         read_api_key(f)
 
 
+def test_api_key_file_is_checked_and_non_ascii_keys_match(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from types import SimpleNamespace
+
+    from starlette.requests import Request
+
+    from edge.serving.completions import check_auth
+    from edge.serving.errors import Unauthorized
+
+    with pytest.raises(ValueError, match="is a directory") as exc:
+        read_api_key(tmp_path)
+    assert "\n" not in str(exc.value)
+    key_file = tmp_path / "key"
+    key_file.write_text("ключ-π-🔑\n", encoding="utf-8")
+    key_file.chmod(0o644)
+    with caplog.at_level("WARNING"):
+        key = read_api_key(key_file)
+    assert key == "ключ-π-🔑" and "readable by every user" in caplog.text
+    key_file.chmod(0o600)
+    caplog.clear()
+    read_api_key(key_file)
+    assert "readable" not in caplog.text
+
+    def request(value: bytes) -> Request:
+        return Request({"type": "http", "method": "GET", "path": "/", "headers": [(b"authorization", value)]})
+
+    service = SimpleNamespace(api_key=key)
+    check_auth(service, request(b"Bearer " + key.encode()))  # the UTF-8 bytes a client sends
+    for wrong in (b"Bearer " + key.encode("utf-16"), b"Bearer " + key.encode()[:-1], b"Basic " + key.encode(),
+                  "Bearer ключ-π-".encode() + b"\xff"):
+        with pytest.raises(Unauthorized):
+            check_auth(service, request(wrong))
+
+
 def test_serve_reports_bad_config_clearly(tmp_path: Path) -> None:
     cfg = tmp_path / "edge.env"
     cfg.write_text("EDGE_PORT=not-a-port\n")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -52,7 +53,7 @@ class ServerProc:
     """``python -m edge.cli serve ...`` on a loopback port or a Unix socket."""
 
     def __init__(self, tmp: Path, *args: str, uds: bool = False, env: dict[str, str] | None = None,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, nofile: int | None = None) -> None:
         ensure_default_model()
         self.tmp = Path(tmp)
         self.tmp.mkdir(parents=True, exist_ok=True)
@@ -75,7 +76,8 @@ class ServerProc:
         self._log = open(self.log_path, "wb")
         self.t_start = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env or server_env(), stdout=self._log,
-                                     stderr=subprocess.STDOUT)
+                                     stderr=subprocess.STDOUT, preexec_fn=None if nofile is None else
+                                     lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile)))
         self.health_seen: list[int] = []
         self.loading_probe: httpx.Response | None = None
 

@@ -368,6 +368,22 @@ def test_draft_requests_need_a_draft_model(engine: Engine) -> None:
         Scheduler(engine, speculative=DRAFT)
 
 
+def test_a_request_turns_the_server_default_off(engine: Engine) -> None:
+    """A server started with --speculative: {"method": "off"} decodes that request plainly
+    (no speculative usage), the next request without a choice speculates again."""
+    sched = Scheduler(engine, speculative=NGRAM)
+    sched.start()
+    try:
+        ids = prompt(61, 24, 6)
+        plain = run(sched, ids, max_tokens=12, speculative=SpeculativeParams("off"))
+        default = run(sched, ids, max_tokens=12)
+    finally:
+        stopped(sched)
+    assert plain.usage.speculative is None
+    assert default.usage.speculative is not None and default.usage.speculative["steps"] > 0
+    assert plain.token_ids == default.token_ids  # greedy: the same tokens either way
+
+
 # -- API ------------------------------------------------------------------------------------
 
 
@@ -379,6 +395,8 @@ def test_api_speculative_field_reaches_the_sampling_params() -> None:
     req = parse_request(chat(speculative={"method": "ngram", "num_tokens": 6}), ChatCompletionRequest)
     assert sampling_params(req, 3, 64).speculative == SpeculativeParams("ngram", 6)
     assert sampling_params(parse_request(chat(), ChatCompletionRequest), 3, 64).speculative is None
+    off = sampling_params(parse_request(chat(speculative={"method": "off"}), ChatCompletionRequest), 3, 64)
+    assert off.speculative is not None and off.speculative.off
 
 
 @pytest.mark.parametrize(
@@ -429,11 +447,12 @@ def test_bench_speculative_runs_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> N
     import bench
 
     args = bench.build_parser().parse_args(
-        ["speculative", "--device", "cpu", "--preset", "tiny", "--context", "16", "--max-k", "2", "--reps", "1",
+        ["speculative", "--device", "cpu", "--context", "16", "--max-k", "2", "--reps", "1",
          "--tokens", "8", "--max-seq-len", "128"]
     )
     out = json.loads(json.dumps(args.func(args)))  # what the command prints
     assert out["mode"] == "speculative" and out["backend"] == "reference"
+    assert out["model"] == "tiny"  # the CPU's default preset (the GPU's, qwen3-8b, would not fit a small host)
     assert out["decode"]["step_ms"] > 0 and out["plain"]["tok_s"] > 0
     assert [r["k"] for r in out["verify"]] == [1, 2]
     assert all(r["step_ms"] > 0 and r["vs_decode"] > 0 and r["path"] == "eager" for r in out["verify"])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -116,3 +118,93 @@ def test_serve_reports_a_broken_model_in_one_line(model_dir: Path, tmp_path: Pat
     srv.stop()
     assert code == 1 and "Traceback" not in log, log
     assert "model load failed: config.json field 'hidden_size' must be a positive integer, got '256' (str)" in log
+
+
+# -- hostile model directories: refused fast, in one line -------------------------------------
+
+
+def _edit_json(d: Path, file: str, **changes: object) -> None:
+    raw = json.loads((d / file).read_text())
+    raw.update(changes)
+    (d / file).write_text(json.dumps(raw))
+
+
+def _fifo(path: Path) -> None:
+    path.unlink()
+    os.mkfifo(path)
+
+
+def _link(path: Path, target: str) -> None:
+    path.unlink()
+    path.symlink_to(target)
+
+
+HOSTILE_DIRS = [
+    ("config is a list", lambda d: (d / "config.json").write_text("[1, 2]"),
+     "must hold a JSON object, not a JSON array"),
+    ("a million layers", lambda d: _edit_json(d, "config.json", num_hidden_layers=1_000_000), "beyond any model"),
+    ("three layers of two", lambda d: _edit_json(d, "config.json", num_hidden_layers=3), "holds 2 layers"),
+    ("vocab of another model", lambda d: _edit_json(d, "config.json", vocab_size=1000), "has "),
+    ("config is a FIFO", lambda d: _fifo(d / "config.json"), "is a FIFO, not a regular file"),
+    ("config is /dev/zero", lambda d: _link(d / "config.json", "/dev/zero"), "is a character device"),
+    ("tokenizer_config is a FIFO", lambda d: _fifo(d / "tokenizer_config.json"), "is a FIFO"),
+    ("weights are a FIFO", lambda d: _fifo(d / "model.safetensors"), "is a FIFO"),
+    ("template does not compile",
+     lambda d: _edit_json(d, "tokenizer_config.json", chat_template="{% for m in messages %}{{ m.content }"),
+     "does not compile"),
+    ("template is a number", lambda d: _edit_json(d, "tokenizer_config.json", chat_template=5), "chat_template"),
+]
+
+
+@pytest.mark.parametrize(("name", "break_it", "match"), HOSTILE_DIRS, ids=[c[0] for c in HOSTILE_DIRS])
+def test_hostile_model_directories_fail_fast(model_dir: Path, tmp_path: Path, name: str, break_it, match: str) -> None:
+    d = shutil.copytree(model_dir, tmp_path / "m")
+    break_it(d)
+    outcome: list[BaseException | None] = []
+
+    def load() -> None:
+        try:
+            Engine.from_pretrained(d, device="cpu", kv_cache="paged", kv_blocks=8)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            outcome.append(exc)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(30)
+    assert outcome, f"{name}: still loading after 30 s"
+    exc = outcome[0]
+    assert isinstance(exc, (ValueError, RuntimeError)) and match in str(exc), repr(exc)
+    assert "\n" not in str(exc)
+
+
+def test_broken_template_and_wordlevel_tokenizer_in_generate_and_serve(model_dir: Path, tmp_path: Path) -> None:
+    """One line in `edge generate` and `edge serve` alike; a tokenizer that cannot encode a
+    word refuses that text (400), not the model."""
+    from test_server_support import CHAT, ServerProc
+
+    bad_template = shutil.copytree(model_dir, tmp_path / "template")
+    _edit_json(bad_template, "tokenizer_config.json", chat_template="{% if %}")
+    line = one_line_error(edge_cli("generate", "--model", str(bad_template), "--max-tokens", "2"))
+    assert "chat template" in line and "does not compile" in line
+    srv = ServerProc(tmp_path / "srv1", "--model", str(bad_template))
+    code = srv.proc.wait(60)
+    log = srv.log()
+    srv.stop()
+    assert code == 1 and "Traceback" not in log and "does not compile" in log, log
+
+    wordlevel = shutil.copytree(model_dir, tmp_path / "wordlevel")
+    vocab = {"<|im_start|>": 0, "<|im_end|>": 1, "user": 2, "assistant": 3, "hi": 4, "\n": 5}
+    (wordlevel / "tokenizer.json").write_text(json.dumps({
+        "version": "1.0", "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "[UNK]"},
+        "pre_tokenizer": {"type": "Whitespace"}}))
+    line = one_line_error(edge_cli("generate", "--model", str(wordlevel), "--prompt", "hello", "--max-tokens", "2"))
+    assert "cannot encode this text" in line and "Missing [UNK]" in line
+    srv = ServerProc(tmp_path / "srv2", "--model", str(wordlevel)).wait_ready()
+    try:
+        with srv.client() as c:
+            r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1})
+            assert r.status_code == 400 and "cannot encode" in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log(), srv.log()

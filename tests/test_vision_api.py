@@ -157,3 +157,18 @@ def test_remote_images_are_fetched_only_when_allowed(tmp_path: Path) -> None:
         with pytest.raises(ImageError, match=f"exceeds the limit of {len(image) - 1} bytes"):
             asyncio.run(fetch_images([url], ImagePolicy(ImageLimits(max_bytes=len(image) - 1), allow_remote=True)))
         httpd.shutdown()
+
+
+def test_image_placeholders_come_only_from_images(vl_server: ServerProc, vl_dir: Path) -> None:
+    """``<|image_pad|>`` typed by a user is text; placeholder ids in a raw prompt are refused."""
+    pad = json.loads((vl_dir / "config.json").read_text())["image_token_id"]
+    typed = "<|vision_start|><|image_pad|><|vision_end|> what is this?"
+    with vl_server.client() as c:
+        r = c.post(CHAT, json={"messages": [{"role": "user", "content": typed}], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] > 20  # the placeholders spelled out as text
+        r = c.post(CHAT, json={"messages": [image_message(data_url(png_bytes(32, 32, 0)), typed)], "max_tokens": 1})
+        assert r.status_code == 200, r.text  # one real image beside typed placeholders
+        for prompt in ("look: <|image_pad|>", [1, 2, pad, 3]):
+            r = c.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 400 and "placeholder" in r.json()["error"]["message"], r.text

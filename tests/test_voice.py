@@ -28,6 +28,7 @@ from edge.voice.audio_io import (
     StreamResampler,
     float_to_int16,
     int16_to_float,
+    WavSource,
     read_wav,
     resample,
 )
@@ -170,6 +171,68 @@ def test_read_wav_mixes_down_and_frames_pad(tmp_path: Path) -> None:
     (tmp_path / "bad.wav").write_bytes(b"RIFF0000WAVEjunk")
     with pytest.raises(ValueError, match="not a PCM WAV"):
         read_wav(tmp_path / "bad.wav")
+
+
+def _wav_with_rate(path: Path, rate: int, seconds: float = 0.1, channels: int = 1) -> Path:
+    """A 16-bit WAV whose header claims ``rate`` (patched in: the wave module refuses to write 0)."""
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(channels), w.setsampwidth(2), w.setframerate(16000)
+        w.writeframes(b"\0\0" * channels * int(16000 * seconds))
+    data = bytearray(path.read_bytes())
+    data[24:28] = rate.to_bytes(4, "little")
+    path.write_bytes(bytes(data))
+    return path
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda d: _wav_with_rate(d / "zero.wav", 0), "says 0 Hz"),
+    (lambda d: _wav_with_rate(d / "huge.wav", 4_000_000_000), "says 4000000000 Hz"),
+    (lambda d: (d / "junk.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage") and d / "junk.wav",
+     "not a PCM WAV file (the file ends inside its header)"),
+    (lambda d: (d / "dir.wav").mkdir() or d / "dir.wav", "a directory"),
+])
+def test_bad_wav_headers_get_one_clear_line(tmp_path: Path, make, match: str) -> None:
+    path = make(tmp_path)
+    for read in (read_wav, WavSource):
+        with pytest.raises(ValueError) as exc:
+            read(path)
+        assert match in str(exc.value) and "\n" not in str(exc.value)
+
+
+def test_wav_source_streams_what_the_whole_file_gives(tmp_path: Path) -> None:
+    rng = np.random.default_rng(1)
+    stereo = (rng.uniform(-0.5, 0.5, size=(3 * 44100 + 17, 2)) * 32767).astype("<i2")
+    path = tmp_path / "st.wav"
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(2), w.setsampwidth(2), w.setframerate(44100)
+        w.writeframes(stereo.tobytes())
+    x, rate = read_wav(path)
+    whole = Framer().push(resample(x, rate, SAMPLE_RATE), final=True)
+    streamed = list(WavSource(path)._blocks())
+    assert len(streamed) == len(whole)
+    assert max(np.max(np.abs(a.astype(np.int32) - b)) for a, b in zip(streamed, whole)) <= 2
+
+
+def test_an_hour_of_wav_is_not_loaded_whole(tmp_path: Path) -> None:
+    import tracemalloc
+
+    path = _wav_with_rate(tmp_path / "hour.wav", 48_000, seconds=0.01, channels=2)
+    data = bytearray(path.read_bytes())
+    size = 3600 * 48_000 * 4  # an hour of 48 kHz stereo: 660 MiB, left sparse on disk
+    data[4:8] = (36 + size).to_bytes(4, "little")  # the RIFF chunk's length
+    data[40:44] = size.to_bytes(4, "little")  # the data chunk's
+    path.write_bytes(bytes(data))
+    with path.open("r+b") as f:
+        f.truncate(44 + size)
+    with pytest.raises(ValueError, match="more than 600 s"):
+        read_wav(path)
+    source = WavSource(path)
+    assert source.seconds == pytest.approx(3600, rel=1e-3)
+    tracemalloc.start()
+    frames = list(itertools.islice(source._blocks(), 200))  # 6.4 s
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert len(frames) == 200 and peak < 8 << 20, peak
 
 
 # -- voice activity -------------------------------------------------------------------------------

@@ -17,6 +17,9 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
              model's own greedy continuation) and with prompt lookup, and tok/s projected
              for published acceptance figures (tools/bench_speculative.py)
 
+  structured  time per output token with and without a JSON schema and with tools,
+             grammar compile time cold and cached, host mask time per token
+             (tools/bench_structured.py)
   board      the shapes TensorRT Edge-LLM publishes for Jetson Orin (prefill 2048, decode
              with 2048 in the cache, 3 warm-up + 10 runs) with energy, the power mode and
              the clocks, beside the published figures; writes a JSON to share
@@ -31,11 +34,12 @@ Modes (one function each; add new ones as subcommands in ``build_parser``):
             times the speculative verify step's attention as a model step serves it
             (from the qkv rows, RoPE and the K/V store in the launch, each of --layers
             layers' pools, one sequence) for T tokens, T = 1 being the decode step's
-            launch, per call of a CUDA graph.
+            launch, per call of a CUDA graph. --kv-dtype int8 times the same over int8
+            pools (codes and a float32 scale a row: their bytes are what is read).
 
     python tools/bench.py kernels [--dtype bfloat16] [--kv-lens 512,2048,8192]
                                   [--sweep | --tunings JSON] [--prefill] [--floor]
-                                  [--verify-tokens 1,5,8] [--sms N]
+                                  [--verify-tokens 1,5,8] [--sms N] [--kv-dtype int8]
 """
 
 from __future__ import annotations
@@ -142,21 +146,38 @@ def _kernel_us(fn: Callable[[], None], prefix: str) -> list[float]:
     return out
 
 
+def _row_bytes(dtype, d: int, q8: bool) -> int:
+    """Bytes of a stored K or V row: d values, or d int8 codes and a float32 scale."""
+    import torch
+
+    return d + 4 if q8 else d * torch.empty((), dtype=dtype).element_size()
+
+
+def _random_pool(shape: tuple[int, ...], dtype, q8: bool, g: Any) -> Any:
+    """A pool of random rows: ``dtype``, or those rows quantized into an Int8KV."""
+    import torch
+
+    from edge.kernels.kv_int8 import Int8KV, quantize_rows
+
+    x = torch.randn(*shape, device="cuda", generator=g).to(dtype)
+    return Int8KV(*quantize_rows(x)) if q8 else x
+
+
 def _kv_sequences(
-    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int
+    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int, q8: bool = False
 ) -> tuple[Any, Any, Any, int]:
     """(k_pool, v_pool, block tables [n_seq, blocks], n_seq): enough distinct sequences
     (random block tables into one pool) that their K/V is ~6x the L2, so calls rotating
-    through them read K/V from device memory."""
+    through them read K/V from device memory. ``q8``: int8 pools (Int8KV)."""
     import torch
 
-    kv_bytes = 2 * kv_len * kvh * d * torch.empty((), dtype=dtype).element_size()
+    kv_bytes = 2 * kv_len * kvh * _row_bytes(dtype, d, q8)
     n_seq = max(4, min(512, math.ceil(6 * l2_bytes / kv_bytes)))
     blocks_per_seq = -(-kv_len // page)
     num_blocks = n_seq * blocks_per_seq
     g = torch.Generator(device="cuda").manual_seed(kv_len)
-    k_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
-    v_pool = torch.randn(num_blocks, page, kvh, d, device="cuda", generator=g).to(dtype)
+    k_pool = _random_pool((num_blocks, page, kvh, d), dtype, q8, g)
+    v_pool = _random_pool((num_blocks, page, kvh, d), dtype, q8, g)
     tables = (
         torch.randperm(num_blocks, device="cuda", generator=g)
         .to(torch.int32)
@@ -194,12 +215,14 @@ def _decode_case(
     page: int,
     l2_bytes: int,
     reps: int,
+    q8: bool = False,
 ) -> dict[str, Any]:
     """Time decode attention over enough distinct sequences (block tables into one
     pool) that their K/V is several times the L2: kernel durations (profiler), per-call
     time of the calls captured in one CUDA graph (serialised launches, and overlapped
     launches as the decode graph makes them on sm_90+), and eager per-call time.
-    ``pcs``: the serial and the overlapped-launch PagedAttentionCuda of one tuning."""
+    ``pcs``: the serial and the overlapped-launch PagedAttentionCuda of one tuning;
+    ``q8``: int8 pools."""
     import time
 
     import torch
@@ -207,16 +230,16 @@ def _decode_case(
     from edge.kernels import nvrtc, reference
 
     es = torch.empty((), dtype=dtype).element_size()
-    kv_bytes = 2 * kv_len * kvh * d * es
+    kv_bytes = 2 * kv_len * kvh * _row_bytes(dtype, d, q8)
     qo_bytes = 2 * qh * d * es
     table_bytes = -(-kv_len // page) * 4
-    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes)
+    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes, q8)
     g = torch.Generator(device="cuda").manual_seed(kv_len + 1)
     qs = torch.randn(n_seq, qh, d, device="cuda", generator=g).to(dtype)
     outs = torch.empty_like(qs)
     scale = 1.0 / math.sqrt(d)
     pc = pcs["serial"]
-    splits = pc.decode_splits(dtype, d, qh, kvh, kv_len, page)
+    splits = pc.decode_splits(dtype, d, qh, kvh, kv_len, page, kv_int8=q8)
 
     def calls(att: Any) -> Callable[[], None]:
         def run() -> None:
@@ -255,7 +278,7 @@ def _decode_case(
         ).item()
         del graph
     per_call_s = graph_s["serial"]
-    plan = pc._plan(dtype, d, qh, kvh, page)
+    plan = pc._plan(dtype, d, qh, kvh, page, q8=q8)
     kern = plan.kernel
     kernel_us = statistics.median(kern_us) if kern_us else float("nan")
     return {
@@ -286,7 +309,8 @@ def _decode_case(
 
 
 def _verify_case(
-    pc: Any, dtype, kv_len: int, qh: int, kvh: int, d: int, page: int, layers: int, reps: int, tokens: int
+    pc: Any, dtype, kv_len: int, qh: int, kvh: int, d: int, page: int, layers: int, reps: int, tokens: int,
+    q8: bool = False,
 ) -> dict[str, Any]:
     """The verify step's attention as a model step serves it: ``tokens`` tokens at
     positions [kv_len, kv_len + tokens) (one token: the decode step's launch) in each of
@@ -301,8 +325,8 @@ def _verify_case(
     g = torch.Generator(device="cuda").manual_seed(kv_len + tokens)
     max_pos = kv_len + tokens
     blocks = -(-max_pos // page)
-    pools = [(torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype),
-              torch.randn(blocks, page, kvh, d, device="cuda", generator=g).to(dtype)) for _ in range(layers)]
+    pools = [(_random_pool((blocks, page, kvh, d), dtype, q8, g), _random_pool((blocks, page, kvh, d), dtype, q8, g))
+             for _ in range(layers)]
     table = torch.randperm(blocks, device="cuda", generator=g).to(torch.int32)
     cos, sin_signed = rope_tables(1.0 / (1e6 ** (torch.arange(0, d, 2, dtype=torch.float64, device="cuda") / d)), max_pos)
     norm = torch.rand(qh + kvh, d, device="cuda", generator=g) * 0.4 + 0.8
@@ -325,7 +349,9 @@ def _verify_case(
     ran = sorted(k for k, n in pc.launcher.counts.items() if n != before.get(k, 0))
     graph = _capture(run)
     graph_ms, _ = _median_ms(graph.replay, reps)
-    k32, v32 = pools[-1][0].float(), pools[-1][1].float()  # the step's rows as the replays stored them
+    k32, v32 = pools[-1]  # the step's rows as the replays stored them
+    if not q8:
+        k32, v32 = k32.float(), v32.float()
     outs.fill_(float("nan"))
     graph.replay()
     want = reference.verify_attention_rope(qkv[-1].float(), rope32, k32, v32, table, pos, scale)
@@ -336,18 +362,21 @@ def _verify_case(
 
 
 def _floor_case(
-    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int, reps: int, splits: int
+    dtype, kv_len: int, kvh: int, d: int, page: int, l2_bytes: int, reps: int, splits: int, q8: bool = False
 ) -> dict[str, Any]:
     """Per-call time of kernels that only read the K/V bytes of one decode attention call
     (tools/kernels/read_floor.cu), captured in graphs like the attention calls: the
     attention's gather with its own grid and with 4x the splits, and a contiguous read
-    of as many bytes with 8 CTAs an SM. The attention kernel cannot beat these."""
+    of as many bytes with 8 CTAs an SM. The attention kernel cannot beat these. ``q8``:
+    the codes of int8 pools (their scales, 4 bytes a row, not read)."""
     import numpy as np
     import torch
 
     from edge.kernels.launcher import Launcher
 
-    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes)
+    k_pool, v_pool, tables, n_seq = _kv_sequences(dtype, kv_len, kvh, d, page, l2_bytes, q8)
+    if q8:
+        k_pool, v_pool = k_pool.codes, v_pool.codes
     es = k_pool.element_size()
     chunks = d * es // 16
     seq_chunks = kv_len * kvh * chunks  # of K (and of V), contiguous in linear_read
@@ -393,17 +422,15 @@ def _floor_case(
 
 
 def _prefill_case(
-    pc, dtype, start: int, t: int, qh: int, kvh: int, d: int, page: int, reps: int
+    pc, dtype, start: int, t: int, qh: int, kvh: int, d: int, page: int, reps: int, q8: bool = False
 ) -> dict[str, Any]:
     import torch
 
     total = start + t
     nb = -(-total // page)
     g = torch.Generator(device="cuda").manual_seed(total)
-    k_pool = torch.randn(
-        nb, page, kvh, d, device="cuda", generator=g, dtype=torch.float32
-    ).to(dtype)
-    v_pool = torch.randn_like(k_pool)
+    k_pool = _random_pool((nb, page, kvh, d), dtype, q8, g)
+    v_pool = _random_pool((nb, page, kvh, d), dtype, q8, g)
     table = torch.randperm(nb, device="cuda", generator=g).to(torch.int32)
     q = torch.randn(t, qh, d, device="cuda", generator=g, dtype=torch.float32).to(dtype)
     out = torch.empty_like(q)
@@ -435,6 +462,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
 
         args.green_context = restrict_sms(args.sms)  # first, before any stream; kept alive
     dtype = getattr(torch, _DTYPES[args.dtype])
+    q8 = args.kv_dtype == "int8"
     kv_lens = [int(x) for x in args.kv_lens.split(",") if x]
     props = torch.cuda.get_device_properties(0)
     l2 = int(getattr(props, "L2_cache_size", 0) or 50 * 2**20)
@@ -442,7 +470,8 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     fused = FusedCuda(launcher)
 
     def attention(tuning: paged_cuda.DecodeTuning) -> dict[str, Any]:
-        serial = paged_cuda.PagedAttentionCuda(launcher, fused, tuning, dtypes=(dtype,), head_dims=(args.head_dim,))
+        serial = paged_cuda.PagedAttentionCuda(launcher, fused, tuning, dtypes=(dtype,), head_dims=(args.head_dim,),
+                                               kv_int8=q8)
         overlapped = launcher.overlapped()
         return {"serial": serial, "overlapped": serial.with_launcher(overlapped, fused.with_launcher(overlapped))}
     result: dict[str, Any] = {
@@ -461,6 +490,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
             "head_dim": args.head_dim,
             "page": args.page,
             "dtype": str(dtype),
+            "kv_dtype": args.kv_dtype,
         },
     }
     copy = copy_bandwidth(args.copy_mib * 2**20, args.reps)
@@ -481,6 +511,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 args.page,
                 l2,
                 args.reps,
+                q8,
             )
             r["fraction_of_copy"] = r["GBps"] / bw
             r["graph_fraction_of_copy"] = r["graph_GBps"] / bw
@@ -494,7 +525,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     def verify_all(tuning: paged_cuda.DecodeTuning) -> list[dict[str, Any]]:
         pc = attention(tuning)["serial"]
         return [_verify_case(pc, dtype, kv_len, args.q_heads, args.kv_heads, args.head_dim, args.page, args.layers,
-                             args.reps, t) for kv_len in kv_lens for t in verify_tokens]
+                             args.reps, t, q8) for kv_len in kv_lens for t in verify_tokens]
 
     if args.sweep or args.tunings:
         sweep = []
@@ -511,7 +542,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
     result["verify"] = verify_all(paged_cuda.DecodeTuning())
     if args.floor:
         result["floor"] = [
-            _floor_case(dtype, x["kv_len"], args.kv_heads, args.head_dim, args.page, l2, args.reps, x["splits"])
+            _floor_case(dtype, x["kv_len"], args.kv_heads, args.head_dim, args.page, l2, args.reps, x["splits"], q8)
             for x in result["decode"]
         ]
         for f in result["floor"]:
@@ -529,6 +560,7 @@ def mode_kernels(args: argparse.Namespace) -> dict[str, Any]:
                 args.head_dim,
                 args.page,
                 args.reps,
+                q8,
             )
             for s, t in ((0, 512), (0, 2048), (4096, 512))
         ]
@@ -610,6 +642,8 @@ def build_parser() -> argparse.ArgumentParser:
         "kernels", help="copy bandwidth and paged decode attention bandwidth"
     )
     k.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPES))
+    k.add_argument("--kv-dtype", default="auto", choices=("auto", "int8"),
+                   help="the pools: the model dtype, or int8 codes with a float32 scale a row")
     k.add_argument("--kv-lens", default="512,2048,8192")
     k.add_argument("--q-heads", type=int, default=32)
     k.add_argument("--kv-heads", type=int, default=8)
@@ -650,6 +684,7 @@ def build_parser() -> argparse.ArgumentParser:
     import bench_decode
     import bench_scheduler
     import bench_speculative
+    import bench_structured
     import bench_vision
 
     d = sub.add_parser("decode", help="end-to-end decode benchmark (tools/bench_decode.py)")
@@ -664,6 +699,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp = sub.add_parser("speculative", help="speculative decoding: verify cost per k, speed-ups (tools/bench_speculative.py)")
     bench_speculative.add_arguments(sp)
     sp.set_defaults(func=bench_speculative.run)
+    st = sub.add_parser("structured", help="structured output: time per token with a schema / tools, compile and "
+                        "mask times (tools/bench_structured.py)")
+    bench_structured.add_arguments(st)
+    st.set_defaults(func=bench_structured.run)
     b = sub.add_parser("board", help="the board owner's benchmark: TensorRT Edge-LLM's shapes, energy, power mode "
                        "(tools/bench_board.py)")
     bench_board.add_arguments(b)
@@ -671,8 +710,21 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_device(args: argparse.Namespace) -> None:
+    """A mode bound for a GPU on a machine where torch sees none stops in one line
+    naming the CPU run, where the mode has one."""
+    import torch
+
+    device = getattr(args, "device", None)
+    if (device or "cuda").startswith("cuda") and not torch.cuda.is_available():
+        cpu = " (on the CPU: --device cpu)" if device is not None else (
+            " (on the CPU: tools/bench.py scheduler, speculative or vision with --device cpu)")
+        raise SystemExit(f"bench.py {args.mode}: torch sees no CUDA GPU{cpu}")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    check_device(args)
     result = args.func(args)
     json.dump(result, sys.stdout, indent=2)
     sys.stdout.write("\n")

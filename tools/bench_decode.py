@@ -7,7 +7,10 @@ the kernels one captured step launches, peak memory, and with ``--compare-hf``
 Hugging Face transformers on the same weights: ``generate()`` with a static cache
 compiled by torch.compile (its documented fast path) and, beside it, eager.
 ``--sms N`` restricts the process to N SMs first (a CUDA green context: 16 is an AGX
-Orin's SM count, 8 an Orin NX / Nano's).
+Orin's SM count, 8 an Orin NX / Nano's). ``--kv-dtype int8`` holds K/V in int8 (codes
+and a float32 scale a row). ``step_breakdown``: GPU time per kernel of one graph decode
+step at the context (launches serialised, so the times add up), with attention's share
+of the step's kernel time.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from edge.quant.q8_0 import DEFAULT_GROUP_SIZE, LM_HEAD, Int8Weight, quantize_te
 from edge.model.random_model import default_model_path, iter_random_tensors, model_config
 from edge.sampling import SamplerState, SamplingParams
 from edge.model.tokenizer import Tokenizer
+from edge.runtime.budget import kv_row_bytes
 from orin_shape import restrict_sms, stream_factory
 
 
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--sms", type=int, default=None, help="restrict the process to N SMs (green context) before anything runs")
     p.add_argument("--no-hf-compile", action="store_true", help="with --compare-hf: skip the compiled transformers run")
+    p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                   help="K/V rows: the model dtype, or int8 codes with a float32 scale a row")
 
 
 def copy_bandwidth(nbytes: int = 1 << 30, iters: int = 20) -> float:
@@ -113,10 +119,12 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     if args.model:
         engine = Engine.from_pretrained(
             args.model, device=device, dtype=dtype, page_size=args.page_size, max_seq_len=args.max_seq_len, quantize=_quantize(args),
-            stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None),
+            stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None), kv_dtype=_kv_dtype(args),
         )
         return engine, engine.cfg.raw
     raw = model_config(preset=args.preset)
+    if device.type == "cpu":
+        check_host_memory(raw, dtype, args.preset)
     if getattr(args, "init_profile", None):
         raw["init_profile"] = args.init_profile
         if args.init_profile == "peaked":
@@ -132,15 +140,37 @@ def build_engine(args: argparse.Namespace, streams: Any = None) -> tuple[Engine,
     # Size the pool for the benchmark's longest sequence twice over, not the whole GPU.
     blocks = 2 * (-(-args.max_seq_len // args.page_size)) + 8
     engine = Engine(model, tokenizer, Path(f"preset:{args.preset}"), page_size=args.page_size, max_seq_len=args.max_seq_len,
-                    num_blocks=blocks, stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None))
+                    num_blocks=blocks, stream_factory=streams, prefill_chunk=getattr(args, "engine_prefill_chunk", None),
+                    kv_dtype=_kv_dtype(args))
     return engine, raw
+
+
+def _kv_dtype(args: argparse.Namespace) -> str:
+    return getattr(args, "kv_dtype", None) or "auto"
+def check_host_memory(raw: dict, dtype: torch.dtype, preset: str) -> None:
+    """A random preset built in host RAM: refused in one line when its weights cannot fit
+    in the memory available, with a warning on stderr when they take over half of it."""
+    import math
+    import sys
+
+    from edge.runtime.budget import fmt_bytes, host_memory
+    from edge.model.random_model import state_dict_shapes
+
+    need = sum(math.prod(s) for s in state_dict_shapes(raw).values()) * torch.empty((), dtype=dtype).element_size()
+    _, available, _ = host_memory()
+    what = f"the {preset} preset's weights take {fmt_bytes(need)} in {str(dtype).removeprefix('torch.')}"
+    if need > available:
+        raise SystemExit(f"bench: {what}, more than the {fmt_bytes(available)} of memory available; "
+                         "choose a smaller --preset (tiny, qwen3-0.6b)")
+    if 2 * need > available:
+        print(f"bench: warning: {what} of the {fmt_bytes(available)} available", file=sys.stderr)
 
 
 def serial_engine(engine: Engine, args: argparse.Namespace, streams: Any = None) -> Engine:
     """An engine over ``engine``'s weights and pool size whose launches do not overlap."""
     return Engine(
         engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False, stream_factory=streams,
+        num_blocks=engine.kv.pool.num_blocks, overlap_launches=False, stream_factory=streams, kv_dtype=engine.kv_dtype,
     )
 
 
@@ -179,8 +209,9 @@ def weight_bytes_per_token(engine: Engine) -> int:
 
 
 def kv_bytes(engine: Engine, kv_len: int) -> int:
+    """K/V bytes a decode step at ``kv_len`` reads (int8: codes and scales)."""
     cfg = engine.cfg
-    return 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * cfg.head_dim * torch.finfo(engine.dtype).bits // 8
+    return 2 * cfg.num_layers * kv_len * cfg.num_kv_heads * kv_row_bytes(cfg.head_dim, engine.dtype, engine.kv_dtype)
 
 
 @contextmanager
@@ -236,6 +267,21 @@ def step_kernels(engine: Engine, prompt: list[int]) -> dict[str, int]:
     """Kernel launches of one captured greedy decode step, by name."""
     with prefilled(engine, prompt, graph=True) as (_, decoder, _, _):
         return decoder.captured_kernels[(True, False)]
+
+
+# The decode step's attention kernels (tensor-core or CUDA-core, RoPE fused or not, int8 KV).
+ATTENTION_KERNELS = ("paged_decode",)
+
+
+def step_breakdown(engine: Engine, prompt: list[int], reps: int = 10) -> dict:
+    """GPU time per kernel name of one graph decode step after ``prompt`` (the torch
+    profiler over ``reps`` steps), and attention's share of the step's kernel time."""
+    from bench_speculative import _kernel_table
+
+    with prefilled(engine, prompt, graph=True) as (seq, decoder, _, _):
+        table = _kernel_table(lambda: decoder.read(decoder.launch(seq, True)), reps)
+    attention = sum(k["us"] for k in table["kernels"] if k["name"].startswith(ATTENTION_KERNELS))
+    return table | {"attention_us": attention, "attention_share": attention / table["kernel_us"]}
 
 
 def h2d_bytes_per_step(engine: Engine, prompt: list[int], n: int) -> dict:
@@ -387,6 +433,7 @@ def run(args: argparse.Namespace) -> dict:
         "model": args.model or args.preset,
         "dtype": args.dtype,
         "quantize": _quantize(args) or "none",
+        "kv_dtype": engine.kv_dtype,
         "backend": engine.backend.describe(),
         "sms": engine.backend.sms,
         "green_context": green is not None,
@@ -407,13 +454,15 @@ def run(args: argparse.Namespace) -> dict:
         result[f"read_roofline_fraction_{mode}"] = tok_s / (read_bw / per_token)
     result["graph_speedup_over_eager"] = result["decode_tok_s_graph"] / result["decode_tok_s_eager"]
     result["overlapped_launches"] = engine.backend.overlap_launches
+    serial.cuda_graph = True
+    result["step_breakdown"] = step_breakdown(serial, prompt) | {"launches": "serial (no overlap)"}
     del serial
     engine.cuda_graph = True
     result["step_kernels"] = step_kernels(engine, prompt)
     result["cpu_per_token"] = cpu_per_token(engine, prompt, n)
     spinning = Engine(
         engine.model, engine.tokenizer, engine.model_dir, page_size=args.page_size, max_seq_len=args.max_seq_len,
-        num_blocks=engine.kv.pool.num_blocks, blocking_waits=False, stream_factory=streams,
+        num_blocks=engine.kv.pool.num_blocks, blocking_waits=False, stream_factory=streams, kv_dtype=engine.kv_dtype,
     )
     result["cpu_per_token_spinning_waits"] = cpu_per_token(spinning, prompt, n)
     del spinning

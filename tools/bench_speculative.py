@@ -55,7 +55,8 @@ COPY_CUE = 4  # tokens of the prompt lookup prompt's first half repeated at its 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--model", help="model directory")
-    src.add_argument("--preset", default="qwen3-8b", help="random preset built on the device (qwen3-8b|qwen3-0.6b|tiny|...)")
+    src.add_argument("--preset", help="random preset built on the device (qwen3-8b|qwen3-0.6b|tiny|...; "
+                     "default: qwen3-8b on cuda, tiny on the CPU)")
     p.add_argument("--device", default="cuda", help="cuda or cpu (cpu: the reference backend, eager)")
     p.add_argument("--dtype", default=None, help="default: bfloat16 on cuda, float32 on cpu")
     p.add_argument("--quantize", choices=("none", "int8", "int4"), default="none")
@@ -304,6 +305,8 @@ def run(args: argparse.Namespace) -> dict:
 
 def _measure(args: argparse.Namespace, ctx: Any) -> dict:
     args.dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
+    if not args.model and not args.preset:
+        args.preset = "tiny" if args.device == "cpu" else "qwen3-8b"
     if args.max_k < 1:
         raise SystemExit("--max-k must be at least 1")
     if args.context + COPY_CUE + 3 * args.tokens + args.max_k + 2 > args.max_seq_len:

@@ -31,6 +31,8 @@ step() {  # name, command...
     local t0=$SECONDS
     if "$@" >"$OUT/$name.log" 2>&1; then r=ok; else r="FAIL($?)"; fi
     status+=("$(printf '%-26s %-8s %4ss  %s' "$name" "$r" $((SECONDS - t0)) "$(tail -n 1 "$OUT/$name.log" | cut -c1-150)")")
+    echo "${status[-1]}"
+    tar czf "$RESULTS/session.tgz" -C "$OUT" .  # after every step: a timeout loses nothing
 }
 B="python3 tools/bench.py"
 for s in "$@"; do
@@ -59,6 +61,13 @@ for s in "$@"; do
         load-peak-int4) step load-peak-int4 sh -c "python3 tools/make_model.py /tmp/q8b --preset qwen3-8b --dtype bfloat16 && python3 tools/load_peak.py /tmp/q8b --device cuda --quantize int4 && python3 tools/quantize.py /tmp/q8b /tmp/q8b-int4 --bits 4 && python3 tools/load_peak.py /tmp/q8b-int4 --device cuda" ;;
         quick) step quick python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_int8_cuda.py tests/test_graph_cuda.py tests/test_overlap_cuda.py ;;
         verify) step verify python3 tools/verify_paged.py --device cuda --dtype bfloat16 ;;
+        kvint8-tests) step kvint8-tests python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kv_int8_cuda.py ;;
+        kvint8-verify) for q in none int8 int4; do step kvint8-verify-$q python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize $q --kv-dtype int8; done ;;
+        kvint8-drift) for q in none int4; do step kvint8-drift-$q sh -c "python3 tools/kv_drift.py --device cuda --quantize $q --skip-transformers --json > $OUT/kv-drift-$q.json"; done ;;
+        kvint8-bench)  # Qwen3-8B int4 at context 8192, 16 SMs: bf16 against int8 K/V (tok/s, attention's share, TTFT 2048)
+            for kv in auto int8; do step kvint8-bench-$kv sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --context 8192 --max-seq-len 9216 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 --kv-dtype $kv > $OUT/decode-8b-int4-8k-16sms-kv-$kv.json"; done ;;
+        kvint8-kernels)  # decode attention alone, bf16 and int8 pools, 16 SMs
+            for kv in auto int8; do step kvint8-kernels-$kv sh -c "$B kernels --sms 16 --kv-lens 2048,8192 --verify-tokens 1,5 --prefill --kv-dtype $kv > $OUT/kernels-16sms-kv-$kv.json"; done ;;
         vision16) step vision-16sms env EDGE_TEST_SMS=16 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
         vision8) step vision-8sms env EDGE_TEST_SMS=8 python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_vision_cuda.py ;;
         vision) step vision python3 -m pytest -m cuda -q -x -p no:cacheprovider tests/test_vision_cuda.py ;;
@@ -107,6 +116,16 @@ for s in "$@"; do
         spec) step spec python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_speculative_cuda.py ;;
         bench-spec) for q in none int8; do step bench-spec-$q sh -c "$B speculative --preset qwen3-8b --quantize $q > $OUT/speculative-8b-$q.json"; done ;;
         bench-spec16) step bench-spec-16sms sh -c "$B speculative --preset qwen3-8b --sms 16 > $OUT/speculative-8b-16sms.json" ;;
+        new-tests)  # the GPU tests of int8 K/V, structured output and GGUF
+            step new-tests python3 -m pytest -m cuda -q -p no:cacheprovider tests/test_kv_int8_cuda.py tests/test_structured_cuda.py tests/test_gguf_cuda.py ;;
+        verify-kv8) for q in none int4; do step verify-kv8-$q python3 tools/verify_paged.py --device cuda --dtype bfloat16 --quantize $q --kv-dtype int8; done ;;
+        ba-*)  # ba-<quantize>: decode and TTFT of this tree, then of the previous release (.before), same card
+            q=${s#ba-}
+            step after-$q sh -c "timeout ${STEP_LIMIT:-240} $B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/after-$q.json"
+            step before-$q sh -c "cd .before && PYTHONPATH=. timeout ${STEP_LIMIT:-240} $B decode --preset qwen3-8b --quantize $q --decode-tokens 128 --repeats 2 --ttft-lengths 512 > $OUT/before-$q.json" ;;
+        kv8k) for kv in auto int8; do step kv8k-$kv sh -c "$B decode --preset qwen3-8b --quantize int4 --sms 16 --context 8192 --max-seq-len 9216 --decode-tokens 64 --repeats 2 --ttft-lengths 2048 --kv-dtype $kv > $OUT/kv8k-$kv.json"; done ;;
+        structured) for n in 16 8; do step structured-$n sh -c "timeout ${STEP_LIMIT:-240} $B structured --preset qwen3-8b --quantize int4 --sms $n > $OUT/structured-$n.json"; done ;;
+        board) for n in 16 8; do step board-$n sh -c "$B board --preset qwen3-8b --quantize int4 --sms $n > $OUT/board-$n.json"; done ;;
         *) echo "unknown step $s"; exit 2 ;;
     esac
 done

@@ -3,7 +3,9 @@
 the vision-language presets qwen3-vl-tiny, qwen2.5-vl-tiny and qwen3-vl-8b: edge/model/vision/random_model.py).
 
 python tools/make_model.py OUT_DIR [--arch qwen3] [--preset tiny] [--seed 0]
-    [--dtype float32] [--max-shard-mb N] [--vocab-size N] [--num-layers N]
+    [--dtype float32] [--max-shard-mb N] [--vocab-size N] [--num-layers N] [--quiet]
+
+Files get the mode a plain file gets (0644 under umask 022); a progress bar goes to stderr.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--vocab-size", type=int, default=None, help="model vocabulary (>= the tokenizer's; larger pads the embedding)"
     )
     parser.add_argument("--num-layers", type=int, default=None, help="num_hidden_layers")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar on stderr")
     return parser.parse_args(argv)
 
 
@@ -55,7 +58,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.arch is not None:
             raise SystemExit(f"--arch does not apply to the vision-language preset {args.preset}")
         out = make_vl_model(
-            args.out_dir, args.preset, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes, **overrides
+            args.out_dir, args.preset, seed=args.seed, dtype=args.dtype, max_shard_bytes=max_shard_bytes,
+            progress=not args.quiet, **overrides,
         )
         print(out)
         return 0
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         dtype=args.dtype,
         max_shard_bytes=max_shard_bytes,
+        progress=not args.quiet,
         **overrides,
     )
     print(out)

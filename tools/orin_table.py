@@ -2,6 +2,11 @@
 engine's default KV budget (edge/runtime/budget.py), and the decode roofline at the board's bandwidth.
 
     python tools/orin_table.py [--max-seq-len 4096] [--fraction 16:int4=0.23 ...] [--fraction 'AGX Orin 64 GB=0.8']
+                               [--kv-dtype int8]
+
+The budget table gives the contexts the default pool holds with K/V in bf16 and in int8
+(codes and a float32 scale a row: the same memory, about twice the tokens); the
+projection reads K/V of ``--kv-dtype``.
 
 Nothing is measured here: a board's memory after loading is MemTotal less what the OS and
 the engine's CUDA context take (the assumptions below); the activations are the engine's
@@ -31,6 +36,7 @@ from edge.runtime.budget import (  # noqa: E402
     default_budget,
     estimate_activation_bytes,
     kv_block_bytes,
+    kv_row_bytes,
 )
 from edge.model.config import ModelConfig  # noqa: E402
 from edge.runtime.memory_plan import Checkpoint, held_form, weight_parts  # noqa: E402
@@ -88,14 +94,14 @@ def embedding_row_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GR
     return h + 4 * (h // group_size) if fmt == "int4" else 2 * h
 
 
-def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int) -> int:
+def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int, kv_dtype: str = "auto") -> int:
     """Bytes one decode step reads (as tools/bench_decode.py counts them): every weight but
     the embedding table, of which one row (a tied table is read whole as lm_head), and the
-    K/V of ``context`` tokens."""
+    K/V of ``context`` tokens (bf16, or int8 rows with ``kv_dtype="int8"``)."""
     total = weight_bytes(cfg, fmt)
     if not cfg.tie_word_embeddings:
         total -= (cfg.vocab_size - 1) * embedding_row_bytes(cfg, fmt)
-    return total + 2 * cfg.num_layers * context * cfg.num_kv_heads * cfg.head_dim * 2
+    return total + 2 * cfg.num_layers * context * cfg.num_kv_heads * kv_row_bytes(cfg.head_dim, torch.bfloat16, kv_dtype)
 
 
 def activations_and_graphs(cfg: ModelConfig) -> tuple[int, int]:
@@ -104,8 +110,10 @@ def activations_and_graphs(cfg: ModelConfig) -> tuple[int, int]:
     return activations, GRAPH_SLOTS * estimate_activation_bytes(cfg, 1, 1, torch.bfloat16) + GRAPH_OVERHEAD
 
 
-def board_budget(board: Board, cfg: ModelConfig, fmt: str, max_seq_len: int) -> tuple[int, MemoryBudget | str]:
-    """(available after loading, the default budget or why none fits)."""
+def board_budget(
+    board: Board, cfg: ModelConfig, fmt: str, max_seq_len: int, kv_dtype: str = "auto"
+) -> tuple[int, MemoryBudget | str]:
+    """(available after loading, the default budget of a ``kv_dtype`` pool or why none fits)."""
     weights = weight_bytes(cfg, fmt)
     available = board.mem_total - OS_USED - CUDA_CONTEXT - weights
     if available <= 0:
@@ -114,7 +122,7 @@ def board_budget(board: Board, cfg: ModelConfig, fmt: str, max_seq_len: int) -> 
     memory = MemoryInfo("integrated", board.mem_total, available, "projected")
     try:
         return available, default_budget(
-            memory, block_bytes=kv_block_bytes(cfg, PAGE_SIZE, torch.bfloat16), page_size=PAGE_SIZE,
+            memory, block_bytes=kv_block_bytes(cfg, PAGE_SIZE, torch.bfloat16, kv_dtype), page_size=PAGE_SIZE,
             max_seq_len=max_seq_len, weights=weights, activations=activations, graphs=graphs)
     except BudgetError:
         return available, "no room for one context"
@@ -127,8 +135,8 @@ def gib(n: float) -> str:
 def budget_table(max_seq_len: int) -> str:
     rows = [
         f"| board | preset | format | weights GiB | available after loading GiB | activations + graphs GiB "
-        f"| default KV GiB | contexts of {max_seq_len} | bound by |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| default KV GiB | contexts of {max_seq_len} | bound by | contexts with int8 KV |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for board in BOARDS:
         for preset in MODELS:
@@ -136,20 +144,22 @@ def budget_table(max_seq_len: int) -> str:
             for fmt in FORMATS:
                 available, b = board_budget(board, cfg, fmt, max_seq_len)
                 head = f"| {board.name} | {preset} | {fmt} | {gib(weight_bytes(cfg, fmt))} | "
+                b8 = board_budget(board, cfg, fmt, max_seq_len, "int8")[1]
+                int8_contexts = "0" if isinstance(b8, str) else f"{b8.full_sequences:.1f}"
                 if isinstance(b, str):
-                    rows.append(head + f"{gib(max(available, 0))} | — | — | 0 | {b} |")
+                    rows.append(head + f"{gib(max(available, 0))} | — | — | 0 | {b} | {int8_contexts} |")
                     continue
                 # Which limit sized the pool: the cap, the reserve, or the utilization.
                 by = ("cap (4 contexts)" if b.capped else
                       "reserve" if b.available - b.reserve < b.available * b.utilization else "utilization")
                 rows.append(head + f"{gib(b.available)} | {gib(b.activations + b.graphs)} | {gib(b.kv_bytes)} "
-                            f"| {b.full_sequences:.1f} | {by} |")
+                            f"| {b.full_sequences:.1f} | {by} | {int8_contexts} |")
     return "\n".join(rows)
 
 
-def projection_table(context: int, fractions: dict[tuple[str | int, str | None], float]) -> str:
+def projection_table(context: int, fractions: dict[tuple[str | int, str | None], float], kv_dtype: str = "auto") -> str:
     """``fractions``: keyed by (SM count, format) as measured, or (board name, None) for
-    every format of one board."""
+    every format of one board; K/V read as ``kv_dtype``."""
     rows = [
         f"| board | SMs | GB/s | preset | format | MB read per token at context {context} | roofline tok/s "
         "| roofline fraction at the board's SMs | projected tok/s |",
@@ -159,9 +169,9 @@ def projection_table(context: int, fractions: dict[tuple[str | int, str | None],
         for preset in MODELS:
             cfg = preset_config(preset)
             for fmt in FORMATS:
-                if isinstance(board_budget(board, cfg, fmt, context)[1], str):
+                if isinstance(board_budget(board, cfg, fmt, context, kv_dtype)[1], str):
                     continue
-                per_token = decode_bytes_per_token(cfg, fmt, context)
+                per_token = decode_bytes_per_token(cfg, fmt, context, kv_dtype)
                 roof = board.bandwidth / per_token
                 f = fractions.get((board.sms, fmt), fractions.get((board.name, None)))
                 proj = f"{f * roof:.0f}" if f is not None else "pending GPU run"
@@ -177,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--fraction", action="append", default=[], metavar="SMS:FORMAT=F | BOARD=F",
                    help="measured roofline fraction at an SM count for one format (e.g. 16:int4=0.23), or "
                    "for every format of one board (e.g. 'AGX Orin 64 GB=0.8')")
+    p.add_argument("--kv-dtype", choices=("auto", "int8"), default="auto",
+                   help="K/V the projection reads: bf16 (auto) or int8 rows")
     args = p.parse_args(argv)
     fractions: dict[tuple[str | int, str | None], float] = {}
     for item in args.fraction:
@@ -191,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"({', '.join(b.name for b in BOARDS)})")
     print(budget_table(args.max_seq_len))
     print()
-    print(projection_table(args.max_seq_len, fractions))
+    print(projection_table(args.max_seq_len, fractions, args.kv_dtype))
     return 0
 
 

@@ -43,6 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--bits", type=int, choices=(8, 4), default=8, help="8: q8_0 (default); 4: int4")
     parser.add_argument("--method", choices=("rtn", "awq"), default="rtn", help="int4: round-to-nearest or AWQ scaling")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars on stderr")
     return parser.parse_args(argv)
 
 
@@ -55,7 +56,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.bits == 4:
             if args.keep_lm_head_float:
                 raise ValueError("--keep-lm-head-float is for --bits 8 (int4 files keep lm_head float)")
-            summary = quantize_checkpoint_int4(args.src, args.dst, group_size=args.group_size, method=args.method)
+            summary = quantize_checkpoint_int4(
+                args.src, args.dst, group_size=args.group_size, method=args.method, progress=not args.quiet
+            )
             print(json.dumps(summary))
             return 0
         summary = quantize_checkpoint(
@@ -64,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             group_size=args.group_size,
             keep_lm_head_float=args.keep_lm_head_float,
             scale_dtype=SCALE_DTYPES[args.scale_dtype],
+            progress=not args.quiet,
         )
     except (FileNotFoundError, ValueError, RuntimeError) as exc:
         print(f"quantize: error: {exc}", file=sys.stderr)

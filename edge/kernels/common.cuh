@@ -324,6 +324,186 @@ __device__ __forceinline__ void mma_pv16(float (&o)[D / 8][4], const float (&p0)
   }
 }
 
+// ---- int8 K/V rows (edge/kernels/kv_int8.py) -----------------------------------------
+//
+// A row (a token's KV head) is held as D int8 codes round(x * 127 / amax) and one float32
+// scale amax / 127, from the row's values as the model dtype holds them; every store
+// below computes exactly what kv_int8.quantize_rows does (IEEE division and product,
+// round half to even). Readers never round a dequantized row to the model dtype: the
+// tensor-core kernels multiply exact codes on float16 tensor cores and apply the key
+// scale to the scores, the value scale to the probabilities.
+
+// One lane's E codes (bytes 0..E-1 of the result) and the row's scale, from a warp that
+// holds the row E values a lane (lane l: elements [l E, l E + E)). Every lane calls it.
+template <typename T, int E>
+__device__ __forceinline__ unsigned int quantize_row_lane(const Pack<T, E>& x, float& scale) {
+  static_assert(E <= 4, "a lane's codes fit one word");
+  float amax = 0.f;
+#pragma unroll
+  for (int j = 0; j < E; ++j) amax = fmaxf(amax, fabsf(to_float(x.v[j])));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+  scale = amax / 127.f;
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  unsigned int w = 0;
+#pragma unroll
+  for (int j = 0; j < E; ++j) {
+    const int c = min(127, max(-127, __float2int_rn(to_float(x.v[j]) * inv)));
+    w |= (static_cast<unsigned int>(c) & 0xffu) << (8 * j);
+  }
+  return w;
+}
+
+// Store a lane's E codes (from quantize_row_lane) at p (E-byte aligned).
+template <int E>
+__device__ __forceinline__ void store_codes(signed char* p, unsigned int w) {
+  if constexpr (E == 4) {
+    *reinterpret_cast<unsigned int*>(p) = w;
+  } else if constexpr (E == 2) {
+    *reinterpret_cast<unsigned short*>(p) = static_cast<unsigned short>(w);
+  } else {
+#pragma unroll
+    for (int j = 0; j < E; ++j) p[j] = static_cast<signed char>((w >> (8 * j)) & 0xffu);
+  }
+}
+
+// Two codes of a word as exact float16 values: x is the word XOR 0x80808080 (code + 128
+// in each byte), SEL a byte_perm selector 0x4B4A (code bytes A, B into the low bytes
+// of two halves of 0x64..: 1024 + code + 128 each), less 1152 in both halves.
+template <unsigned int SEL>
+__device__ __forceinline__ unsigned int codes_h2(unsigned int x) {
+  const unsigned int h = __byte_perm(x, 0x64646464u, SEL);
+  const unsigned int bias = 0x64806480u;  // 1152.0 in both halves
+  const __half2 r = __hsub2(*reinterpret_cast<const __half2*>(&h), *reinterpret_cast<const __half2*>(&bias));
+  return *reinterpret_cast<const unsigned int*>(&r);
+}
+
+// 4-byte async global->shared copy (a row's scale); src_bytes == 0 writes zeros.
+__device__ __forceinline__ void cp_async4(unsigned int dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Four T values at p (8-byte aligned for 16-bit T, 16-byte for float) as floats.
+template <typename T>
+__device__ __forceinline__ void load4f(const T* p, float (&f)[4]) {
+  if constexpr (sizeof(T) == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    f[0] = v.x, f[1] = v.y, f[2] = v.z, f[3] = v.w;
+  } else {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    const T* h = reinterpret_cast<const T*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) f[i] = to_float(h[i]);
+  }
+}
+
+// The power of two that takes a row of largest magnitude amax into [2^14, 2^15) (its
+// values then fit float16 exactly down to 2^-28 of amax), and its inverse.
+__device__ __forceinline__ void half_row_scale(float amax, float& f, float& inv_f) {
+  const int e = static_cast<int>((__float_as_uint(amax) >> 23) & 0xffu);  // biased exponent
+  const int fe = min(253, max(1, 268 - e));                                 // 2^(14 - floor(log2 amax))
+  f = __uint_as_float(static_cast<unsigned int>(fe) << 23);
+  inv_f = __uint_as_float(static_cast<unsigned int>(254 - fe) << 23);
+}
+
+// The query A fragments of an m16 tile for K held as int8 codes (qk_int8_b): rows q0, q1
+// (D elements of T each, 8-byte aligned; null: a zero row) scaled row by row into
+// float16 (half_row_scale), the k16 step s of the permuted columns: lane (g, t) holds
+// columns 16 s + 4 t + {0, 1} as its k = 2 t, 2 t + 1 and 16 s + 4 t + {2, 3} as its
+// k = 2 t + 8, 2 t + 9 (the key fragments read 4 adjacent codes a lane). rs gets each
+// row's inverse factor (times `mul`) for its scores.
+template <typename T, int D>
+__device__ __forceinline__ void q_fragments_int8(unsigned int (&qa)[D / 16][4], const T* q0, const T* q1, float mul,
+                                                 float (&rs)[2]) {
+  const int tig = threadIdx.x & 3;
+  float amax[2] = {0.f, 0.f};
+  const T* rows[2] = {q0, q1};
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      if (rows[i] != nullptr) {
+        float f[4];
+        load4f(rows[i] + ks * 16 + tig * 4, f);
+        amax[i] = fmaxf(amax[i], fmaxf(fmaxf(fabsf(f[0]), fabsf(f[1])), fmaxf(fabsf(f[2]), fabsf(f[3]))));
+      }
+    }
+  }
+  float fac[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 1));
+    amax[i] = fmaxf(amax[i], __shfl_xor_sync(0xffffffffu, amax[i], 2));
+    float inv;
+    half_row_scale(amax[i], fac[i], inv);
+    rs[i] = mul * inv;
+  }
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float f[4] = {0.f, 0.f, 0.f, 0.f};
+      if (rows[i] != nullptr) load4f(rows[i] + ks * 16 + tig * 4, f);
+      qa[ks][i] = pack2<__half>(f[0] * fac[i], f[1] * fac[i]);
+      qa[ks][2 + i] = pack2<__half>(f[2] * fac[i], f[3] * fac[i]);
+    }
+  }
+}
+
+// S += Q K^T for 16 keys held as int8 codes (rows of ldb bytes at k, shared memory): the
+// two m16n8 score tiles (keys 0-7, 8-15), products of exact codes, unscaled. One
+// ldmatrix.x4 a pair of k16 steps: matrices (keys 0-7, 8-15) x (columns 16 s, 16 s + 16)
+// of 16 bytes; lane (g, t) gets codes 4 t .. 4 t + 3 of its key's 16 columns, the
+// permuted k of q_fragments_int8.
+template <int D>
+__device__ __forceinline__ void mma_qk16_int8(float (&sc)[2][4], const unsigned int (&qa)[D / 16][4],
+                                              const signed char* k, int ldb) {
+  const int lane = threadIdx.x & 31;
+  const int idx = lane >> 3;
+  const signed char* addr = k + ((idx & 1) * 8 + (lane & 7)) * ldb + (idx >> 1) * 16;
+#pragma unroll
+  for (int s = 0; s < D / 16; s += 2) {
+    unsigned int r[4];
+    ldmatrix_x4(r[0], r[1], r[2], r[3], smem_u32(addr + s * 16));
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const unsigned int x = r[m] ^ 0x80808080u;
+      mma16816<__half>(sc[m & 1], qa[s + (m >> 1)], codes_h2<0x4140u>(x), codes_h2<0x4342u>(x));
+    }
+  }
+}
+
+// o += P V for 16 keys held as int8 codes (rows of ldb bytes at v, shared memory): p0, p1
+// the probabilities already times each key's value scale (float16 range), as in
+// mma_pv16. ldmatrix.trans of 16-bit pairs of codes gives lane (g, t) keys 2 t, 2 t + 1
+// (8 more: the second matrix) of columns 2 g, 2 g + 1 of a 16-column chunk c: tile 2 c
+// of o takes the even columns, tile 2 c + 1 the odd ones, so o's row g holds columns
+// 16 c + 4 t + {0, 1, 2, 3} as (o[2c][0], o[2c+1][0], o[2c][1], o[2c+1][1]) (rows g + 8:
+// elements 2, 3).
+template <int D>
+__device__ __forceinline__ void mma_pv16_int8(float (&o)[D / 8][4], const float (&p0)[4], const float (&p1)[4],
+                                              const signed char* v, int ldb) {
+  const int lane = threadIdx.x & 31;
+  unsigned int pa[4];
+  pa[0] = pack2<__half>(p0[0], p0[1]);
+  pa[1] = pack2<__half>(p0[2], p0[3]);
+  pa[2] = pack2<__half>(p1[0], p1[1]);
+  pa[3] = pack2<__half>(p1[2], p1[3]);
+  const int idx = lane >> 3;
+  const signed char* addr = v + ((idx & 1) * 8 + (lane & 7)) * ldb + (idx >> 1) * 16;
+#pragma unroll
+  for (int c = 0; c < D / 16; c += 2) {
+    unsigned int r[4];
+    ldmatrix_x4_trans(r[0], r[1], r[2], r[3], smem_u32(addr + c * 16));
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // chunk c + h: keys 0-7 in r[2h], 8-15 in r[2h + 1]
+      const unsigned int x0 = r[2 * h] ^ 0x80808080u, x1 = r[2 * h + 1] ^ 0x80808080u;
+      mma16816<__half>(o[2 * (c + h)], pa, codes_h2<0x4240u>(x0), codes_h2<0x4240u>(x1));
+      mma16816<__half>(o[2 * (c + h) + 1], pa, codes_h2<0x4341u>(x0), codes_h2<0x4341u>(x1));
+    }
+  }
+}
+
 // Row index of position p in a paged pool of one KV head:
 //   slot = table[p >> log2_page] * page + (p & (page - 1)).
 __device__ __forceinline__ long long paged_slot(const int* __restrict__ table, int p, int log2_page) {

@@ -12,7 +12,8 @@
 //                 RoPE (x * cos + rotate_half(x) * sin) at positions read on the device;
 //                 optionally k and v go straight into their paged-pool rows (the slot of
 //                 each token from the block table and the same device positions), which
-//                 saves the KV-write launch of every layer
+//                 saves the KV-write launch of every layer; int8 pools (scale pointers
+//                 given) get each row's codes and scale (common.cuh, "int8 K/V rows")
 //
 // float32 math inside; one rounding to T per output (plus the roundings HF does between
 // the q/k norm and its weight, so that float16/bfloat16 match transformers' order).
@@ -124,8 +125,8 @@ __device__ __forceinline__ void qk_norm_rope_head(
     T* __restrict__ q_out, T* __restrict__ k_out, const T* __restrict__ qkv,
     const T* __restrict__ weight, const T* __restrict__ cos_tab, const T* __restrict__ sin_tab,
     const void* __restrict__ positions, int pos_is_i64, int heads, int kv_heads,
-    long long row_stride, int max_pos, float eps, T* __restrict__ k_pool, T* __restrict__ v_pool,
-    const int* __restrict__ table, int log2_page) {
+    long long row_stride, int max_pos, float eps, void* __restrict__ k_pool, void* __restrict__ v_pool,
+    float* __restrict__ k_scale, float* __restrict__ v_scale, const int* __restrict__ table, int log2_page) {
   constexpr int E = D / 32;
   using P = edge::Pack<T, E>;
   const int lane = threadIdx.x & 31;
@@ -141,18 +142,35 @@ __device__ __forceinline__ void qk_norm_rope_head(
 
   const P xin = *reinterpret_cast<const P*>(qkv + t * row_stride + head * D + lane * E);
   T* pool_row = nullptr;  // this token's row of kv head (head - heads) mod kv_heads
+  long long row = -1;     // ... its index in the pool, [slot, kv_heads]
+  const bool q8 = k_scale != nullptr;  // int8 pools: codes [row, D] and a scale a row
   if (k_pool != nullptr && head >= heads) {
     const int kvh = (head - heads) % kv_heads;
-    const long long slot = edge::paged_slot(table, static_cast<int>(p), log2_page);
-    pool_row = (head < heads + kv_heads ? k_pool : v_pool) + (slot * kv_heads + kvh) * D;
-    if (head >= heads + kv_heads) {  // v: a plain copy
-      *reinterpret_cast<P*>(pool_row + lane * E) = xin;
+    row = edge::paged_slot(table, static_cast<int>(p), log2_page) * kv_heads + kvh;
+    void* pool = head < heads + kv_heads ? k_pool : v_pool;
+    pool_row = static_cast<T*>(pool) + row * D;
+    if (head >= heads + kv_heads) {  // v: a plain copy (int8: its codes and scale)
+      if (q8) {
+        float scale;
+        const unsigned int codes = edge::quantize_row_lane<T, E>(xin, scale);
+        edge::store_codes<E>(static_cast<signed char*>(pool) + row * D + lane * E, codes);
+        if (lane == 0) v_scale[row] = scale;
+      } else {
+        *reinterpret_cast<P*>(pool_row + lane * E) = xin;
+      }
       return;
     }
   }
   const P cv = *reinterpret_cast<const P*>(cos_tab + p * D + lane * E);
   const P sv = *reinterpret_cast<const P*>(sin_tab + p * D + lane * E);
   const P o = edge::norm_rope_lane<T, D>(xin, weight != nullptr ? weight + head * D : nullptr, cv, sv, eps, lane);
+  if (row >= 0 && q8) {  // k into an int8 pool
+    float scale;
+    const unsigned int codes = edge::quantize_row_lane<T, E>(o, scale);
+    edge::store_codes<E>(static_cast<signed char*>(k_pool) + row * D + lane * E, codes);
+    if (lane == 0) k_scale[row] = scale;
+    return;
+  }
   T* dst = pool_row != nullptr ? pool_row
            : head < heads     ? q_out + (static_cast<long long>(t) * heads + head) * D
                               : k_out + (static_cast<long long>(t) * kv_heads + (head - heads)) * D;
@@ -221,11 +239,11 @@ extern "C" __global__ void __launch_bounds__(256)
       const T* __restrict__ weight, const T* __restrict__ cos_tab,                            \
       const T* __restrict__ sin_tab, const void* __restrict__ positions, int pos_is_i64,      \
       int heads, int kv_heads, long long row_stride, int max_pos, float eps,                  \
-      T* __restrict__ k_pool, T* __restrict__ v_pool, const int* __restrict__ table,          \
-      int log2_page) {                                                                        \
+      void* __restrict__ k_pool, void* __restrict__ v_pool, float* __restrict__ k_scale,      \
+      float* __restrict__ v_scale, const int* __restrict__ table, int log2_page) {            \
     qk_norm_rope_head<T, D>(q_out, k_out, qkv, weight, cos_tab, sin_tab, positions,           \
                             pos_is_i64, heads, kv_heads, row_stride, max_pos, eps, k_pool,    \
-                            v_pool, table, log2_page);                                        \
+                            v_pool, k_scale, v_scale, table, log2_page);                      \
   }
 
 CFG_FUSED_NORM(f16, __half)

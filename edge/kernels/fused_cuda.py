@@ -30,6 +30,7 @@ import functools
 import numpy as np
 import torch
 
+from edge.kernels.kv_int8 import Int8KV
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.kernels.reference import PagedKV
@@ -224,9 +225,9 @@ class FusedCuda:
         """Per-head RMSNorm (if ``qk_norm_weight``) and RoPE of the q and k parts of
         ``qkv [T, (heads + 2 kv_heads) * D]`` at ``positions`` (int64/int32 ``[T]`` on the
         device): contiguous ``(q [T, heads, D], k [T, kv_heads, D])``; with ``cache``, k
-        and v go into the pool rows of ``positions`` in the same launch and k is returned
-        as None. Positions outside the tables are clamped on the device (the reference
-        raises)."""
+        and v go into the pool rows of ``positions`` in the same launch (quantized into an
+        int8 pool) and k is returned as None. Positions outside the tables are clamped on
+        the device (the reference raises)."""
         d = head_dim
         w = qk_norm_weight
         if not (
@@ -255,16 +256,7 @@ class FusedCuda:
                 np.int64(qkv.stride(0)),
                 np.int32(cos.shape[0]),
                 np.float32(eps),
-                *(
-                    (0, 0, 0, np.int32(0))
-                    if cache is None
-                    else (
-                        cache.k_pool.data_ptr(),
-                        cache.v_pool.data_ptr(),
-                        cache.table.data_ptr(),
-                        np.int32(cache.k_pool.shape[1].bit_length() - 1),
-                    )
-                ),
+                *((0, 0, 0, 0, 0, np.int32(0)) if cache is None else _pool_args(cache)),
             ),
         )
         return q, k
@@ -315,22 +307,37 @@ def _qk_ok(
     )
 
 
+def _pool_args(cache: PagedKV) -> tuple:
+    """The kernel's pool arguments: k, v rows (int8 codes), k, v scales (0: float pools),
+    table, log2(page)."""
+    k_pool, v_pool, table = cache
+    if isinstance(k_pool, Int8KV):
+        rows = (k_pool.codes.data_ptr(), v_pool.codes.data_ptr(), k_pool.scales.data_ptr(), v_pool.scales.data_ptr())
+    else:
+        rows = (k_pool.data_ptr(), v_pool.data_ptr(), 0, 0)
+    return (*rows, table.data_ptr(), np.int32(k_pool.shape[1].bit_length() - 1))
+
+
 def _pool_ok(cache: PagedKV, qkv: torch.Tensor, kv_heads: int, d: int) -> bool:
-    """Whether the kernel can write into these pools."""
+    """Whether the kernel can write into these pools (the model's dtype, or int8 rows)."""
     k_pool, v_pool, table = cache
     page = k_pool.shape[1] if k_pool.dim() == 4 else 0
+    q8 = isinstance(k_pool, Int8KV)
+    if q8 != isinstance(v_pool, Int8KV):
+        return False
+    rows = (k_pool.codes, v_pool.codes, k_pool.scales, v_pool.scales) if q8 else (k_pool, v_pool)
     return (
         k_pool.shape == v_pool.shape
         and k_pool.dim() == 4
         and tuple(k_pool.shape[2:]) == (kv_heads, d)
         and page > 0
         and page & (page - 1) == 0
-        and k_pool.dtype == v_pool.dtype == qkv.dtype
+        and (q8 or k_pool.dtype == v_pool.dtype == qkv.dtype)
         and k_pool.device == v_pool.device == table.device == qkv.device
-        and k_pool.is_contiguous()
-        and v_pool.is_contiguous()
+        and all(r.is_contiguous() for r in rows)
         and table.dtype == torch.int32
         and table.dim() == 1
         and table.is_contiguous()
-        and _aligned(k_pool, v_pool)
+        and _aligned(*rows[:2])
+        and all(r.data_ptr() % 4 == 0 for r in rows[2:])  # scales: read and written one float at a time
     )

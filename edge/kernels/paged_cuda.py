@@ -18,6 +18,10 @@ Layouts: per-layer pools ``[num_blocks, page_size, kv_heads, head_dim]`` (contig
 a layer slice of ``[layers, num_blocks, page, kv_heads, D]`` is fine), ``page_size`` a
 power of two, block table int32 ``[max_blocks_per_seq]``, float16 / bfloat16 / float32,
 head_dim 64 or 128, any GQA ratio. Nothing at or beyond the sequence length is read.
+A pool pair may instead be :class:`~edge.kernels.kv_int8.Int8KV` (int8 codes and a
+float32 scale a row, scales ``[num_blocks, page_size, kv_heads]``): every method takes
+it with queries of any of the three dtypes, through the ``*_q8`` kernels (a second
+compile of each source with ``CFG_KV_INT8``).
 
 Constructing the object compiles (NVRTC, disk-cached) and loads every kernel it needs,
 which must not happen during a graph capture. Its :class:`DecodeTuning` is fixed for
@@ -35,6 +39,7 @@ import numpy as np
 import torch
 
 from edge.kernels import nvrtc
+from edge.kernels.kv_int8 import Int8KV
 from edge.kernels.launcher import Launcher
 from edge.kernels.nvrtc import UnplannedArguments
 from edge.kernels.reference import PagedKV, Rope
@@ -45,6 +50,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 HEAD_DIMS = (64, 128)
 MAX_SPLITS = 128  # most splits a launch takes (bounds the partials' workspace)
 _DTYPE_CODE = {torch.float16: 1, torch.bfloat16: 2, torch.float32: 3}
+_SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _GROUP_TILES = (1, 2, 4, 8)
 _DECODE_THREADS = 128
 _PREFILL_THREADS = 128
@@ -66,6 +72,8 @@ class DecodeTuning:
     tc_warps: int = 8
     # Deepest K/V pipeline; fewer where shared memory would not hold tc_min_blocks CTAs
     # an SM. Deeper keeps the next overlapped GEMV's CTAs from starting beside them.
+    # Int8 pools go twice as deep: their stages are half the bytes, and the bytes in
+    # flight are what streams the keys.
     tc_max_stages: int = 2
     tc_stages: int | None = None  # a fixed depth instead of the derived one
     tc_min_blocks: int | None = None  # resident CTAs an SM the registers are set for
@@ -110,8 +118,13 @@ def _group_tile(group: int) -> int:
     return _GROUP_TILES[-1]
 
 
-def _variant(dtype: torch.dtype, head_dim: int) -> dict[str, int]:
-    return {"CFG_DTYPE": _DTYPE_CODE[dtype], "CFG_HEAD_DIM": head_dim}
+def _variant(dtype: torch.dtype, head_dim: int, q8: bool = False) -> dict[str, int]:
+    return {"CFG_DTYPE": _DTYPE_CODE[dtype], "CFG_HEAD_DIM": head_dim, **({"CFG_KV_INT8": 1} if q8 else {})}
+
+
+def _q8(name: str, q8: bool) -> str:
+    """A kernel's name in the int8-KV program."""
+    return name + "_q8" if q8 else name
 
 
 def _tc_static_smem(warps: int, head_dim: int) -> int:
@@ -121,25 +134,34 @@ def _tc_static_smem(warps: int, head_dim: int) -> int:
     return 2 * warps * 16 * 4 + 16 * head_dim * 2 + 64
 
 
-def tc_smem_bytes(dtype: torch.dtype, head_dim: int, warps: int, stages: int, tiles: int = 1) -> int:
+def tc_smem_bytes(
+    dtype: torch.dtype, head_dim: int, warps: int, stages: int, tiles: int = 1, q8: bool = False
+) -> int:
     """Dynamic shared memory of paged_decode_tc.cu (its TcCfg::SMEM_BYTES): ``stages``
-    K+V stages of 16 padded rows a warp of one of ``tiles`` row tiles, or the warps'
-    float32 outputs if larger."""
-    esize = torch.empty((), dtype=dtype).element_size()
-    pipe = stages * 2 * 16 * (warps // tiles) * (head_dim + 8) * esize
+    K+V stages of 16 padded rows a warp of one of ``tiles`` row tiles (``q8``: int8 rows
+    of head_dim + 16 bytes, then the rows' float32 scales), or the warps' float32 outputs
+    if larger."""
+    keys = 16 * (warps // tiles)
+    if q8:
+        pipe = stages * 2 * keys * (head_dim + 16) + stages * 2 * keys * 4
+    else:
+        pipe = stages * 2 * keys * (head_dim + 8) * torch.empty((), dtype=dtype).element_size()
     return max(pipe, warps * 16 * head_dim * 4)
 
 
-def tc_stages(tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: torch.dtype, head_dim: int) -> int:
+def tc_stages(
+    tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: torch.dtype, head_dim: int, q8: bool = False
+) -> int:
     """Pipeline depth of the tensor-core decode kernel: ``tuning.tc_stages`` when set,
-    else the most stages (at most ``tc_max_stages``) that still let ``min_blocks`` CTAs
-    share an SM (``shared_memory``: per SM, per-CTA opt-in, reserved per CTA)."""
+    else the most stages (at most ``tc_max_stages``, twice that over int8 pools: the same
+    bytes in flight) that still let ``min_blocks`` CTAs share an SM (``shared_memory``:
+    per SM, per-CTA opt-in, reserved per CTA)."""
     if tuning.tc_stages is not None:
         return tuning.tc_stages
     per_sm, optin, reserved = shared_memory
     stages = 1
-    for n in range(2, tuning.tc_max_stages + 1):
-        need = tc_smem_bytes(dtype, head_dim, tuning.tc_warps, n) + _tc_static_smem(tuning.tc_warps, head_dim)
+    for n in range(2, tuning.tc_max_stages * (2 if q8 else 1) + 1):
+        need = tc_smem_bytes(dtype, head_dim, tuning.tc_warps, n, q8=q8) + _tc_static_smem(tuning.tc_warps, head_dim)
         if need <= optin and tuning.min_blocks() * (need + reserved) <= per_sm:
             stages = n
     return stages
@@ -151,10 +173,15 @@ def tc_stages(tuning: DecodeTuning, shared_memory: tuple[int, int, int], dtype: 
 
 
 def _check_pools(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor
+    k_pool: torch.Tensor | Int8KV, v_pool: torch.Tensor | Int8KV, block_table: torch.Tensor
 ) -> tuple[int, int, int, int]:
-    if not isinstance(k_pool, torch.Tensor) or not isinstance(v_pool, torch.Tensor):
-        raise TypeError("k_pool and v_pool must be tensors")
+    if isinstance(k_pool, Int8KV) or isinstance(v_pool, Int8KV):
+        _check_int8_pools(k_pool, v_pool)
+        k_pool, v_pool = k_pool.codes, v_pool.codes  # their geometry is checked below
+    elif not isinstance(k_pool, torch.Tensor) or not isinstance(v_pool, torch.Tensor):
+        raise TypeError("k_pool and v_pool must be tensors (or both Int8KV)")
+    elif k_pool.dtype not in _DTYPE_CODE:
+        raise ValueError(f"pools must share one dtype of {DTYPES} (or be Int8KV), got {k_pool.dtype}")
     if k_pool.dim() != 4:
         raise ValueError(
             f"k_pool must be [num_blocks, page_size, kv_heads, head_dim], got {tuple(k_pool.shape)}"
@@ -163,7 +190,7 @@ def _check_pools(
         raise ValueError(
             f"v_pool shape {tuple(v_pool.shape)} != k_pool shape {tuple(k_pool.shape)}"
         )
-    if k_pool.dtype != v_pool.dtype or k_pool.dtype not in _DTYPE_CODE:
+    if k_pool.dtype != v_pool.dtype:
         raise ValueError(
             f"pools must share one dtype of {DTYPES}, got {k_pool.dtype} / {v_pool.dtype}"
         )
@@ -201,6 +228,27 @@ def _check_pools(
     return nb, page, kvh, d
 
 
+def _check_int8_pools(k_pool: Any, v_pool: Any) -> None:
+    if not (isinstance(k_pool, Int8KV) and isinstance(v_pool, Int8KV)):
+        raise TypeError("k_pool and v_pool must both be Int8KV or both tensors")
+    for name, p in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if not p.is_contiguous():
+            raise ValueError(f"{name}'s codes and scales must be contiguous (a layer slice of the pool is)")
+        if p.scales.device != p.codes.device or p.scales.data_ptr() % 4:
+            raise ValueError(f"{name}'s scales must be float32 on the codes' device")
+
+
+def _q8_pools(k_pool: Any) -> bool:
+    return isinstance(k_pool, Int8KV)
+
+
+def _pool_ptrs(k_pool: Any, v_pool: Any) -> tuple[int, ...]:
+    """The kernels' pool arguments: the rows (codes), then for int8 pools the scales."""
+    if isinstance(k_pool, Int8KV):
+        return k_pool.codes.data_ptr(), v_pool.codes.data_ptr(), k_pool.scales.data_ptr(), v_pool.scales.data_ptr()
+    return k_pool.data_ptr(), v_pool.data_ptr()
+
+
 def _check_pos(pos: torch.Tensor | None, device: torch.device) -> int:
     if pos is None:
         return 0
@@ -229,16 +277,17 @@ def _check_len(name: str, length: int, page: int, block_table: torch.Tensor) -> 
 
 
 def _kv_source(
-    x: torch.Tensor, pool: torch.Tensor, name: str, shape: tuple[int, ...]
+    x: torch.Tensor, pool: torch.Tensor | Int8KV, name: str, shape: tuple[int, ...], dtype: torch.dtype
 ) -> torch.Tensor:
+    """``x`` as the KV write kernel reads it: ``dtype``, rows contiguous and 16-byte aligned."""
     if x.dim() != 3 or tuple(x.shape[1:]) != shape:
         raise ValueError(
             f"{name} must be [T, {shape[0]}, {shape[1]}], got {tuple(x.shape)}"
         )
     if x.device != pool.device:
         raise ValueError(f"{name} is on {x.device}, pools on {pool.device}")
-    if x.dtype != pool.dtype:
-        x = x.to(pool.dtype)  # as the reference does
+    if x.dtype != dtype:
+        x = x.to(dtype)  # as the reference does
     es = x.element_size()
     ok = (
         x.stride(2) == 1
@@ -257,11 +306,14 @@ def _dense(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_q(
-    q: torch.Tensor, k_pool: torch.Tensor, kvh: int, d: int, what: str
+    q: torch.Tensor, k_pool: torch.Tensor | Int8KV, kvh: int, d: int, what: str
 ) -> None:
     if not isinstance(q, torch.Tensor):
         raise TypeError("q must be a tensor")
-    if q.dtype != k_pool.dtype:
+    if _q8_pools(k_pool):
+        if q.dtype not in _DTYPE_CODE:
+            raise ValueError(f"q dtype {q.dtype} is not one of {DTYPES}")
+    elif q.dtype != k_pool.dtype:
         raise ValueError(f"q dtype {q.dtype} != pool dtype {k_pool.dtype}")
     if q.device != k_pool.device:
         raise ValueError(f"q is on {q.device}, pools on {k_pool.device}")
@@ -279,6 +331,13 @@ def _check_out(out: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, de
         )
     if not out.is_contiguous() or out.data_ptr() % 16:
         raise ValueError("out must be contiguous and 16-byte aligned")
+
+
+def _check_qkv(qkv: torch.Tensor, k_pool: torch.Tensor | Int8KV) -> None:
+    """qkv rows of the pools' dtype (any of DTYPES for int8 pools), on their device."""
+    if qkv.device != k_pool.device or (qkv.dtype != k_pool.dtype if not _q8_pools(k_pool) else qkv.dtype not in _DTYPE_CODE):
+        pools = "int8" if _q8_pools(k_pool) else str(k_pool.dtype)
+        raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {pools} on {k_pool.device}")
 
 
 def _fits_rope(t: torch.Tensor, qkv: torch.Tensor, d: int) -> bool:
@@ -310,7 +369,7 @@ def _rope_args(rope: Rope, qkv: torch.Tensor, d: int, what: str) -> tuple:
 
 class _DecodePlan:
     """Launch constants of the decode kernel for one (dtype, head_dim, q_heads,
-    kv_heads, page, tokens > 1, rope) under one tuning."""
+    kv_heads, page, tokens > 1, rope, int8 pools) under one tuning."""
 
     def __init__(
         self,
@@ -322,6 +381,7 @@ class _DecodePlan:
         page: int,
         multi: bool,
         rope: bool,
+        q8: bool = False,
     ) -> None:
         tuning = att.tuning
         self.kvh = kvh
@@ -331,11 +391,11 @@ class _DecodePlan:
         self.rope = rope and tc and tuning.rope_in_attention
         if tc:
             tile = 16  # query heads per m16 tile
-            self.kernel, self.smem = att.decode_tc_kernel(dtype, d, self.rope)
+            self.kernel, self.smem = att.decode_tc_kernel(dtype, d, self.rope, q8)
             self.threads = 32 * tuning.tc_warps
         else:
             tile = _group_tile(self.group)
-            self.kernel = att.decode_simt_kernel(dtype, d, tile)
+            self.kernel = att.decode_simt_kernel(dtype, d, tile, q8)
             self.threads = _DECODE_THREADS
             self.smem = 0
         self.ctas = kvh * ((self.group + tile - 1) // tile)
@@ -385,10 +445,12 @@ class PagedAttentionCuda:
         dtypes: Iterable[torch.dtype] = (torch.float16, torch.bfloat16),
         head_dims: Iterable[int] = HEAD_DIMS,
         sms: int | None = None,
+        kv_int8: bool = False,
     ) -> None:
         """``layer_ops`` gives ``qk_norm_rope`` where RoPE is planned outside the
         attention launch; ``sms`` is the SM count plans fill (default: what the
-        launcher sees)."""
+        launcher sees); ``kv_int8`` loads the int8-pool kernels too (else they load at
+        their first call)."""
         self.launcher = launcher
         self.ops = layer_ops
         self.tuning = tuning
@@ -404,12 +466,15 @@ class PagedAttentionCuda:
             for hd in head_dims:
                 if hd not in HEAD_DIMS:
                     raise ValueError(f"unsupported head_dim {hd}; supported: {HEAD_DIMS}")
-                for gt in _GROUP_TILES:
-                    self.decode_simt_kernel(dtype, hd, gt)
-                if dtype != torch.float32:
-                    self.decode_tc_kernel(dtype, hd)
-                    self.decode_tc_kernel(dtype, hd, rope=True)
-                    self.prefill_kernel(dtype, hd)
+                for q8 in (False, True) if kv_int8 else (False,):
+                    for gt in _GROUP_TILES:
+                        self.decode_simt_kernel(dtype, hd, gt, q8)
+                    if dtype != torch.float32:
+                        self.decode_tc_kernel(dtype, hd, q8=q8)
+                        self.decode_tc_kernel(dtype, hd, rope=True, q8=q8)
+                        self.prefill_kernel(dtype, hd, q8)
+                if kv_int8:
+                    self.kv_q8_kernel(dtype, hd)
 
     @property
     def name(self) -> str:
@@ -427,77 +492,102 @@ class PagedAttentionCuda:
 
     # -- kernels ------------------------------------------------------------------------
 
-    def decode_simt_kernel(self, dtype: torch.dtype, head_dim: int, gt: int) -> Any:
-        defines = {**_variant(dtype, head_dim), **dict(self.tuning.simt_defines)}
-        return self.launcher.kernel("paged_decode.cu", f"paged_decode_g{gt}", defines)
+    def decode_simt_kernel(self, dtype: torch.dtype, head_dim: int, gt: int, q8: bool = False) -> Any:
+        defines = {**_variant(dtype, head_dim, q8), **dict(self.tuning.simt_defines)}
+        return self.launcher.kernel("paged_decode.cu", f"paged_decode{'_q8' if q8 else ''}_g{gt}", defines)
 
-    def tc_stages(self, dtype: torch.dtype, head_dim: int) -> int:
-        return tc_stages(self.tuning, self._smem, dtype, head_dim)
+    def tc_stages(self, dtype: torch.dtype, head_dim: int, q8: bool = False) -> int:
+        return tc_stages(self.tuning, self._smem, dtype, head_dim, q8)
 
-    def decode_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False) -> tuple[Any, int]:
-        """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE) and
-        the dynamic shared memory its launches pass."""
-        return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc")
+    def decode_tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, rope: bool = False, q8: bool = False
+    ) -> tuple[Any, int]:
+        """The tensor-core decode kernel (``rope``: with the step's q/k norm + RoPE;
+        ``q8``: over int8 pools) and the dynamic shared memory its launches pass."""
+        return self._tc_kernel(dtype, head_dim, "paged_decode_tc_rope" if rope else "paged_decode_tc", q8=q8)
 
-    def verify_tc_kernel(self, dtype: torch.dtype, head_dim: int, rope: bool = False, tiles: int = 1) -> tuple[Any, int]:
+    def verify_tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, rope: bool = False, tiles: int = 1, q8: bool = False
+    ) -> tuple[Any, int]:
         """The tensor-core kernel of a verify step (several query tokens; ``rope``: from the
         qkv rows, with the step's q/k norms, RoPE and K/V store; ``tiles`` row tiles a
-        CTA) and its dynamic shared memory."""
+        CTA; ``q8``: over int8 pools) and its dynamic shared memory."""
         name = "paged_verify_tc" + ("_pair" if tiles == 2 else "") + ("_rope" if rope else "")
-        return self._tc_kernel(dtype, head_dim, name, tiles)
+        return self._tc_kernel(dtype, head_dim, name, tiles, q8)
+
+    def kv_q8_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
+        """The KV write into int8 pools of K/V rows of ``dtype``."""
+        return self.launcher.kernel("kv_write.cu", f"kv_write_q8_{_SUFFIX[dtype]}_d{head_dim}")
 
     def verify_rope_tokens(self) -> int:
         """The most tokens one fused verify launch takes (a warp holds two of the step's
         K/V rows); more go through ``qk_norm_rope`` and :meth:`verify_attention`."""
         return 2 * self.tuning.tc_warps
 
-    def _tc_kernel(self, dtype: torch.dtype, head_dim: int, name: str, tiles: int = 1) -> tuple[Any, int]:
+    def _tc_kernel(
+        self, dtype: torch.dtype, head_dim: int, name: str, tiles: int = 1, q8: bool = False
+    ) -> tuple[Any, int]:
         t = self.tuning
-        stages = self.tc_stages(dtype, head_dim)
+        stages = self.tc_stages(dtype, head_dim, q8)
         defines = {
-            **_variant(dtype, head_dim),
+            **_variant(dtype, head_dim, q8),
             "CFG_TC_WARPS": t.tc_warps,
             "CFG_TC_MIN_BLOCKS": t.min_blocks(),
             "CFG_TC_STAGES": stages,
         }
-        kernel = self.launcher.kernel("paged_decode_tc.cu", name, defines)
-        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles)
+        kernel = self.launcher.kernel("paged_decode_tc.cu", _q8(name, q8), defines)
+        smem = tc_smem_bytes(dtype, head_dim, t.tc_warps, stages, tiles, q8)
         self.launcher.allow_dynamic_smem(kernel, smem)
         return kernel, smem
 
-    def prefill_kernel(self, dtype: torch.dtype, head_dim: int) -> Any:
-        return self.launcher.kernel("paged_prefill.cu", "paged_prefill", _variant(dtype, head_dim))
+    def prefill_kernel(self, dtype: torch.dtype, head_dim: int, q8: bool = False) -> Any:
+        return self.launcher.kernel("paged_prefill.cu", _q8("paged_prefill", q8), _variant(dtype, head_dim, q8))
 
     def tc_path(self, dtype: torch.dtype, multi: bool) -> bool:
         """Whether decode runs the tensor-core kernel (the only one with the RoPE variant)."""
         return dtype != torch.float32 and not multi and self.tuning.impl == "tc"
 
     def _plan(
-        self, dtype: torch.dtype, d: int, q_heads: int, kvh: int, page: int, multi: bool = False, rope: bool = False
+        self,
+        dtype: torch.dtype,
+        d: int,
+        q_heads: int,
+        kvh: int,
+        page: int,
+        multi: bool = False,
+        rope: bool = False,
+        q8: bool = False,
     ) -> _DecodePlan:
-        key = (dtype, d, q_heads, kvh, page, multi, rope)
+        key = (dtype, d, q_heads, kvh, page, multi, rope, q8)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = _DecodePlan(self, dtype, d, q_heads, kvh, page, multi, rope)
+            plan = self._plans[key] = _DecodePlan(self, dtype, d, q_heads, kvh, page, multi, rope, q8)
         return plan
 
     def decode_splits(
-        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, kv_len: int | None, page_size: int = 16
+        self,
+        dtype: torch.dtype,
+        head_dim: int,
+        q_heads: int,
+        kv_heads: int,
+        kv_len: int | None,
+        page_size: int = 16,
+        kv_int8: bool = False,
     ) -> int:
         """Split count the decode launch uses: one full wave of CTAs (resident CTAs per
         SM x SMs / CTAs per split), at most ``max_splits``, and for a host length
         (``kv_len`` not None) no split shorter than ``min_split_rows``. ``kv_len=None``
         gives the device-length (graph) count, which depends on nothing that changes
-        between steps."""
-        return self._plan(dtype, head_dim, q_heads, kv_heads, page_size).splits(kv_len)
+        between steps. ``kv_int8``: the int8-pool kernel's."""
+        return self._plan(dtype, head_dim, q_heads, kv_heads, page_size, q8=kv_int8).splits(kv_len)
 
     def graph_decode_options(
-        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, page_size: int = 16
+        self, dtype: torch.dtype, head_dim: int, q_heads: int, kv_heads: int, page_size: int = 16, kv_int8: bool = False
     ) -> dict[str, int]:
         """Keyword arguments of the decode calls that make a host-length launch identical
         to a device-length (graph) one: its split count and its fewest keys per active
         split. Eager decode passes them so that it produces the graph's tokens."""
-        plan = self._plan(dtype, head_dim, q_heads, kv_heads, page_size)
+        plan = self._plan(dtype, head_dim, q_heads, kv_heads, page_size, q8=kv_int8)
         return {"num_splits": plan.splits(None), "min_split_rows": plan.graph_min_rows}
 
     # -- KV write -----------------------------------------------------------------------
@@ -516,8 +606,12 @@ class PagedAttentionCuda:
         pages in one launch. With ``pos`` (int32 CUDA ``[1]``) the start position is read
         on the device and ``start`` is ignored (graph-safe)."""
         _nb, page, kvh, d = _check_pools(k_pool, v_pool, block_table)
-        k = _kv_source(k, k_pool, "k", (kvh, d))
-        v = _kv_source(v, v_pool, "v", (kvh, d))
+        q8 = _q8_pools(k_pool)
+        source_dtype = k.dtype if q8 else k_pool.dtype  # int8 pools quantize the rows as given
+        if q8 and k.dtype not in _DTYPE_CODE:
+            raise ValueError(f"k/v dtype {k.dtype} is not one of {DTYPES}")
+        k = _kv_source(k, k_pool, "k", (kvh, d), source_dtype)
+        v = _kv_source(v, v_pool, "v", (kvh, d), source_dtype)
         if k.shape[0] != v.shape[0]:
             raise ValueError(f"k has {k.shape[0]} tokens, v has {v.shape[0]}")
         t = k.shape[0]
@@ -530,6 +624,21 @@ class PagedAttentionCuda:
         if t == 0:
             return
         es = k.element_size()
+        if q8:
+            if t > 65535:
+                raise ValueError("an int8 KV write takes at most 65535 tokens a launch")
+            self.launcher.launch(
+                self.kv_q8_kernel(k.dtype, d),
+                (-(-2 * kvh // (_KV_THREADS // 32)), t),
+                _KV_THREADS,
+                (
+                    *_pool_ptrs(k_pool, v_pool), block_table.data_ptr(), k.data_ptr(), v.data_ptr(), pos_ptr,
+                    np.int32(0 if pos is not None else start), np.int32(kvh), np.int64(k.stride(0) * es),
+                    np.int64(k.stride(1) * es), np.int64(v.stride(0) * es), np.int64(v.stride(1) * es),
+                    np.int32(page.bit_length() - 1),
+                ),
+            )
+            return
         row_vecs = d * es // 16
         total = t * kvh * row_vecs
         blocks = min((total + _KV_THREADS - 1) // _KV_THREADS, 65535)
@@ -605,8 +714,7 @@ class PagedAttentionCuda:
             (
                 out.data_ptr(),
                 q.data_ptr(),
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
+                *_pool_ptrs(k_pool, v_pool),
                 block_table.data_ptr(),
                 pos_ptr,
                 np.int32(host_len),
@@ -655,7 +763,7 @@ class PagedAttentionCuda:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         else:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
-        plan = self._plan(k_pool.dtype, d, q.shape[-2], kvh, page)
+        plan = self._plan(q.dtype, d, q.shape[-2], kvh, page, q8=_q8_pools(k_pool))
         self._decode(plan, out, _dense(q), k_pool, v_pool, block_table, kv_len, scale, pos, num_splits, min_split_rows)
         return out
 
@@ -685,14 +793,13 @@ class PagedAttentionCuda:
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[0] != 1 or qkv.shape[1] < width:
             raise ValueError(f"qkv must be [1, >= {width}] (one token), got {tuple(qkv.shape)}")
-        if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
-            raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+        _check_qkv(qkv, k_pool)
         shape = (heads, d)
         if out is None:
             out = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
         else:
             _check_out(out, shape, qkv.dtype, qkv.device)
-        plan = self._plan(k_pool.dtype, d, heads, kvh, page, rope=True)
+        plan = self._plan(qkv.dtype, d, heads, kvh, page, rope=True, q8=_q8_pools(k_pool))
         options = {"num_splits": num_splits, "min_split_rows": min_split_rows}
         if not plan.rope:
             # torch.full: a fill launch with the value as its argument, not a host-to-device copy
@@ -786,10 +893,10 @@ class PagedAttentionCuda:
             out = torch.empty_like(q, memory_format=torch.contiguous_format)
         else:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
-        if self.tc_path(k_pool.dtype, False):
+        if self.tc_path(q.dtype, False):
             self._launch_verify_tc(out, _dense(q), k_pool, v_pool, block_table, pos_ptr, float(scale))
             return out
-        plan = self._plan(k_pool.dtype, d, q.shape[1], kvh, page, multi=True)
+        plan = self._plan(q.dtype, d, q.shape[1], kvh, page, multi=True, q8=_q8_pools(k_pool))
         self._launch_decode(
             plan, out, _dense(q), k_pool, v_pool, block_table, pos_ptr, 0, t, plan.splits(None), float(scale),
             plan.graph_min_rows,
@@ -819,8 +926,7 @@ class PagedAttentionCuda:
         width = (heads + 2 * kvh) * d
         if qkv.dim() != 2 or qkv.shape[1] != width or not 1 <= qkv.shape[0] <= 65535:
             raise ValueError(f"qkv must be [1..65535, {width}], got {tuple(qkv.shape)}")
-        if qkv.dtype != k_pool.dtype or qkv.device != k_pool.device:
-            raise ValueError(f"qkv is {qkv.dtype} on {qkv.device}, pools {k_pool.dtype} on {k_pool.device}")
+        _check_qkv(qkv, k_pool)
         if pos is None:
             raise ValueError("verify_attention_rope reads its position on the device: pass pos")
         pos_ptr = _check_pos(pos, k_pool.device)
@@ -831,7 +937,8 @@ class PagedAttentionCuda:
         else:
             _check_out(out, shape, qkv.dtype, qkv.device)
         # RoPE inside attention where the decode plan has it, for as many tokens as a launch holds.
-        if not (self._plan(k_pool.dtype, d, heads, kvh, page, rope=True).rope and t <= self.verify_rope_tokens()):
+        q8 = _q8_pools(k_pool)
+        if not (self._plan(qkv.dtype, d, heads, kvh, page, rope=True, q8=q8).rope and t <= self.verify_rope_tokens()):
             positions = pos + torch.arange(t, dtype=torch.int32, device=qkv.device)  # a launch, not a copy
             q = self._qk_norm_rope(qkv, rope, positions, k_pool, v_pool, block_table)
             return self.verify_attention(q, k_pool, v_pool, block_table, pos, scale, out)
@@ -848,12 +955,13 @@ class PagedAttentionCuda:
         qkv rows of ``shape`` (T, q_heads, D)."""
         t, q_heads, d = q.shape if shape is None else shape
         kvh, page = k_pool.shape[2], k_pool.shape[1]
-        plan = self._plan(k_pool.dtype, d, q_heads, kvh, page)  # the decode plan: split caps
+        q8 = _q8_pools(k_pool)
+        plan = self._plan(q.dtype, d, q_heads, kvh, page, q8=q8)  # the decode plan: split caps
         row_tiles = -(-(t * plan.group) // 16)
         rope = bool(rope_args)
-        ctas, (kernel, smem, wave) = kvh * row_tiles, self._verify_wave(k_pool.dtype, d, rope, 1, plan.threads)
+        ctas, (kernel, smem, wave) = kvh * row_tiles, self._verify_wave(q.dtype, d, rope, 1, plan.threads, q8)
         if self.tuning.verify_tiles == 2 and row_tiles > 1 and ctas >= wave:
-            ctas, (kernel, smem, wave) = kvh * -(-row_tiles // 2), self._verify_wave(k_pool.dtype, d, rope, 2, plan.threads)
+            ctas, (kernel, smem, wave) = kvh * -(-row_tiles // 2), self._verify_wave(q.dtype, d, rope, 2, plan.threads, q8)
         splits = plan.wave_splits(ctas, wave)
         ws_ptr = cnt_ptr = 0
         if splits > 1:
@@ -864,7 +972,7 @@ class PagedAttentionCuda:
             (ctas, splits),
             plan.threads,
             (
-                out.data_ptr(), q.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), block_table.data_ptr(), pos_ptr,
+                out.data_ptr(), q.data_ptr(), *_pool_ptrs(k_pool, v_pool), block_table.data_ptr(), pos_ptr,
                 np.int32(0), np.int32(kvh), np.int32(plan.group), np.int32(plan.log2_page),
                 np.float32(scale * _LOG2E), ws_ptr, cnt_ptr, np.int32(plan.mergers(splits, 1, ctas, wave)),
                 np.int32(plan.graph_min_rows), np.int32(t), *rope_args,
@@ -872,12 +980,14 @@ class PagedAttentionCuda:
             shmem=smem,
         )
 
-    def _verify_wave(self, dtype: torch.dtype, d: int, rope: bool, tiles: int, threads: int) -> tuple[Any, int, int]:
+    def _verify_wave(
+        self, dtype: torch.dtype, d: int, rope: bool, tiles: int, threads: int, q8: bool = False
+    ) -> tuple[Any, int, int]:
         """The verify kernel of ``tiles`` row tiles a CTA, its dynamic shared memory and
         one wave of it (its registers are not the decode kernel's): a merger waits for its
         splits only when all of them are resident."""
-        kernel, smem = self.verify_tc_kernel(dtype, d, rope, tiles)
-        key = (dtype, d, rope, tiles)
+        kernel, smem = self.verify_tc_kernel(dtype, d, rope, tiles, q8)
+        key = (dtype, d, rope, tiles, q8)
         wave = self._verify_waves.get(key)
         if wave is None:
             occ = nvrtc.max_active_blocks(kernel, threads, self.launcher.device_index, dynamic_smem=smem)
@@ -915,24 +1025,24 @@ class PagedAttentionCuda:
             _check_out(out, tuple(q.shape), q.dtype, q.device)
         if t == 0:
             return out
-        if k_pool.dtype == torch.float32:
+        q8 = _q8_pools(k_pool)
+        if q.dtype == torch.float32:
             # No tensor-core path for float32: token i is a decode of length start + i + 1.
             if t > 65535:
                 raise ValueError("float32 prefill chunks are limited to 65535 tokens")
-            plan = self._plan(k_pool.dtype, d, q_heads, kvh, page, multi=True)
+            plan = self._plan(q.dtype, d, q_heads, kvh, page, multi=True, q8=q8)
             self._launch_decode(plan, out, q, k_pool, v_pool, block_table, 0, start + 1, t, 1, float(scale), 1)
             return out
         group = q_heads // kvh
         row_tiles = (t * group + _PREFILL_ROWS - 1) // _PREFILL_ROWS
         self.launcher.launch(
-            self.prefill_kernel(k_pool.dtype, d),
+            self.prefill_kernel(q.dtype, d, q8),
             (row_tiles, kvh),
             _PREFILL_THREADS,
             (
                 out.data_ptr(),
                 q.data_ptr(),
-                k_pool.data_ptr(),
-                v_pool.data_ptr(),
+                *_pool_ptrs(k_pool, v_pool),
                 block_table.data_ptr(),
                 np.int32(t),
                 np.int32(start),

@@ -17,6 +17,12 @@
 // (token, KV head, chunk) each merge a share of the outputs as the words arrive
 // (common.cuh, the split merge). No second kernel; shared memory is fixed (independent
 // of kv_len).
+//
+// With CFG_KV_INT8 the program holds the int8-KV entry points instead (paged_decode_q8_g*):
+// pools of int8 codes with a float32 scale a row (common.cuh, "int8 K/V rows"); a stage
+// holds the rows' codes (twice the rows of the same bytes) and scales, a key's score is
+// its scale times the dot product with the codes, and its probability times its value
+// scale weighs the value codes.
 #include "common.cuh"
 
 namespace edge {
@@ -44,9 +50,9 @@ constexpr int kDecodeThreads = 128;
 #define CFG_DECODE_MIN_BLOCKS 4
 #endif
 
-template <typename T, int D, int GT>
+template <typename T, int D, int GT, bool Q8 = false>
 struct DecodeCfg {
-  static constexpr int VEC = Vec<T>::N;  // elements per 16-byte vector
+  static constexpr int VEC = Vec<T>::N;  // elements per 16-byte vector of T (a thread's slice: VEC codes with Q8)
   static constexpr int NVEC = D / VEC;   // vectors per row
   static constexpr int TPR0 = GT * D * 2 / CFG_DECODE_QACC_REGS;
   static constexpr int TPR_MIN = NVEC / 2;  // <= 2 vectors per thread per row
@@ -54,16 +60,20 @@ struct DecodeCfg {
   static constexpr int NV = NVEC / TPR;                // vectors per thread per row
   static constexpr int EPT = NV * VEC;                 // elements per thread per row
   static constexpr int NRG = kDecodeThreads / TPR;     // row groups per CTA
-  static constexpr int ROW_BYTES = D * (int)sizeof(T);
+  static constexpr int EB = Q8 ? 1 : (int)sizeof(T);  // bytes an element of the pools
+  static constexpr int ROW_BYTES = D * EB;
+  static constexpr int RCH = ROW_BYTES / 16;           // 16-byte chunks a row
   static constexpr int ROWS0 = CFG_DECODE_STAGE_BYTES / (2 * ROW_BYTES);
   static constexpr int ROWS_STAGE = ROWS0 < NRG ? NRG : ROWS0;  // rows per stage
   static constexpr int UNROLL = ROWS_STAGE / NRG;      // rows per row group per stage
   static constexpr int STAGES = CFG_DECODE_STAGES;
   static constexpr int STAGE_ELEMS = ROWS_STAGE * D;   // of K (V as many)
-  static constexpr int CHUNKS = ROWS_STAGE * NVEC;     // 16-byte copies of K per stage
+  static constexpr int CHUNKS = ROWS_STAGE * RCH;      // 16-byte copies of K per stage
   static constexpr int WARPS = kDecodeThreads / 32;
-  // Shared memory: the pipeline, later reused for the merges.
-  static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
+  // Shared memory: the pipeline (Q8: then each stage's K and V scales), later reused for
+  // the merges.
+  static constexpr int DATA_BYTES = STAGES * 2 * STAGE_ELEMS * EB;
+  static constexpr int PIPE_BYTES = DATA_BYTES + (Q8 ? STAGES * 2 * ROWS_STAGE * 4 : 0);
   static constexpr int ACC_BYTES = WARPS * GT * D * 4;
   static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
   static_assert(NVEC % TPR == 0, "bad TPR");
@@ -71,15 +81,44 @@ struct DecodeCfg {
   static_assert(ROWS_STAGE % NRG == 0, "stage rows must split over row groups");
   static_assert(CHUNKS % kDecodeThreads == 0, "stage copies must split over threads");
   static_assert(STAGES >= 2, "need at least two stages");
+  static_assert(!Q8 || ROWS_STAGE <= kDecodeThreads, "a thread copies a row's scales");
   static_assert(SMEM_BYTES <= 48 * 1024, "static shared memory over 48 KB");
 };
 
-template <typename T, int D, int GT>
+// The pools' element type: T, or int8 codes.
+template <typename T, bool Q8>
+struct PoolElem {
+  typedef T type;
+};
+template <typename T>
+struct PoolElem<T, true> {
+  typedef signed char type;
+};
+
+// VEC codes at p (VEC bytes, VEC-aligned) as floats.
+template <int VEC>
+__device__ __forceinline__ void codes_to_float(const signed char* p, float* f) {
+  static_assert(VEC == 4 || VEC == 8, "4 or 8 codes");
+  unsigned int w[VEC / 4];
+  if constexpr (VEC == 8) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    w[0] = u.x;
+    w[1] = u.y;
+  } else {
+    w[0] = *reinterpret_cast<const unsigned int*>(p);
+  }
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) f[i] = static_cast<float>(static_cast<signed char>((w[i / 4] >> (8 * (i % 4))) & 0xffu));
+}
+
+template <typename T, int D, int GT, bool Q8 = false>
 __device__ __forceinline__ void paged_decode(
     T* __restrict__ out,             // [tokens, q_heads, D]
     const T* __restrict__ q,         // [tokens, q_heads, D]
-    const T* __restrict__ k_pool,    // [num_blocks, page, kv_heads, D]
-    const T* __restrict__ v_pool,    // [num_blocks, page, kv_heads, D]
+    const typename PoolElem<T, Q8>::type* __restrict__ k_pool,  // [num_blocks, page, kv_heads, D]
+    const typename PoolElem<T, Q8>::type* __restrict__ v_pool,  // [num_blocks, page, kv_heads, D]
+    const float* __restrict__ k_scale,  // Q8: [num_blocks, page, kv_heads]; else null
+    const float* __restrict__ v_scale,
     const int* __restrict__ table,   // [max_blocks]
     const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
     int host_len,                    // kv_len of token 0 when pos is null
@@ -88,16 +127,19 @@ __device__ __forceinline__ void paged_decode(
     unsigned int* __restrict__ counters,  // arrivals per group (mergers = 0)
     int mergers,                     // most splits per group that merge; 0: the last to arrive
     int min_rows) {                  // fewest keys per active split (active_splits)
-  using C = DecodeCfg<T, D, GT>;
+  using C = DecodeCfg<T, D, GT, Q8>;
+  using KV = typename PoolElem<T, Q8>::type;
   constexpr int VEC = C::VEC, TPR = C::TPR, NV = C::NV, EPT = C::EPT, UNROLL = C::UNROLL;
-  constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, NVEC = C::NVEC;
+  constexpr int NRG = C::NRG, WARPS = C::WARPS, STAGES = C::STAGES, RCH = C::RCH;
   constexpr int ROWS_STAGE = C::ROWS_STAGE;
+  constexpr int CV = 16 / C::EB;  // elements a 16-byte copy
 
   __shared__ __align__(16) unsigned char smem[C::SMEM_BYTES];
   __shared__ float sm_m[WARPS][GT];
   __shared__ float sm_l[WARPS][GT];
   __shared__ int sm_merger;
-  T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  KV* pipe = reinterpret_cast<KV*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  float* sm_scale = reinterpret_cast<float*>(smem + C::DATA_BYTES);  // Q8: stage s's K scales, then V
   float(*sm_acc)[GT][D] = reinterpret_cast<float(*)[GT][D]>(smem);
 
   const int tid = threadIdx.x;
@@ -134,26 +176,36 @@ __device__ __forceinline__ void paged_decode(
   // Gather stage `s` (rows r0 + s * ROWS_STAGE ...) into pipeline buffer s % STAGES.
   auto load_stage = [&](int s) {
     if (s < nstage) {
-      T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
-      T* dv = dk + C::STAGE_ELEMS;
+      KV* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
+      KV* dv = dk + C::STAGE_ELEMS;
       const int sbase = r0 + s * ROWS_STAGE;
 #pragma unroll
       for (int it = 0; it < C::CHUNKS / kDecodeThreads; ++it) {
         const int c = tid + it * kDecodeThreads;
-        const int r = c / NVEC;
-        const int cc = c - r * NVEC;
+        const int r = c / RCH;
+        const int cc = c - r * RCH;
         const int row = sbase + r;
-        const T* ks = k_pool;
-        const T* vs = v_pool;
+        const KV* ks = k_pool;
+        const KV* vs = v_pool;
         int bytes = 0;
         if (row < r1) {
-          const long long off = paged_slot(table, row, log2_page) * row_stride + head_off + cc * VEC;
+          const long long off = paged_slot(table, row, log2_page) * row_stride + head_off + cc * CV;
           ks = k_pool + off;
           vs = v_pool + off;
           bytes = 16;
         }
-        cp_async16(smem_u32(dk + r * D + cc * VEC), ks, bytes);
-        cp_async16(smem_u32(dv + r * D + cc * VEC), vs, bytes);
+        cp_async16(smem_u32(dk + r * D + cc * CV), ks, bytes);
+        cp_async16(smem_u32(dv + r * D + cc * CV), vs, bytes);
+      }
+      if constexpr (Q8) {
+        if (tid < ROWS_STAGE) {  // row tid's scales; zero past r1 (never read from the pool)
+          const int row = sbase + tid;
+          const bool ok = row < r1;
+          const long long so = ok ? paged_slot(table, row, log2_page) * kv_heads + kvh : 0;
+          float* ds = sm_scale + (s % STAGES) * 2 * ROWS_STAGE + tid;
+          cp_async4(smem_u32(ds), k_scale + so, ok ? 4 : 0);
+          cp_async4(smem_u32(ds + ROWS_STAGE), v_scale + so, ok ? 4 : 0);
+        }
       }
     }
     cp_async_commit();  // (possibly empty) group: keeps the group count uniform
@@ -196,8 +248,9 @@ __device__ __forceinline__ void paged_decode(
     __syncthreads();              // everyone's did, and everyone is done with stage s - 1
     load_stage(s + STAGES - 1);   // into the buffer of stage s - 1
 
-    const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
-    const T* sv = sk + C::STAGE_ELEMS;
+    const KV* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS;
+    const KV* sv = sk + C::STAGE_ELEMS;
+    const float* sks = sm_scale + (s % STAGES) * 2 * ROWS_STAGE;  // Q8
     const int sbase = r0 + s * ROWS_STAGE;
 
     // Scores (every lane takes part in the shuffles; rows past r1 are masked below by
@@ -209,8 +262,12 @@ __device__ __forceinline__ void paged_decode(
       float kf[EPT];
 #pragma unroll
       for (int j = 0; j < NV; ++j) {
-        const uint4 kv = *reinterpret_cast<const uint4*>(sk + r * D + (lr + j * TPR) * VEC);
-        Vec<T>::to_float(kv, &kf[j * VEC]);
+        if constexpr (Q8) {
+          codes_to_float<VEC>(sk + r * D + (lr + j * TPR) * VEC, &kf[j * VEC]);
+        } else {
+          const uint4 kv = *reinterpret_cast<const uint4*>(sk + r * D + (lr + j * TPR) * VEC);
+          Vec<T>::to_float(kv, &kf[j * VEC]);
+        }
       }
 #pragma unroll
       for (int g = 0; g < GT; ++g) {
@@ -226,6 +283,14 @@ __device__ __forceinline__ void paged_decode(
       for (int u = 0; u < UNROLL; ++u) {
 #pragma unroll
         for (int g = 0; g < GT; ++g) sc[u][g] += __shfl_xor_sync(0xffffffffu, sc[u][g], off);
+      }
+    }
+    if constexpr (Q8) {  // the key scales (0 past r1: masked below anyway)
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const float ksc = sks[u * NRG + rg];
+#pragma unroll
+        for (int g = 0; g < GT; ++g) sc[u][g] *= ksc;
       }
     }
 
@@ -249,17 +314,24 @@ __device__ __forceinline__ void paged_decode(
         const int r = u * NRG + rg;
         if (sbase + r < r1) {
           float vf[EPT];
+          float vsc = 1.f;  // Q8: the value scale weighs the probability
 #pragma unroll
           for (int j = 0; j < NV; ++j) {
-            const uint4 vv = *reinterpret_cast<const uint4*>(sv + r * D + (lr + j * TPR) * VEC);
-            Vec<T>::to_float(vv, &vf[j * VEC]);
+            if constexpr (Q8) {
+              codes_to_float<VEC>(sv + r * D + (lr + j * TPR) * VEC, &vf[j * VEC]);
+              vsc = sks[ROWS_STAGE + r];
+            } else {
+              const uint4 vv = *reinterpret_cast<const uint4*>(sv + r * D + (lr + j * TPR) * VEC);
+              Vec<T>::to_float(vv, &vf[j * VEC]);
+            }
           }
 #pragma unroll
           for (int g = 0; g < GT; ++g) {
             const float p = sc[u][g];
             l[g] += p;
+            const float pv = Q8 ? p * vsc : p;
 #pragma unroll
-            for (int i = 0; i < EPT; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+            for (int i = 0; i < EPT; ++i) acc[g][i] = fmaf(pv, vf[i], acc[g][i]);
           }
         }
       }
@@ -336,18 +408,31 @@ __device__ __forceinline__ void paged_decode(
 #error "compile with CFG_DTYPE and CFG_HEAD_DIM defined (see edge/kernels/nvrtc.py)"
 #endif
 
-#define CFG_DECODE_INST(G)                                                                      \
-  extern "C" __global__ void __launch_bounds__(edge::kDecodeThreads,                             \
-                                               (G) >= 8 ? 2 : CFG_DECODE_MIN_BLOCKS)            \
-      paged_decode_g##G(edge_t* __restrict__ out, const edge_t* __restrict__ q,                  \
-                        const edge_t* __restrict__ k_pool, const edge_t* __restrict__ v_pool,    \
-                        const int* __restrict__ table, const int* __restrict__ pos,              \
-                        int host_len, int kv_heads, int group, int log2_page, float scale_log2,  \
-                        unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters, \
-                        int mergers, int min_rows) {                                             \
-    edge::paged_decode<edge_t, CFG_HEAD_DIM, G>(out, q, k_pool, v_pool, table, pos, host_len,   \
-                                                 kv_heads, group, log2_page, scale_log2, ws,     \
-                                                 counters, mergers, min_rows);                   \
+#ifndef CFG_KV_INT8
+#define CFG_KV_INT8 0
+#endif
+#if CFG_KV_INT8
+#define EDGE_DECODE_POOLS                                                                                  \
+  const signed char *__restrict__ k_pool, const signed char *__restrict__ v_pool,                          \
+      const float *__restrict__ k_scale, const float *__restrict__ v_scale
+#define EDGE_DECODE_POOL_ARGS k_pool, v_pool, k_scale, v_scale
+#define EDGE_DECODE_NAME(G) paged_decode_q8_g##G
+#else
+#define EDGE_DECODE_POOLS const edge_t *__restrict__ k_pool, const edge_t *__restrict__ v_pool
+#define EDGE_DECODE_POOL_ARGS k_pool, v_pool, nullptr, nullptr
+#define EDGE_DECODE_NAME(G) paged_decode_g##G
+#endif
+
+#define CFG_DECODE_INST(G)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(edge::kDecodeThreads, (G) >= 8 ? 2 : CFG_DECODE_MIN_BLOCKS)   \
+      EDGE_DECODE_NAME(G)(edge_t* __restrict__ out, const edge_t* __restrict__ q, EDGE_DECODE_POOLS,         \
+                          const int* __restrict__ table, const int* __restrict__ pos, int host_len,          \
+                          int kv_heads, int group, int log2_page, float scale_log2,                          \
+                          unsigned long long* __restrict__ ws, unsigned int* __restrict__ counters,          \
+                          int mergers, int min_rows) {                                                       \
+    edge::paged_decode<edge_t, CFG_HEAD_DIM, G, CFG_KV_INT8 != 0>(out, q, EDGE_DECODE_POOL_ARGS, table, pos,  \
+                                                                  host_len, kv_heads, group, log2_page,      \
+                                                                  scale_log2, ws, counters, mergers, min_rows); \
   }
 
 CFG_DECODE_INST(1)

@@ -19,6 +19,14 @@
 // each merge a share of the outputs as the words arrive (common.cuh, the split merge; as
 // in paged_decode.cu).
 // Keys at or past kv_len are never read (zero-filled in shared memory, masked -inf).
+//
+// With CFG_KV_INT8 the program holds the int8-KV entry points instead (*_q8): pools of
+// int8 codes with a float32 scale a row (common.cuh, "int8 K/V rows"). A stage then
+// holds the codes (rows of D + 16 bytes: conflict-free ldmatrix) and the rows' scales;
+// Q K^T and P V run on float16 tensor cores over the exact codes (the query scaled into
+// float16 by a power of two a row), the key scale multiplies the scores and the value
+// scale the probabilities, each warp keeping its output in units of the largest value
+// scale it has seen (rescaled like a moving row maximum).
 #include "common.cuh"
 
 // Defaults of a bare compile; the engine always passes CFG_TC_STAGES (chosen per
@@ -38,22 +46,38 @@ namespace edge {
 
 constexpr int kTcRows = 16;  // query heads per CTA: one m16 tile
 
+// The element type of the pools: T, or int8 codes.
+template <typename T, bool Q8>
+struct KvElem {
+  typedef T type;
+};
+template <typename T>
+struct KvElem<T, true> {
+  typedef signed char type;
+};
+
 // TILES row tiles a CTA (the verify step's pairs, below): its warps split between them,
 // W / TILES a tile, and a stage holds 16 keys a warp of one tile.
-template <typename T, int D, int W, int STAGES, int TILES = 1>
+template <typename T, int D, int W, int STAGES, int TILES = 1, bool Q8 = false>
 struct TcCfg {
   static_assert(W % TILES == 0, "the warps split evenly between the row tiles");
   static constexpr int WT = W / TILES;  // warps a row tile
   static constexpr int THREADS = 32 * W;
   static constexpr int KEYS = 16 * WT;  // keys per stage
-  static constexpr int LDS = D + 8;    // padded row: conflict-free ldmatrix
+  static constexpr int EB = Q8 ? 1 : (int)sizeof(T);  // bytes an element of the pools
+  static constexpr int VEC = 16 / EB;                   // elements a 16-byte chunk
+  // Padded row: conflict-free ldmatrix (int8: 16 bytes more, 8 rows of a matrix then
+  // start 4 banks apart).
+  static constexpr int LDS = Q8 ? D + 16 : D + 8;
   static constexpr int STAGE_ELEMS = KEYS * LDS;
   static constexpr int KSTEPS = D / 16;
   static constexpr int NT_D = D / 8;
-  static constexpr int CHUNKS = D / 8;  // 16-byte chunks per row
+  static constexpr int CHUNKS = D / VEC;  // 16-byte chunks per row
   static constexpr int PER_THREAD = KEYS * CHUNKS / THREADS;  // K copies per thread per stage
   static constexpr int ROWS_PER_PASS = THREADS / CHUNKS;
-  static constexpr int PIPE_BYTES = STAGES * 2 * STAGE_ELEMS * (int)sizeof(T);
+  static constexpr int DATA_BYTES = STAGES * 2 * STAGE_ELEMS * EB;
+  // int8: each stage's K then V scales, float32 [STAGES][2][KEYS], after the rows.
+  static constexpr int PIPE_BYTES = DATA_BYTES + (Q8 ? STAGES * 2 * KEYS * 4 : 0);
   static constexpr int ACC_BYTES = W * kTcRows * D * 4;
   // Dynamic shared memory the launch must pass (paged_cuda.tc_smem_bytes says the same).
   static constexpr int SMEM_BYTES = PIPE_BYTES > ACC_BYTES ? PIPE_BYTES : ACC_BYTES;
@@ -93,12 +117,14 @@ struct RopeArgs {
 // keys and values inside its split range (warp w: tokens w and w + W) come from
 // registers as the decode step's newest row does: stored into the pools by every CTA
 // whose range holds them (the same bytes), never copied from there.
-template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI, int TILES = 1>
+template <typename T, int D, int W, int STAGES, bool ROPE, bool MULTI, int TILES = 1, bool Q8 = false>
 __device__ __forceinline__ void paged_decode_tc(
     T* __restrict__ out,             // [q_heads, D]
     const T* __restrict__ q,         // [q_heads, D] (ROPE: the qkv row)
-    T* __restrict__ k_pool,          // [num_blocks, page, kv_heads, D] (written with ROPE)
-    T* __restrict__ v_pool,          // [num_blocks, page, kv_heads, D]
+    typename KvElem<T, Q8>::type* __restrict__ k_pool,  // [num_blocks, page, kv_heads, D] (written with ROPE)
+    typename KvElem<T, Q8>::type* __restrict__ v_pool,  // [num_blocks, page, kv_heads, D]
+    float* __restrict__ k_scale,     // Q8: [num_blocks, page, kv_heads] (written with ROPE); else null
+    float* __restrict__ v_scale,
     const int* __restrict__ table,   // [max_blocks]
     const int* __restrict__ pos,     // device position (kv_len = *pos + 1) or null
     int host_len,                    // kv_len when pos is null
@@ -110,9 +136,10 @@ __device__ __forceinline__ void paged_decode_tc(
     RopeArgs rope,
     int tokens) {                    // MULTI: query tokens (1 otherwise)
   static_assert(TILES == 1 || MULTI, "row tiles in pairs for the verify step");
-  using C = TcCfg<T, D, W, STAGES, TILES>;
+  using C = TcCfg<T, D, W, STAGES, TILES, Q8>;
+  using KV = typename KvElem<T, Q8>::type;
   constexpr int THREADS = C::THREADS, KEYS = C::KEYS, LDS = C::LDS, KSTEPS = C::KSTEPS, WT = C::WT;
-  constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS;
+  constexpr int NT_D = C::NT_D, CHUNKS = C::CHUNKS, VEC = C::VEC;
 
   extern __shared__ __align__(16) unsigned char smem[];
   __shared__ float sm_m[W][kTcRows];
@@ -120,7 +147,9 @@ __device__ __forceinline__ void paged_decode_tc(
   __shared__ int sm_merger;
   __shared__ __align__(16) T sm_q[ROPE ? TILES * kTcRows : 1][D];  // ROPE: the rotated query heads
   if (dynamic_smem_bytes() < (unsigned int)C::SMEM_BYTES) __trap();  // launched with too little
-  T* pipe = reinterpret_cast<T*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  KV* pipe = reinterpret_cast<KV*>(smem);  // stage s: K at s * 2 * STAGE_ELEMS, then V
+  // Q8: stage s's key scales at s * 2 * KEYS, then its value scales.
+  float* sm_scale = reinterpret_cast<float*>(smem + C::DATA_BYTES);
   float(*sm_o)[kTcRows][D] = reinterpret_cast<float(*)[kTcRows][D]>(smem);
 
   const int tid = threadIdx.x;
@@ -174,17 +203,25 @@ __device__ __forceinline__ void paged_decode_tc(
   // multiplied by 0, which a stale NaN would survive).
   auto copy_stage = [&](int s, const int (&slot)[PT], int skip_lo, int skip_hi) {
     if (s < nstage) {
-      T* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * 8;
-      T* dv = dk + C::STAGE_ELEMS;
+      KV* dk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + my_r * LDS + my_cc * VEC;
+      KV* dv = dk + C::STAGE_ELEMS;
+      float* dks = sm_scale + (s % STAGES) * 2 * KEYS + my_r;
       const int sbase = r0 + s * KEYS + my_r;
 #pragma unroll
       for (int i = 0; i < PT; ++i) {
         const int row = sbase + i * RPP;
         if (row >= skip_lo && row < skip_hi && row < r1) continue;
         const bool ok = slot[i] >= 0;  // rows at or past r1: zero-filled, not read
-        const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * 8 : 0;
+        const long long off = ok ? (long long)slot[i] * row_stride + head_off + my_cc * VEC : 0;
         cp_async16(smem_u32(dk + i * RPP * LDS), k_pool + off, ok ? 16 : 0);
         cp_async16(smem_u32(dv + i * RPP * LDS), v_pool + off, ok ? 16 : 0);
+        if constexpr (Q8) {
+          if (my_cc == 0) {  // the row's scales: zero past r1 (a masked key's value then adds 0)
+            const long long so = ok ? (long long)slot[i] * kv_heads + kvh : 0;
+            cp_async4(smem_u32(dks + i * RPP), k_scale + so, ok ? 4 : 0);
+            cp_async4(smem_u32(dks + i * RPP + KEYS), v_scale + so, ok ? 4 : 0);
+          }
+        }
       }
     }
   };
@@ -211,6 +248,8 @@ __device__ __forceinline__ void paged_decode_tc(
   constexpr int NEW = MULTI && ROPE ? 2 : 1;  // the step's rows a warp holds
   const T* norm_w = static_cast<const T*>(rope.qk_norm);
   Rp rcos, rsin, knew[NEW] = {}, vnew[NEW] = {};  // ROPE: this lane's slots of the position's tables, the step's K/V
+  unsigned int kcodes[NEW] = {}, vcodes[NEW] = {};  // ROPE and Q8: the step's K/V rows as this lane's codes
+  float kscale[NEW] = {}, vscale[NEW] = {};         // ... and the rows' scales
   if constexpr (ROPE && !MULTI) {
     const long long p = min(newest, rope.max_pos - 1);  // never read outside the tables
     rcos = *reinterpret_cast<const Rp*>(static_cast<const T*>(rope.cos_tab) + p * D + lane * E);
@@ -248,12 +287,22 @@ __device__ __forceinline__ void paged_decode_tc(
   auto new_stage_of = [&](int j) { return (new_pos(j) - r0) / KEYS; };
   auto put_new = [&](int j) {  // ROPE: row j of this warp's share into its stage's buffer
     const int off = new_pos(j) - r0;
-    T* dst = pipe + ((off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (off % KEYS) * LDS + lane * E;
-    *reinterpret_cast<Rp*>(dst) = knew[j];
-    *reinterpret_cast<Rp*>(dst + C::STAGE_ELEMS) = vnew[j];
+    KV* dst = pipe + ((off / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (off % KEYS) * LDS + lane * E;
+    if constexpr (Q8) {
+      store_codes<E>(dst, kcodes[j]);
+      store_codes<E>(dst + C::STAGE_ELEMS, vcodes[j]);
+      if (lane == 0) {
+        float* ds = sm_scale + ((off / KEYS) % STAGES) * 2 * KEYS + off % KEYS;
+        ds[0] = kscale[j];
+        ds[KEYS] = vscale[j];
+      }
+    } else {
+      *reinterpret_cast<Rp*>(dst) = knew[j];
+      *reinterpret_cast<Rp*>(dst + C::STAGE_ELEMS) = vnew[j];
+    }
   };
   const int new_at = holds_newest ? new_off : 0;  // the row's place in its stage's buffer
-  T* const new_stage = pipe + ((new_at / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_at % KEYS) * LDS;
+  KV* const new_stage = pipe + ((new_at / KEYS) % STAGES) * 2 * C::STAGE_ELEMS + (new_at % KEYS) * LDS;
   if constexpr (ROPE) {
     const int width = (q_heads + 2 * kv_heads) * D;  // a qkv row
     // Loads first (q heads, and the step's k and v rows a warp holds), then the math:
@@ -296,19 +345,38 @@ __device__ __forceinline__ void paged_decode_tc(
         knew[j] = norm_rope_lane<T, D>(kin[j], norm_w != nullptr ? norm_w + (long long)(q_heads + kvh) * D : nullptr,
                                        c, sn, rope.eps, lane);
         vnew[j] = vin[j];
-        const long long off = paged_slot(table, new_pos(j), log2_page) * row_stride + head_off + lane * E;
-        *reinterpret_cast<Rp*>(k_pool + off) = knew[j];
-        *reinterpret_cast<Rp*>(v_pool + off) = vnew[j];
+        const long long slot = paged_slot(table, new_pos(j), log2_page);
+        const long long off = slot * row_stride + head_off + lane * E;
+        if constexpr (Q8) {
+          kcodes[j] = quantize_row_lane<T, E>(knew[j], kscale[j]);
+          vcodes[j] = quantize_row_lane<T, E>(vnew[j], vscale[j]);
+          store_codes<E>(k_pool + off, kcodes[j]);
+          store_codes<E>(v_pool + off, vcodes[j]);
+          if (lane == 0) {
+            k_scale[slot * kv_heads + kvh] = kscale[j];
+            v_scale[slot * kv_heads + kvh] = vscale[j];
+          }
+        } else {
+          *reinterpret_cast<Rp*>(k_pool + off) = knew[j];
+          *reinterpret_cast<Rp*>(v_pool + off) = vnew[j];
+        }
         if (new_stage_of(j) < STAGES) put_new(j);
       }
     }
     __syncthreads();
   } else if (holds_newest && new_off < STAGES * KEYS && my_r == new_off % RPP) {
-    const long long off =
-        paged_slot(table, newest, log2_page) * row_stride + head_off + my_cc * 8;
-    *reinterpret_cast<uint4*>(new_stage + my_cc * 8) = __ldcg(reinterpret_cast<const uint4*>(k_pool + off));
-    *reinterpret_cast<uint4*>(new_stage + C::STAGE_ELEMS + my_cc * 8) =
+    const long long slot = paged_slot(table, newest, log2_page);
+    const long long off = slot * row_stride + head_off + my_cc * VEC;
+    *reinterpret_cast<uint4*>(new_stage + my_cc * VEC) = __ldcg(reinterpret_cast<const uint4*>(k_pool + off));
+    *reinterpret_cast<uint4*>(new_stage + C::STAGE_ELEMS + my_cc * VEC) =
         __ldcg(reinterpret_cast<const uint4*>(v_pool + off));
+    if constexpr (Q8) {
+      if (my_cc == 0) {
+        float* ds = sm_scale + ((new_at / KEYS) % STAGES) * 2 * KEYS + new_at % KEYS;
+        ds[0] = __ldcg(k_scale + slot * kv_heads + kvh);
+        ds[KEYS] = __ldcg(v_scale + slot * kv_heads + kvh);
+      }
+    }
   }
 
   // Q fragments (A operand): rows gid and gid + 8 of the head tile.
@@ -333,13 +401,18 @@ __device__ __forceinline__ void paged_decode_tc(
   const int lim[2] = {MULTI ? min(r1, len0 + row_token(trow0 + gid)) : r1,
                       MULTI ? min(r1, len0 + row_token(trow0 + gid + 8)) : r1};
   unsigned int qa[KSTEPS][4];
+  float rs[2] = {scale_log2, scale_log2};  // Q8: each row's score factor (its float16 scaling undone)
+  if constexpr (Q8) {
+    q_fragments_int8<T, D>(qa, qv0 ? q0 : nullptr, qv1 ? q1 : nullptr, scale_log2, rs);
+  } else {
 #pragma unroll
-  for (int ks = 0; ks < KSTEPS; ++ks) {
-    const int c0 = ks * 16 + tig * 2;
-    qa[ks][0] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0) : 0u;
-    qa[ks][1] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0) : 0u;
-    qa[ks][2] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0 + 8) : 0u;
-    qa[ks][3] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0 + 8) : 0u;
+    for (int ks = 0; ks < KSTEPS; ++ks) {
+      const int c0 = ks * 16 + tig * 2;
+      qa[ks][0] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0) : 0u;
+      qa[ks][1] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0) : 0u;
+      qa[ks][2] = qv0 ? *reinterpret_cast<const unsigned int*>(q0 + c0 + 8) : 0u;
+      qa[ks][3] = qv1 ? *reinterpret_cast<const unsigned int*>(q1 + c0 + 8) : 0u;
+    }
   }
 
   float o[NT_D][4];
@@ -347,6 +420,9 @@ __device__ __forceinline__ void paged_decode_tc(
   for (int n = 0; n < NT_D; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
   float mrow[2] = {neg_inf(), neg_inf()};
   float lrow[2] = {0.f, 0.f};
+  // Q8: o is kept in units of vref, the largest value scale this warp has seen (so the
+  // probabilities times value scale / vref stay in float16's range); vinv = 1 / vref.
+  float vref = 0.f, vinv = 0.f;
 
   for (int s = 0; s < nstage; ++s) {
     if (s > 0) {
@@ -363,7 +439,45 @@ __device__ __forceinline__ void paged_decode_tc(
     __syncthreads();              // everyone's
 
     const int k0 = r0 + s * KEYS + wk * 16;
-    if (k0 < r1 && gcount > 0) {  // warp-uniform: this warp's 16 keys hold at least one valid key
+    if constexpr (Q8) {
+      if (k0 < r1 && gcount > 0) {
+        const KV* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + wk * 16 * LDS;
+        const float* ssk = sm_scale + (s % STAGES) * 2 * KEYS + wk * 16;
+        float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        mma_qk16_int8<D>(sc, qa, sk, LDS);
+        // Keys j * 8 + 2 t + {0, 1} of the warp's 16: this lane's score columns.
+        const float2 ks[2] = {*reinterpret_cast<const float2*>(ssk + tig * 2),
+                              *reinterpret_cast<const float2*>(ssk + 8 + tig * 2)};
+        const float2 vs[2] = {*reinterpret_cast<const float2*>(ssk + KEYS + tig * 2),
+                              *reinterpret_cast<const float2*>(ssk + KEYS + 8 + tig * 2)};
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int key = k0 + j * 8 + tig * 2 + (c & 1);
+            sc[j][c] = key < lim[c >> 1] ? sc[j][c] * rs[c >> 1] * ((c & 1) ? ks[j].y : ks[j].x) : neg_inf();
+          }
+        }
+        float corr[2];
+        mma_online_softmax<2>(sc, mrow, lrow, corr);
+        float vmax = fmaxf(fmaxf(vs[0].x, vs[0].y), fmaxf(vs[1].x, vs[1].y));
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 1));
+        vmax = fmaxf(vmax, __shfl_xor_sync(0xffffffffu, vmax, 2));  // the 16 keys' (warp-uniform)
+        if (vmax > vref) {  // o to the new unit
+          corr[0] *= vref / vmax;
+          corr[1] *= vref / vmax;
+          vref = vmax;
+          vinv = 1.f / vmax;
+        }
+        if (corr[0] != 1.f || corr[1] != 1.f) mma_scale_rows<NT_D>(o, corr);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+#pragma unroll
+          for (int c = 0; c < 4; ++c) sc[j][c] *= ((c & 1) ? vs[j].y : vs[j].x) * vinv;
+        }
+        mma_pv16_int8<D>(o, sc[0], sc[1], sk + C::STAGE_ELEMS, LDS);
+      }
+    } else if (k0 < r1 && gcount > 0) {  // warp-uniform: this warp's 16 keys hold at least one valid key
       const T* sk = pipe + (s % STAGES) * 2 * C::STAGE_ELEMS + wk * 16 * LDS;
       const T* sv = sk + C::STAGE_ELEMS;
 
@@ -404,9 +518,17 @@ __device__ __forceinline__ void paged_decode_tc(
     lsum += __shfl_xor_sync(0xffffffffu, lsum, 2);
     const int row = gid + 8 * i;
     if (row < gcount) {
+      if constexpr (Q8) {  // columns 16 c + 4 t + {0..3} from the even / odd tiles (mma_pv16_int8), in units of vref
 #pragma unroll
-      for (int n = 0; n < NT_D; ++n)
-        *reinterpret_cast<float2*>(&sm_o[warp][row][n * 8 + tig * 2]) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
+        for (int c = 0; c < D / 16; ++c)
+          *reinterpret_cast<float4*>(&sm_o[warp][row][c * 16 + tig * 4]) =
+              make_float4(o[2 * c][2 * i] * vref, o[2 * c + 1][2 * i] * vref, o[2 * c][2 * i + 1] * vref,
+                          o[2 * c + 1][2 * i + 1] * vref);
+      } else {
+#pragma unroll
+        for (int n = 0; n < NT_D; ++n)
+          *reinterpret_cast<float2*>(&sm_o[warp][row][n * 8 + tig * 2]) = make_float2(o[n][2 * i], o[n][2 * i + 1]);
+      }
       if (tig == 0) {
         sm_m[warp][row] = mrow[i];
         sm_l[warp][row] = lsum;
@@ -443,20 +565,38 @@ __device__ __forceinline__ void paged_decode_tc(
 #if CFG_DTYPE == 3
 #error "paged_decode_tc.cu is float16/bfloat16 only (float32 decode uses paged_decode.cu)"
 #endif
+#ifndef CFG_KV_INT8
+#define CFG_KV_INT8 0
+#endif
 
 // The parameters every entry point starts with (Q: the query operand, q or the step's
-// qkv row) and the same names passed on.
+// qkv row; KV: the pools' element type, then the scale pointers, null for float pools)
+// and the same names passed on.
+#if CFG_KV_INT8
+#define EDGE_TC_POOLS                                                                              \
+  signed char *__restrict__ k_pool, signed char *__restrict__ v_pool, float *__restrict__ k_scale, \
+      float *__restrict__ v_scale
+#define EDGE_TC_POOL_ARGS k_pool, v_pool, k_scale, v_scale
+#define EDGE_TC_Q8 true
+#define EDGE_TC_NAME(NAME) NAME##_q8
+#else
+#define EDGE_TC_POOLS edge_t *__restrict__ k_pool, edge_t *__restrict__ v_pool
+#define EDGE_TC_POOL_ARGS k_pool, v_pool, nullptr, nullptr
+#define EDGE_TC_Q8 false
+#define EDGE_TC_NAME(NAME) NAME
+#endif
 #define EDGE_TC_PARAMS(Q)                                                                            \
-  edge_t *__restrict__ out, const edge_t *__restrict__ Q, edge_t *__restrict__ k_pool,               \
-      edge_t *__restrict__ v_pool, const int *__restrict__ table, const int *__restrict__ pos,       \
-      int host_len, int kv_heads, int group, int log2_page, float scale_log2,                        \
+  edge_t *__restrict__ out, const edge_t *__restrict__ Q, EDGE_TC_POOLS, const int *__restrict__ table, \
+      const int *__restrict__ pos, int host_len, int kv_heads, int group, int log2_page, float scale_log2, \
       unsigned long long *__restrict__ ws, unsigned int *__restrict__ counters, int mergers, int min_rows
-#define EDGE_TC_ARGS(Q) \
-  out, Q, k_pool, v_pool, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws, counters, mergers, min_rows
+#define EDGE_TC_ARGS(Q)                                                                                  \
+  out, Q, EDGE_TC_POOL_ARGS, table, pos, host_len, kv_heads, group, log2_page, scale_log2, ws, counters, \
+      mergers, min_rows
 
-extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS) paged_decode_tc(EDGE_TC_PARAMS(q)) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, false>(EDGE_TC_ARGS(q),
-                                                                                        edge::RopeArgs{}, 1);
+extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
+    EDGE_TC_NAME(paged_decode_tc)(EDGE_TC_PARAMS(q)) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, false, 1, EDGE_TC_Q8>(
+      EDGE_TC_ARGS(q), edge::RopeArgs{}, 1);
 }
 
 // The speculative verify step: `tokens` query tokens at *pos .. (MULTI above), TILES row
@@ -464,16 +604,16 @@ extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCK
 // and K/V store in the launch; at most 2 * CFG_TC_WARPS tokens).
 #define EDGE_VERIFY_ENTRIES(NAME, TILES)                                                                      \
   extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)                          \
-      NAME(EDGE_TC_PARAMS(q), int tokens) {                                                                   \
-    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true, TILES>(              \
+      EDGE_TC_NAME(NAME)(EDGE_TC_PARAMS(q), int tokens) {                                                     \
+    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, false, true, TILES, EDGE_TC_Q8>(  \
         EDGE_TC_ARGS(q), edge::RopeArgs{}, tokens);                                                           \
   }                                                                                                           \
   extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)                          \
-      NAME##_rope(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,                        \
-                  const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,        \
-                  float eps) {                                                                                \
+      EDGE_TC_NAME(NAME##_rope)(EDGE_TC_PARAMS(qkv), int tokens, const edge_t* __restrict__ qk_norm,          \
+                                const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,       \
+                                int max_pos, float eps) {                                                     \
     if (tokens > 2 * CFG_TC_WARPS) __trap(); /* a warp holds two of the step's rows */                        \
-    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true, TILES>(               \
+    edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, true, TILES, EDGE_TC_Q8>(   \
         EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, tokens);                  \
   }
 
@@ -484,9 +624,9 @@ EDGE_VERIFY_ENTRIES(paged_verify_tc_pair, 2)
 
 // The same with the step's q/k norm + RoPE and K/V store (qkv: the projection's row).
 extern "C" __global__ void __launch_bounds__(32 * CFG_TC_WARPS, CFG_TC_MIN_BLOCKS)
-    paged_decode_tc_rope(EDGE_TC_PARAMS(qkv), const edge_t* __restrict__ qk_norm,
-                         const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab, int max_pos,
-                         float eps) {
-  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, false>(
+    EDGE_TC_NAME(paged_decode_tc_rope)(EDGE_TC_PARAMS(qkv), const edge_t* __restrict__ qk_norm,
+                                       const edge_t* __restrict__ cos_tab, const edge_t* __restrict__ sin_tab,
+                                       int max_pos, float eps) {
+  edge::paged_decode_tc<edge_t, CFG_HEAD_DIM, CFG_TC_WARPS, CFG_TC_STAGES, true, false, 1, EDGE_TC_Q8>(
       EDGE_TC_ARGS(qkv), edge::RopeArgs{qk_norm, cos_tab, sin_tab, max_pos, eps}, 1);
 }

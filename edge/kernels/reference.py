@@ -7,6 +7,10 @@ head_dim]`` and a block table is ``[max_blocks_per_seq]`` int32. A token at posi
 
 Nothing here reads a pool row at or beyond ``kv_len``: pools are never cleared
 (lazy memset), so anything past the sequence is stale or NaN-poisoned memory.
+
+A pool may also be an :class:`~edge.kernels.kv_int8.Int8KV` (int8 codes and a float32
+scale a row, ``[num_blocks, page_size, kv_heads]``): stores quantize, reads see the
+rows dequantized to float32 (edge/kernels/kv_int8.py defines both).
 """
 
 from __future__ import annotations
@@ -16,13 +20,18 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from edge.kernels.kv_int8 import Int8KV
+
+# A layer's K or V pool: rows in the model's dtype, or int8 codes with their scales.
+Pool = torch.Tensor | Int8KV
+
 
 class PagedKV(NamedTuple):
     """Where one layer's K/V live: the pools and the sequence's device block table. A
     kernel that produces K/V can write them here itself (see ``qk_norm_rope``)."""
 
-    k_pool: torch.Tensor
-    v_pool: torch.Tensor
+    k_pool: Pool
+    v_pool: Pool
     table: torch.Tensor
 
 
@@ -53,8 +62,8 @@ def position_slots(block_table: torch.Tensor, positions: torch.Tensor, page_size
 
 
 def write_kv(
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -65,19 +74,27 @@ def write_kv(
     scatter_kv(k_pool, v_pool, slots, k, v)
 
 
-def scatter_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Store K/V ``[T, kv_heads, head_dim]`` at flat pool rows ``slots``."""
+def scatter_kv(k_pool: Pool, v_pool: Pool, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Store K/V ``[T, kv_heads, head_dim]`` at flat pool rows ``slots`` (quantized in an
+    int8 pool)."""
+    if isinstance(k_pool, Int8KV):
+        k_pool.store(slots, k)
+        v_pool.store(slots, v)
+        return
     rows = k_pool.shape[0] * k_pool.shape[1]
     k_pool.view(rows, *k_pool.shape[2:]).index_copy_(0, slots, k.to(k_pool.dtype))
     v_pool.view(rows, *v_pool.shape[2:]).index_copy_(0, slots, v.to(v_pool.dtype))
 
 
 def gather_kv(
-    k_pool: torch.Tensor, v_pool: torch.Tensor, block_table: torch.Tensor, kv_len: int
+    k_pool: Pool, v_pool: Pool, block_table: torch.Tensor, kv_len: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V of positions [0, kv_len) as contiguous ``[kv_len, kv_heads, head_dim]``."""
+    """K and V of positions [0, kv_len) as contiguous ``[kv_len, kv_heads, head_dim]``
+    (float32 from an int8 pool)."""
     num_blocks, page_size = k_pool.shape[0], k_pool.shape[1]
     slots = slot_indices(block_table, 0, kv_len, page_size)
+    if isinstance(k_pool, Int8KV):
+        return k_pool.load(slots), v_pool.load(slots)
     k = k_pool.view(num_blocks * page_size, *k_pool.shape[2:]).index_select(0, slots)
     v = v_pool.view(num_blocks * page_size, *v_pool.shape[2:]).index_select(0, slots)
     return k, v
@@ -107,8 +124,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
 
 def prefill_attention(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     start: int,
     scale: float,
@@ -121,8 +138,8 @@ def prefill_attention(
 
 def decode_attention(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     kv_len: int,
     scale: float,
@@ -134,8 +151,8 @@ def decode_attention(
 
 def verify_attention(
     q: torch.Tensor,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     pos: torch.Tensor,
     scale: float,
@@ -152,8 +169,8 @@ def verify_attention(
 def verify_attention_rope(
     qkv: torch.Tensor,
     rope: Rope,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     pos: torch.Tensor,
     scale: float,
@@ -265,8 +282,8 @@ def qk_norm_rope(
 def decode_attention_rope(
     qkv: torch.Tensor,
     rope: Rope,
-    k_pool: torch.Tensor,
-    v_pool: torch.Tensor,
+    k_pool: Pool,
+    v_pool: Pool,
     block_table: torch.Tensor,
     kv_len: int,
     scale: float,

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from edge.model.files import read_json_object
 from edge.model.validate import ConfigError, check_config_fields
 
 SUPPORTED_ARCHITECTURES = {
@@ -78,6 +78,9 @@ class ModelConfig:
     qkv_bias: bool
     qk_norm: bool
     rope_scaling: RopeScaling | None = None
+    # Per-frequency divisors of the inverse frequencies (a GGUF file's rope_freqs tensor,
+    # llama.cpp's form of Llama 3 scaling); None: none.
+    rope_freq_factors: tuple[float, ...] | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str | None = None
@@ -95,13 +98,9 @@ class ModelConfig:
     def from_pretrained(cls, path: str | Path) -> "ModelConfig":
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
-        if not file.is_file():
+        if not file.exists():
             raise FileNotFoundError(f"no config.json at {file}")
-        try:
-            data = json.loads(file.read_text())
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {file}: {exc}") from exc
-        return cls.from_dict(data)
+        return cls.from_dict(read_json_object(file, ConfigError))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
@@ -211,6 +210,8 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
 
     d = cfg.head_dim
     inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    if cfg.rope_freq_factors is not None:
+        inv = inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)
     rs = cfg.rope_scaling
     if rs is None:
         return inv

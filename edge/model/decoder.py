@@ -30,6 +30,7 @@ from edge.model.config import ModelConfig, rope_inv_freq, rope_tables
 from edge.kernels.reference import Rope
 from edge.model.kv import SequenceKV
 from edge.quant.int4 import DEFAULT_GROUP_SIZE as DEFAULT_INT4_GROUP_SIZE
+from edge.quant.gguf import GGUFWeight
 from edge.quant.int4 import Int4Weight
 from edge.model.loader import expected_shapes, load_weights
 from edge.quant.q8_0 import (
@@ -71,10 +72,11 @@ class Model:
         for lw, nxt in zip(self.layers, self.layers[1:]):
             lw["ln_out"] = nxt["ln1"]
         self.layers[-1]["ln_out"] = weights["model.norm.weight"]
-        # Every projection quantized (int8 or int4): forward may fold norms and residual
-        # adds into them where their kernel fuses.
+        # Every projection quantized (int8, int4 or GGUF blocks): forward may fold norms
+        # and residual adds into them where their kernel fuses.
         self.int8_projections = all(
-            isinstance(lw[k], (Int8Weight, Int4Weight)) for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
+            isinstance(lw[k], (Int8Weight, Int4Weight, GGUFWeight))
+            for lw in self.layers for k in ("qkv", "o", "gate_up", "down")
         )
         cos, sin_signed = rope_tables(rope_inv_freq(cfg), max_seq_len)
         self.cos = cos.to(device=self.device, dtype=self.dtype)

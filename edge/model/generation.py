@@ -5,9 +5,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from edge.sampling import SamplerState, SamplingParams, StopChecker
 from edge.model.tokenizer import IncrementalDetokenizer, Tokenizer
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from edge.structured.matcher import GrammarMatcher
 
 
 @dataclass
@@ -23,6 +29,7 @@ class Usage:
     energy_j: float | None = None
     energy_j_per_token: float | None = None
     speculative: dict | None = None  # SpeculativeStats.as_dict() of a speculative request
+    grammar: dict | None = None  # a constrained request's host mask time (GrammarMatcher)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -71,8 +78,12 @@ class Generation:
         params: SamplingParams,
         sampler: SamplerState,
         eos_token_ids: frozenset[int] = frozenset(),
+        grammar: GrammarMatcher | None = None,
     ) -> None:
+        """``grammar``: the request's structured-output matcher (edge/structured): every
+        fed token advances it, and :meth:`next_mask` is the next step's bitmask."""
         self.prompt_ids = prompt_ids
+        self.grammar = grammar
         self.params = params
         self.sampler = sampler
         sampler.load(params, prompt_ids)
@@ -90,6 +101,10 @@ class Generation:
     def done(self) -> bool:
         return self.stop.done
 
+    def next_mask(self) -> np.ndarray | None:
+        """The bitmask of the tokens the next step may sample (None: unconstrained)."""
+        return None if self.grammar is None else self.grammar.mask()
+
     def mark_prefilled(self, cached_tokens: int = 0) -> None:
         self.t_prefilled = time.perf_counter()
         self.usage.cached_tokens = cached_tokens
@@ -100,7 +115,11 @@ class Generation:
         if self.t_first is None:
             self.t_first = time.perf_counter()
             self.usage.ttft_ms = (self.t_first - self.t_start) * 1e3
+        if self.grammar is not None:
+            self.grammar.accept(token)
         stop_token = self.stop.on_token(token)
+        if self.grammar is not None and self.grammar.done and not self.stop.done:
+            self.stop.finish_reason = "stop"  # the grammar ended (ignore_eos runs no further)
         if stop_token:
             return Chunk([], "")
         self.token_ids.append(token)
@@ -121,6 +140,9 @@ class Generation:
         u.total_ms = (now - self.t_start) * 1e3
         if self.t_first is not None and len(self.token_ids) > 1:
             u.decode_tok_s = (len(self.token_ids) - 1) / max(now - self.t_first, 1e-9)
+        g = self.grammar
+        if g is not None and g.masks:
+            u.grammar = {"masks": g.masks, "mask_ms_per_token": g.mask_s * 1e3 / g.masks}
         return Chunk([], tail, finish_reason=final, usage=u, message=message)
 
     def _drain(self) -> str:

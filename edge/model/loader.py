@@ -10,8 +10,8 @@ would double the footprint of its weights.
 
 from __future__ import annotations
 
-import json
 import math
+import re
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 
 from edge.model.config import ModelConfig
+from edge.model.files import check_regular, read_json_object
 from edge.model.shapes import FUSED, expected_shapes, fused_layout  # noqa: F401 - re-exported
 from edge.model.validate import CheckpointError, check_tensor
 
@@ -34,24 +35,24 @@ def checkpoint_files(model_dir: str | Path) -> dict[str, Path]:
     if not root.is_dir():
         raise FileNotFoundError(f"model directory {root} does not exist")
     index = root / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError) as exc:
-            raise CheckpointError(f"unreadable index {index}: {exc}") from exc
+    if index.exists():
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"unreadable index {index}: no 'weight_map' object")
         files = {name: root / shard for name, shard in weight_map.items()}
         for shard in set(files.values()):
             if not shard.is_file():
                 raise CheckpointError(f"shard {shard.name} named in {INDEX_FILE} is missing from {root}")
         return files
     single = root / SINGLE_FILE
-    if not single.is_file():
+    if not single.exists():
         raise CheckpointError(f"no {SINGLE_FILE} or {INDEX_FILE} in {root}")
     with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
 def _open(path: Path):  # noqa: ANN202 - safetensors' handle type is private
+    check_regular(path, CheckpointError)  # a FIFO would block the open
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as exc:  # safetensors raises several private error types
@@ -107,6 +108,26 @@ def tensor_shape(path: Path, name: str) -> tuple[int, ...]:
             return tuple(f.get_slice(name).get_shape())
     except Exception as exc:
         raise CheckpointError(f"cannot read tensor {name} from {path.name}: {exc}") from exc
+
+
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def check_checkpoint_matches_config(model_dir: str | Path, cfg: ModelConfig) -> None:
+    """Before anything is allocated, from the checkpoint's headers: it holds the
+    decoder layers config.json names, and an embedding of ``vocab_size`` rows. A
+    config.json edited to a million layers fails here, not after minutes of allocating."""
+    files = checkpoint_files(model_dir)
+    layers = {int(m.group(1)) for name in files if (m := _LAYER.search(name))}
+    if layers and (len(layers) != cfg.num_layers or max(layers) != cfg.num_layers - 1):
+        raise CheckpointError(f"config.json says num_hidden_layers {cfg.num_layers}, but the checkpoint in "
+                              f"{model_dir} holds {len(layers)} layers (0..{max(layers)})")
+    embedding = next((n for n in files if n.endswith("embed_tokens.weight")), None)
+    if embedding is not None:
+        rows = tensor_shape(files[embedding], embedding)[0]
+        if rows != cfg.vocab_size:
+            raise CheckpointError(f"config.json says vocab_size {cfg.vocab_size}, but {embedding} in the checkpoint "
+                                  f"has {rows} rows")
 
 
 def _rows(path: Path, name: str, chunk_bytes: int) -> Iterator[TensorRows]:

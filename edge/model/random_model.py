@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_file
 
 from edge.dirlock import locked_directory
+from edge.model.writing import plain_dir_mode, progress_bar, save_safetensors
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -585,25 +585,35 @@ def write_weights(
     make_tensor: Callable[[str, tuple[int, ...]], torch.Tensor],
     dtype: torch.dtype,
     max_shard_bytes: int | None,
+    progress: bool = False,
 ) -> None:
     """``make_tensor(name, shape)`` for each of ``shapes`` as model.safetensors (or
-    shards and their index), one shard in memory at a time."""
-    shards = plan_shards(shapes, torch.empty((), dtype=dtype).element_size(), max_shard_bytes)
+    shards and their index), one shard in memory at a time; ``progress``: a bar on
+    stderr counting the bytes made."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    shards = plan_shards(shapes, itemsize, max_shard_bytes)
     metadata = {"format": "pt"}
-    if len(shards) == 1:
-        tensors = {name: make_tensor(name, shapes[name]) for name in shards[0]}
-        save_file(tensors, str(out_dir / "model.safetensors"), metadata=metadata)
-        return
-    weight_map: dict[str, str] = {}
-    total_size = 0
-    for index, names in enumerate(shards, start=1):
-        filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
-        # One shard in memory at a time keeps an 8B-shaped checkpoint writable on a small host.
-        tensors = {name: make_tensor(name, shapes[name]) for name in names}
-        save_file(tensors, str(out_dir / filename), metadata=metadata)
-        total_size += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update({name: filename for name in names})
-        del tensors
+    total = sum(math.prod(s) for s in shapes.values()) * itemsize
+    with progress_bar(total, f"writing {out_dir.name}", progress) as bar:
+
+        def make(name: str) -> torch.Tensor:
+            t = make_tensor(name, shapes[name])
+            bar.update(t.numel() * t.element_size())
+            return t
+
+        if len(shards) == 1:
+            save_safetensors({name: make(name) for name in shards[0]}, out_dir / "model.safetensors", metadata)
+            return
+        weight_map: dict[str, str] = {}
+        total_size = 0
+        for index, names in enumerate(shards, start=1):
+            filename = f"model-{index:05d}-of-{len(shards):05d}.safetensors"
+            # One shard in memory at a time keeps an 8B-shaped checkpoint writable on a small host.
+            tensors = {name: make(name) for name in names}
+            save_safetensors(tensors, out_dir / filename, metadata)
+            total_size += sum(t.numel() * t.element_size() for t in tensors.values())
+            weight_map.update({name: filename for name in names})
+            del tensors
     index_data = {"metadata": {"total_size": total_size}, "weight_map": dict(sorted(weight_map.items()))}
     _write_json(out_dir / "model.safetensors.index.json", index_data)
 
@@ -621,11 +631,13 @@ def make_model(
     seed: int = 0,
     dtype: str | torch.dtype = "float32",
     max_shard_bytes: int | None = None,
+    progress: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a random-weight model directory in Hugging Face format and return its path.
 
-    `arch` None takes the preset's architecture (qwen3 for the qwen3 presets and tiny).
+    `arch` None takes the preset's architecture (qwen3 for the qwen3 presets and tiny);
+    `progress`: a bar on stderr while the weights are written.
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -634,7 +646,9 @@ def make_model(
     _write_json(out / "config.json", config)
     _write_tokenizer(out, config["max_position_embeddings"], config["vocab_size"])
     shapes = state_dict_shapes(config)
-    write_weights(out, shapes, lambda n, s: config_tensor(config, n, s, seed, torch_dtype), torch_dtype, max_shard_bytes)
+    write_weights(
+        out, shapes, lambda n, s: config_tensor(config, n, s, seed, torch_dtype), torch_dtype, max_shard_bytes, progress
+    )
     return out
 
 
@@ -671,6 +685,7 @@ def cached_model(name: str, build: Callable[..., Path] = make_model, **make: Any
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=models))
         try:
             build(tmp, **make)
+            tmp.chmod(plain_dir_mode())  # mkdtemp's 0700 would hide the model from other users
             os.rename(tmp, final)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)

@@ -3,9 +3,12 @@ the chat template through jinja2 rendered the way `transformers` renders it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
-from collections.abc import Iterable, Mapping, Sequence
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -16,7 +19,8 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-from edge.errors import ChatTemplateError
+from edge.errors import ChatTemplateError, InvalidPrompt
+from edge.model.files import MAX_TOKENIZER_BYTES, check_regular, read_json_object
 
 Message = Mapping[str, Any]
 
@@ -32,16 +36,19 @@ def _one_line(exc: Exception) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
+    return read_json_object(path, TokenizerError) if path.exists() else {}
+
+
+@contextlib.contextmanager
+def _encoding() -> Iterator[None]:
+    """A text the tokenizer cannot encode (a WordLevel vocabulary without an unknown
+    token meeting a new word) is the request's fault: InvalidPrompt, one line."""
     try:
-        with path.open(encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise TokenizerError(f"cannot parse {path}: {_one_line(exc)}") from None
-    if not isinstance(data, dict):
-        raise TokenizerError(f"cannot parse {path}: expected a JSON object, got {type(data).__name__}")
-    return data
+        yield
+    except Exception as exc:  # tokenizers raises a bare Exception
+        if isinstance(exc, InvalidPrompt):
+            raise
+        raise InvalidPrompt(f"the model's tokenizer cannot encode this text: {_one_line(exc)}") from None
 
 
 def _token_content(token: str | Mapping[str, Any] | None) -> str | None:
@@ -60,11 +67,20 @@ def _as_id_list(value: int | Sequence[int] | None) -> list[int]:
     return [int(v) for v in value]
 
 
-def _select_chat_template(template: str | Sequence[Mapping[str, str]] | None) -> str | None:
-    # Some models ship several named templates ("default", "tool_use", "rag").
+def _select_chat_template(template: str | Sequence[Mapping[str, str]] | Mapping[str, str] | None) -> str | None:
+    # Some models ship several named templates ("default", "tool_use", "rag"): a list of
+    # {"name", "template"} in tokenizer_config.json, a {name: template} map in a processor.
     if template is None or isinstance(template, str):
         return template
-    by_name = {entry["name"]: entry["template"] for entry in template}
+    if isinstance(template, Mapping):
+        by_name = {str(k): v for k, v in template.items() if isinstance(v, str)}
+    else:
+        if not isinstance(template, list) or not all(
+                isinstance(e, Mapping) and isinstance(e.get("name"), str) and isinstance(e.get("template"), str)
+                for e in template):
+            raise TokenizerError("chat_template must be a string, a {name: template} map or a list of "
+                                 '{"name": ..., "template": ...} objects')
+        by_name = {entry["name"]: entry["template"] for entry in template}
     if "default" in by_name:
         return by_name["default"]
     return next(iter(by_name.values()), None)
@@ -98,6 +114,52 @@ def compile_chat_template(source: str) -> jinja2.Template:
     return env.from_string(source)
 
 
+# -- where a model directory keeps its chat template, read as transformers reads it --
+
+# A vision-language model's processor (preprocessor_config.json beside the tokenizer)
+# renders its chats from its own template.
+PROCESSOR_FILES = ("preprocessor_config.json", "processor_config.json")
+
+
+def _read_text(path: Path) -> str | None:
+    if not path.is_file():
+        return None
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenizerError(f"cannot read {path}: {_one_line(exc)}") from None
+
+
+def tokenizer_chat_template_file(root: Path) -> str | None:
+    """The tokenizer's chat_template.jinja (recent transformers save the template there
+    instead of inside tokenizer_config.json, and it wins over the config's)."""
+    return _read_text(root / "chat_template.jinja")
+
+
+def processor_chat_template(root: Path) -> str | None:
+    """The processor's template, for a directory that holds a processor, in the order of
+    transformers' ``ProcessorMixin.from_pretrained``: a ``chat_template`` key in
+    processor_config.json, then the legacy chat_template.json (``{"chat_template": ...}``),
+    then chat_template.jinja with any named templates of additional_chat_templates/. None where the
+    directory has no processor or the processor no template (the tokenizer's applies)."""
+    if not any((root / name).is_file() for name in PROCESSOR_FILES):
+        return None
+    in_config = _read_json(root / "processor_config.json").get("chat_template")
+    if in_config:
+        return _select_chat_template(in_config)
+    legacy = root / "chat_template.json"
+    if legacy.is_file():
+        template = _read_json(legacy).get("chat_template")
+        if not isinstance(template, (str, list, dict)) or not template:
+            raise TokenizerError(f"cannot parse {legacy}: expected a 'chat_template' string")
+        return _select_chat_template(template)
+    named = {p.stem: _read_text(p) for p in sorted((root / "additional_chat_templates").glob("*.jinja"))}
+    default = tokenizer_chat_template_file(root)
+    if default is not None:
+        named["default"] = default
+    return _select_chat_template(named) if named else None
+
+
 class Tokenizer:
     """Encode/decode text and render chat prompts for one model directory."""
 
@@ -124,22 +186,28 @@ class Tokenizer:
     def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
         root = Path(path)
         tokenizer_file = root / "tokenizer.json"
-        if not tokenizer_file.is_file():
+        if not tokenizer_file.exists():
             raise FileNotFoundError(f"no tokenizer.json in model directory {root} (looked for {tokenizer_file})")
-        template_file = root / "chat_template.jinja"
-        # Recent transformers versions save the template next to the config instead of inside it.
-        chat_template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
+        chat_template = processor_chat_template(root) or tokenizer_chat_template_file(root)
+        check_regular(tokenizer_file, TokenizerError, MAX_TOKENIZER_BYTES)
         try:
             hf = _HFTokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # tokenizers raises a bare Exception for malformed files
             raise TokenizerError(f"cannot parse {tokenizer_file}: {_one_line(exc)}") from None
-        return cls(
+        tok = cls(
             hf,
             tokenizer_config=_read_json(root / "tokenizer_config.json"),
             generation_config=_read_json(root / "generation_config.json"),
             model_config=_read_json(root / "config.json"),
             chat_template=chat_template,
         )
+        if tok.chat_template:  # a template that does not compile fails here, not at the first chat request
+            where = root if chat_template is not None else root / "tokenizer_config.json"
+            try:
+                tok._compiled_template
+            except jinja2.TemplateError as exc:
+                raise TokenizerError(f"the chat template in {where} does not compile: {_one_line(exc)}") from None
+        return tok
 
     # ------------------------------------------------------------------ ids
 
@@ -148,6 +216,10 @@ class Tokenizer:
 
     def id_to_token(self, token_id: int) -> str | None:
         return self._tok.id_to_token(token_id) if 0 <= token_id < self._vocab_size else None
+
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (grammar engines build their token tries from it)."""
+        return self._tok.to_str()
 
     @property
     def vocab_size(self) -> int:
@@ -187,13 +259,16 @@ class Tokenizer:
     # ------------------------------------------------------------------ text
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        return self._with_bos(self._tok.encode(text, add_special_tokens=add_special_tokens).ids, add_special_tokens)
+        with _encoding():
+            ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return self._with_bos(ids, add_special_tokens)
 
     def encode_releasing_gil(self, text: str, add_special_tokens: bool = False) -> list[int]:
         """``encode``, with the GIL released while the Rust tokenizer runs (its
         ``encode_batch`` releases it, ``encode`` does not): other Python threads, such
         as an event loop or an engine loop, keep running during a long text."""
-        ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        with _encoding():
+            ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._with_bos(ids, add_special_tokens)
 
     @cached_property
@@ -226,8 +301,9 @@ class Tokenizer:
     def _compiled_template(self) -> jinja2.Template:
         if not self.chat_template:
             raise ChatTemplateError(
-                "this model has no chat template (no 'chat_template' in tokenizer_config.json "
-                "and no chat_template.jinja); use a plain prompt instead"
+                "this model has no chat template (no 'chat_template' in tokenizer_config.json, "
+                "no chat_template.jinja and, for a vision-language model, no chat_template.json); "
+                "use a plain prompt instead"
             )
         return compile_chat_template(self.chat_template)
 
@@ -256,10 +332,123 @@ class Tokenizer:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
-        # The rendered text already holds the template's special tokens; adding them again
-        # would double the BOS, so transformers encodes it without them and so do we.
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **kwargs)
-        return self.encode(text, add_special_tokens=False)
+        """The prompt ids of ``messages``: the template's special tokens as tokens, the
+        messages' own text as text (see :meth:`render_chat`)."""
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt, **kwargs))
+
+    # ------------------------------------------------------------------ special tokens as text
+
+    @cached_property
+    def _specials(self) -> dict[str, tuple[int, bool, bool]]:
+        """Special added tokens: content -> (id, lstrip, rstrip)."""
+        return {t.content: (i, t.lstrip, t.rstrip) for i, t in self._tok.get_added_tokens_decoder().items()
+                if t.special and t.content}
+
+    @cached_property
+    def _special_re(self) -> re.Pattern[str] | None:
+        names = sorted(self._specials, key=len, reverse=True)  # the longest match first, as tokenizers does
+        return re.compile("(" + "|".join(map(re.escape, names)) + ")") if names else None
+
+    @cached_property
+    def _special_starts(self) -> frozenset[str]:
+        return frozenset(name[:2] for name in self._specials)
+
+    @cached_property
+    def _text_tokenizer(self) -> _HFTokenizer:
+        """The same tokenizer, reading special-token strings as ordinary text."""
+        tok = _HFTokenizer.from_str(self._tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    **kwargs: Any) -> RenderedChat:
+        """The chat template applied to ``messages`` whose special-token strings (a user
+        typing ``<|im_end|>``) stand as markers: the template's own special tokens become
+        tokens, the messages' become text. This is how the major servers keep a user
+        from forging a turn; for text without such strings the ids equal transformers'."""
+        pattern = self._special_re
+        if pattern is None:
+            return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
+        strings: list[str] = []
+        _collect_strings([messages, kwargs], strings)
+        # A substring search per distinct two-character start first (C speed); the regex
+        # only over the strings that may hold a special token.
+        maybe = [s for s in strings if any(start in s for start in self._special_starts)]
+        found = sorted({m for s in maybe for m in pattern.findall(s)})
+        if not found:
+            return RenderedChat(self.apply_chat_template(messages, add_generation_prompt, **kwargs), {})
+        free = (c for c in map(chr, range(0xE000, 0xF900)) if not any(c in s for s in strings))  # private use
+        left, right = next(free), next(free)
+        hide = {name: f"{left}{k}{right}" for k, name in enumerate(found)}
+        masked = _replace_strings([list(messages), kwargs], lambda s: pattern.sub(lambda m: hide[m.group(0)], s))
+        text = self.apply_chat_template(masked[0], add_generation_prompt, **masked[1])
+        return RenderedChat(text, {marker: name for name, marker in hide.items()})
+
+    def encode_rendered(self, rendered: RenderedChat) -> list[int]:
+        """Ids of a rendered chat: its special tokens (from the template) as their ids,
+        the text between them (markers restored) encoded as text in one batch, with the
+        interpreter released."""
+        pattern = self._special_re
+        if pattern is None:
+            return self.encode_releasing_gil(rendered.text)
+        pieces = pattern.split(rendered.text)  # text, special, text, ..., text
+        texts = pieces[0::2]
+        for k, name in enumerate(pieces[1::2]):  # AddedToken lstrip/rstrip eat the whitespace beside it
+            _, lstrip, rstrip = self._specials[name]
+            if lstrip:
+                texts[k] = texts[k].rstrip()
+            if rstrip:
+                texts[k + 1] = texts[k + 1].lstrip()
+        texts = [rendered.restore(t) for t in texts]
+        with _encoding():
+            encoded = self._text_tokenizer.encode_batch(texts, add_special_tokens=False)
+        ids: list[int] = list(encoded[0].ids)
+        for name, enc in zip(pieces[1::2], encoded[1:]):
+            ids.append(self._specials[name][0])
+            ids += enc.ids
+        return ids
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A rendered chat prompt in which the special-token strings that came from the
+    messages stand as ``markers`` (marker -> the string it hides)."""
+
+    text: str
+    markers: Mapping[str, str]
+
+    def restore(self, text: str) -> str:
+        for marker, name in self.markers.items():
+            if marker in text:
+                text = text.replace(marker, name)
+        return text
+
+    @property
+    def plain(self) -> str:
+        """The text the template rendered, as transformers renders it."""
+        return self.restore(self.text)
+
+
+def _collect_strings(node: Any, out: list[str]) -> None:
+    if isinstance(node, str):
+        out.append(node)
+    elif isinstance(node, Mapping):
+        for v in node.values():
+            _collect_strings(v, out)
+    elif isinstance(node, (list, tuple)):
+        for v in node:
+            _collect_strings(v, out)
+
+
+def _replace_strings(node: Any, fn: Any) -> Any:
+    """``node`` (JSON-like) with ``fn`` applied to every string value (keys untouched)."""
+    if isinstance(node, str):
+        return fn(node)
+    if isinstance(node, Mapping):
+        return {k: _replace_strings(v, fn) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        return [_replace_strings(v, fn) for v in node]
+    return node
 
 
 class IncrementalDetokenizer:

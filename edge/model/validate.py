@@ -75,6 +75,11 @@ def check_device_and_dtype(device: str | None, dtype: str | None) -> None:
 
 POSITIVE_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                  "num_key_value_heads", "head_dim", "max_position_embeddings")
+# Far beyond any model this server runs: a larger value is an edited or corrupt file,
+# refused before anything is sized from it.
+UPPER_BOUNDS = {"vocab_size": 1 << 22, "hidden_size": 1 << 16, "intermediate_size": 1 << 19,
+                "num_hidden_layers": 1024, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+                "head_dim": 4096, "max_position_embeddings": 1 << 24}
 POSITIVE_FLOATS = ("rms_norm_eps", "rope_theta")
 BOOLS = ("tie_word_embeddings", "attention_bias", "use_sliding_window", "mlp_bias")
 TOKEN_IDS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -91,6 +96,9 @@ def check_config_fields(d: Mapping[str, Any]) -> None:
         v = d.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
             raise ConfigError(f"config.json field {key!r} must be a positive integer, got {_kind(v)}")
+        if v is not None and v > UPPER_BOUNDS[key]:
+            raise ConfigError(f"config.json field {key!r} is {v}, beyond any model this server runs "
+                              f"(at most {UPPER_BOUNDS[key]})")
     for key in POSITIVE_FLOATS:
         v = d.get(key)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)

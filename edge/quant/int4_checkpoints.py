@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from edge.model.config import ModelConfig
+from edge.model.files import read_json_object
 from edge.quant.int4 import DEFAULT_GROUP_SIZE, SYMMETRIC_ZERO, Int4Codes, Int4Weight, pack_weight, quantize_rtn
 from edge.model.loader import (
     CheckpointError,

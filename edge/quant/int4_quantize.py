@@ -38,6 +38,7 @@ import torch
 from edge.model.config import ModelConfig
 from edge.quant.int4 import DEFAULT_GROUP_SIZE, Int4Codes, codes_dequantize, quantize_rtn
 from edge.model.loader import INDEX_FILE, checkpoint_files
+from edge.model.writing import progress_bar, save_safetensors, tensor_data_bytes
 from edge.quant.q8_0 import LINEAR_SUFFIXES, QuantError, copy_checkpoint_extras
 
 log = logging.getLogger(__name__)
@@ -114,9 +115,12 @@ def _layer_groups(cfg: ModelConfig, i: int) -> list[tuple[str, list[str], str]]:
     return groups
 
 
-def calibration_inputs(src: Path, cfg: ModelConfig, tokens: int = CALIBRATION_TOKENS) -> dict[str, torch.Tensor]:
+def calibration_inputs(
+    src: Path, cfg: ModelConfig, tokens: int = CALIBRATION_TOKENS, progress: bool = False
+) -> dict[str, torch.Tensor]:
     """Inputs ``[tokens, in]`` (float32, CPU) of every layer's q, gate, down and o
-    projections on the calibration text, from the float model run by transformers."""
+    projections on the calibration text, from the float model run by transformers;
+    ``progress``: a bar on stderr counting the inputs captured."""
     try:
         import transformers
     except ImportError as exc:
@@ -126,16 +130,18 @@ def calibration_inputs(src: Path, cfg: ModelConfig, tokens: int = CALIBRATION_TO
     model = transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).to(device).eval()
     captured: dict[str, torch.Tensor] = {}
     hooks = []
-    for i in range(cfg.num_layers):
-        for _, _, key in _layer_groups(cfg, i):
+    keys = [key for i in range(cfg.num_layers) for _, _, key in _layer_groups(cfg, i)]
+    with progress_bar(len(keys), "AWQ: calibration inputs", progress, unit="input") as bar:
+        for key in keys:
             module = model.get_submodule(key)
 
             def hook(_m: Any, args: tuple, _out: Any, key: str = key) -> None:
                 captured[key] = args[0].detach().reshape(-1, args[0].shape[-1]).float().cpu()
+                bar.update(1)
 
             hooks.append(module.register_forward_hook(hook))
-    with torch.no_grad():
-        model(torch.tensor([ids], device=device))
+        with torch.no_grad():
+            model(torch.tensor([ids], device=device))
     for h in hooks:
         h.remove()
     del model
@@ -182,18 +188,21 @@ def awq_plan(
     inputs: dict[str, torch.Tensor],
     group_size: int,
     scale_dtype: torch.dtype,
+    progress: bool = False,
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Every layer group's scale: (tensor -> scale of its input columns, producer ->
     scale its rows (or vector) are divided by). A tensor can be both (up, v); the two
-    commute."""
+    commute. ``progress``: a bar on stderr counting the groups searched."""
     cols: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
-    for i in range(cfg.num_layers):
-        for producer, linears, key in _layer_groups(cfg, i):
+    groups = [g for i in range(cfg.num_layers) for g in _layer_groups(cfg, i)]
+    with progress_bar(len(groups), "AWQ: scale search", progress, unit="group") as bar:
+        for producer, linears, key in groups:
             s = awq_scales(inputs[key], [tensors(n) for n in linears], group_size, scale_dtype)
             for n in linears:
                 cols[n] = s
             rows[producer] = s
+            bar.update(1)
     return cols, rows
 
 
@@ -201,12 +210,13 @@ def awq_plan(
 
 
 def quantize_checkpoint_int4(
-    src: str | Path, dst: str | Path, group_size: int = DEFAULT_GROUP_SIZE, method: str = "rtn"
+    src: str | Path, dst: str | Path, group_size: int = DEFAULT_GROUP_SIZE, method: str = "rtn",
+    progress: bool = False,
 ) -> dict[str, Any]:
     """Write the int4 compressed-tensors copy of the float checkpoint ``src`` into
-    ``dst`` (module docstring). Returns a summary."""
+    ``dst`` (module docstring). Returns a summary. ``progress``: bars on stderr for the
+    calibration, the scale search and the bytes quantized."""
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     src, dst = Path(src), Path(dst)
     if method not in METHODS:
@@ -236,13 +246,13 @@ def quantize_checkpoint_int4(
     cols: dict[str, torch.Tensor] = {}
     rows: dict[str, torch.Tensor] = {}
     if method == "awq":
-        inputs = calibration_inputs(src, cfg)
+        inputs = calibration_inputs(src, cfg, progress=progress)
 
         def read(name: str) -> torch.Tensor:
             with safe_open(str(files[name]), framework="pt", device="cpu") as f:
                 return f.get_tensor(name)
 
-        cols, rows = awq_plan(read, cfg, inputs, group_size, scale_dtype)
+        cols, rows = awq_plan(read, cfg, inputs, group_size, scale_dtype, progress)
         del inputs
 
     dst.mkdir(parents=True, exist_ok=True)
@@ -252,32 +262,35 @@ def quantize_checkpoint_int4(
     weight_map: dict[str, str] = {}
     bytes_in = bytes_out = 0
     qset = set(linears)
-    for path, names in sorted(shard_names.items()):
-        out: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in sorted(names):
-                t = f.get_tensor(name)
-                bytes_in += t.numel() * t.element_size()
-                if name in cols or name in rows:
-                    dtype = t.dtype
-                    t = t.float()
-                    if name in cols:
-                        t = t * cols[name]
-                    if name in rows:
-                        t = t / rows[name] if t.dim() == 1 else t / rows[name].unsqueeze(1)
-                    if name not in qset:
-                        t = t.to(dtype)
-                if name in qset:
-                    c = quantize_rtn(t, group_size, scale_dtype, name)
-                    out |= compressed_tensors(name.removesuffix(".weight"), c, tuple(t.shape))
-                else:
-                    out[name] = t.contiguous()
-                del t
-        for name, t in out.items():
-            bytes_out += t.numel() * t.element_size()
-            weight_map[name] = path.name
-        save_file(out, str(dst / path.name), metadata={"format": "pt"})
-        del out
+    total = sum(tensor_data_bytes(path) for path in shard_names)
+    with progress_bar(total, f"int4 {method}: quantizing {src.name}", progress) as bar:
+        for path, names in sorted(shard_names.items()):
+            out: dict[str, torch.Tensor] = {}
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in sorted(names):
+                    t = f.get_tensor(name)
+                    bytes_in += t.numel() * t.element_size()
+                    bar.update(t.numel() * t.element_size())
+                    if name in cols or name in rows:
+                        dtype = t.dtype
+                        t = t.float()
+                        if name in cols:
+                            t = t * cols[name]
+                        if name in rows:
+                            t = t / rows[name] if t.dim() == 1 else t / rows[name].unsqueeze(1)
+                        if name not in qset:
+                            t = t.to(dtype)
+                    if name in qset:
+                        c = quantize_rtn(t, group_size, scale_dtype, name)
+                        out |= compressed_tensors(name.removesuffix(".weight"), c, tuple(t.shape))
+                    else:
+                        out[name] = t.contiguous()
+                    del t
+            for name, t in out.items():
+                bytes_out += t.numel() * t.element_size()
+                weight_map[name] = path.name
+            save_safetensors(out, dst / path.name, {"format": "pt"})
+            del out
     if (src / INDEX_FILE).is_file():
         index = {"metadata": {"total_size": bytes_out}, "weight_map": dict(sorted(weight_map.items()))}
         (dst / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

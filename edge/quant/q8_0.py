@@ -445,6 +445,7 @@ def quantize_checkpoint(
     group_size: int = DEFAULT_GROUP_SIZE,
     keep_lm_head_float: bool = False,
     scale_dtype: torch.dtype = torch.float32,
+    progress: bool = False,
 ) -> dict:
     """Write a q8_0 copy of the float checkpoint ``src`` into ``dst`` (route A).
 
@@ -454,13 +455,14 @@ def quantize_checkpoint(
     carries the ``__metadata__`` ``{"quantization": "q8_0", "group_size": ...}``.
     config.json gains a ``quantization_config`` entry; every other file (tokenizer,
     generation config, ...) is copied. Returns a summary (tensors, bytes in and out).
+    ``progress``: a bar on stderr counting the bytes read.
     """
     import json
 
     from safetensors import safe_open
-    from safetensors.torch import save_file
 
     from edge.model.loader import INDEX_FILE
+    from edge.model.writing import progress_bar, save_safetensors, tensor_data_bytes
 
     src, dst = Path(src), Path(dst)
     if not src.is_dir():
@@ -494,25 +496,28 @@ def quantize_checkpoint(
     metadata = {"format": "pt", **file_metadata_for(QUANT_METHOD, group_size)}
     weight_map: dict[str, str] = {}
     bytes_in = bytes_out = 0
-    for path, names in sorted(shard_names.items()):
-        tensors: dict[str, torch.Tensor] = {}
-        with safe_open(str(path), framework="pt", device="cpu") as f:
-            for name in sorted(names):
-                t = f.get_tensor(name)
-                bytes_in += t.numel() * t.element_size()
-                if name in qset:
-                    if not t.is_floating_point():
-                        raise QuantError(f"{name} is {t.dtype}; only float weights are quantized")
-                    q, s = quantize_tensor(t, group_size, scale_dtype, device="cpu", name=name)
-                    tensors[name], tensors[scale_name(name)] = q, s
-                    del t
-                else:
-                    tensors[name] = t.contiguous()
-        for name, t in tensors.items():
-            bytes_out += t.numel() * t.element_size()
-            weight_map[name] = path.name
-        save_file(tensors, str(dst / path.name), metadata=metadata)
-        del tensors
+    total = sum(tensor_data_bytes(path) for path in shard_names)
+    with progress_bar(total, f"q8_0: quantizing {src.name}", progress) as bar:
+        for path, names in sorted(shard_names.items()):
+            tensors: dict[str, torch.Tensor] = {}
+            with safe_open(str(path), framework="pt", device="cpu") as f:
+                for name in sorted(names):
+                    t = f.get_tensor(name)
+                    bytes_in += t.numel() * t.element_size()
+                    bar.update(t.numel() * t.element_size())
+                    if name in qset:
+                        if not t.is_floating_point():
+                            raise QuantError(f"{name} is {t.dtype}; only float weights are quantized")
+                        q, s = quantize_tensor(t, group_size, scale_dtype, device="cpu", name=name)
+                        tensors[name], tensors[scale_name(name)] = q, s
+                        del t
+                    else:
+                        tensors[name] = t.contiguous()
+            for name, t in tensors.items():
+                bytes_out += t.numel() * t.element_size()
+                weight_map[name] = path.name
+            save_safetensors(tensors, dst / path.name, metadata)
+            del tensors
     if (src / INDEX_FILE).is_file():
         index = {
             "metadata": {"total_size": bytes_out, **file_metadata_for(QUANT_METHOD, group_size)},

@@ -26,6 +26,8 @@ import torch
 
 from edge.model.config import ModelConfig
 from edge.kernels import reference
+from edge.quant.gguf import FORMAT as GGUF_FORMAT
+from edge.quant.gguf import GGUFEmbedding, GGUFReferenceLinear, GGUFWeight
 from edge.quant.int4 import Int4ReferenceLinear, Int4Weight
 from edge.kernels.int4_cuda import Int4Tuning
 from edge.kernels.int8_cuda import Int8Tuning
@@ -157,9 +159,10 @@ def reference_backend(device: torch.device | str = "cpu", why: str | None = None
 
 
 def _reference_linears(layer: LayerOps) -> Linears:
-    return Linears(
-        {"float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer), Int4Weight.FORMAT: Int4ReferenceLinear(layer)}
-    )
+    return Linears({
+        "float": FloatLinear(layer), QUANT_METHOD: Int8ReferenceLinear(layer), Int4Weight.FORMAT: Int4ReferenceLinear(layer),
+        GGUF_FORMAT: GGUFReferenceLinear(layer),
+    })
 
 
 def kernel_fix_hint(exc: BaseException) -> str:
@@ -184,10 +187,12 @@ def select_backend(
     int8_tuning: Int8Tuning | None = None,
     int4_tuning: Int4Tuning | None = None,
     sms: int | None = None,
+    kv_int8: bool = False,
 ) -> Backend:
     """Plan the backend of one engine (see the module docstring). ``weights`` are the
     model's weights, checked once against what the linear kernels take; ``sms`` is the
-    SM count the plans fill (default: what the current CUDA context has)."""
+    SM count the plans fill (default: what the current CUDA context has); ``kv_int8``:
+    the KV cache holds int8 rows (the attention loads those kernels too)."""
     if kernels not in KERNEL_CHOICES:
         raise ValueError(f"kernels must be one of {KERNEL_CHOICES}, got {kernels!r}")
     device = torch.device(device)
@@ -198,9 +203,11 @@ def select_backend(
     if kernels == "reference":
         log.warning("torch reference kernels on %s, as chosen: no CUDA graphs, slow decode", device)
         return reference_backend(device, "chosen by the operator (kernels='reference')")
+    weights = list(weights)
+    _check_verified_on_gpu(weights, kv_int8)
     try:
         return _cuda_backend(
-            cfg, device, dtype, list(weights), overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms
+            cfg, device, dtype, weights, overlap_launches, decode_tuning, int8_tuning, int4_tuning, sms, kv_int8
         )
     except BackendUnavailable:
         raise
@@ -210,6 +217,22 @@ def select_backend(
         if isinstance(exc, (KernelsUnavailable, KernelCompileError, ImportError, OSError)):
             raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         raise
+
+
+def _check_verified_on_gpu(weights: list[Any], kv_int8: bool) -> None:
+    """Refuse, in one line, the CUDA kernels that have not yet matched the torch reference
+    on a GPU (int8 K/V, GGUF blocks): their CPU reference path is exact, the GPU one is not
+    yet proven, and a wrong answer must never be served silently."""
+    what = []
+    if kv_int8:
+        what.append("int8 K/V (--kv-dtype int8)")
+    if any(isinstance(w, (GGUFWeight, GGUFEmbedding)) for w in weights):
+        what.append("GGUF weights")
+    if what:
+        raise BackendUnavailable(
+            f"the CUDA kernels for {' and '.join(what)} have not passed their GPU checks against the torch "
+            "reference in this release: use --kernels reference on this GPU (slow, exact), or the CPU"
+        )
 
 
 def _cuda_backend(
@@ -222,8 +245,9 @@ def _cuda_backend(
     int8_tuning: Int8Tuning | None,
     int4_tuning: Int4Tuning | None,
     sms: int | None,
+    kv_int8: bool = False,
 ) -> Backend:
-    from edge.kernels import fused_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
+    from edge.kernels import fused_cuda, gguf_cuda, int4_cuda, int8_cuda, nvrtc, paged_cuda
     from edge.kernels.launcher import Launcher
 
     dev = nvrtc.device_index(device, "the CUDA kernels")
@@ -254,6 +278,15 @@ def _cuda_backend(
     if int4 and int4_why:
         notes.append(f"int4 linear: {int4_why}")
 
+    # GGUF blocks (the tied lm_head multiplies by the embedding's table).
+    gguf = [w.table if isinstance(w, GGUFEmbedding) else w for w in weights if isinstance(w, (GGUFWeight, GGUFEmbedding))]
+    gguf_why = next((r for r in (gguf_cuda.weight_support(w, dtype) for w in gguf) if r), None)
+    if gguf and gguf_why:
+        notes.append(f"gguf linear: {gguf_why}")
+    gg = None
+    if gguf and not gguf_why:
+        gg = gguf_cuda.GGUFCudaLinear(launcher, None, qtypes=tuple(sorted({p.qtype for w in gguf for p in w.parts})))
+
     def step(l: Launcher, fz: fused_cuda.FusedCuda, att: paged_cuda.PagedAttentionCuda | None,
              i8: int8_cuda.Int8CudaLinear | None, i4: int4_cuda.Int4CudaLinear | None) -> StepKernels:
         pick = {op: (reference if why[op] else fz) for op in LAYER_OPS}
@@ -277,12 +310,13 @@ def _cuda_backend(
         else:
             impls[QUANT_METHOD] = Int8ReferenceLinear(layer)
         impls[Int4Weight.FORMAT] = i4.with_launcher(l, layer) if i4 is not None else Int4ReferenceLinear(layer)
+        impls[GGUF_FORMAT] = gg.with_launcher(l, layer) if gg is not None else GGUFReferenceLinear(layer)
         return StepKernels(layer, attention, Linears(impls))
 
     att = None
     if attention_why is None:
         att = paged_cuda.PagedAttentionCuda(
-            launcher, None, decode_tuning, dtypes=(dtype,), head_dims=(cfg.head_dim,), sms=sms
+            launcher, None, decode_tuning, dtypes=(dtype,), head_dims=(cfg.head_dim,), sms=sms, kv_int8=kv_int8
         )
     i8 = None
     if dtype in int8_cuda.DTYPES and not (int8 and int8_why):

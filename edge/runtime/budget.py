@@ -351,6 +351,19 @@ EXPANDED_PREFILL_CHUNK = 2048
 PREFILL_MEMORY_SHARE = 1 / 16
 
 
+# How K/V rows are held: "auto" (the model's dtype, the default) or "int8" (codes and a
+# float32 scale a row, edge/kernels/kv_int8.py).
+KV_DTYPES = ("auto", "int8")
+
+
+def parse_kv_dtype(text: str | None) -> str:
+    """``auto`` (or empty / None: the model's dtype) or ``int8``."""
+    t = (text or "auto").strip().lower()
+    if t not in KV_DTYPES:
+        raise ValueError(f"kv dtype must be one of {', '.join(KV_DTYPES)}, got {text!r}")
+    return t
+
+
 # Bytes an element of each dtype takes (torch's names): sizes from names, without torch.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1, "uint8": 1, "int32": 4, "float64": 8}
 
@@ -360,20 +373,28 @@ def dtype_bytes(dtype: "torch.dtype | str") -> int:
     return DTYPE_BYTES[str(dtype).removeprefix("torch.")]
 
 
-# KV dtype -> (bytes of an element, bytes of the scales one token keeps per KV head).
-KV_DTYPES = {"float32": (4, 0), "bfloat16": (2, 0), "float16": (2, 0), "int8": (1, 4)}
+# Stored KV dtype -> (bytes of an element, bytes of the scales one token keeps per KV head).
+KV_ELEMENT_BYTES = {"float32": (4, 0), "bfloat16": (2, 0), "float16": (2, 0), "int8": (1, 4)}
 
 
 def kv_bytes_per_token(cfg: "ModelConfig", kv_dtype: "torch.dtype | str") -> int:
-    """Bytes one token's K and V take across all layers in ``kv_dtype`` (a torch dtype or
-    one of ``KV_DTYPES``: an int8 cache keeps a scale per token and KV head)."""
-    element, scale = KV_DTYPES[str(kv_dtype).removeprefix("torch.")]
+    """Bytes one token's K and V take across all layers stored in ``kv_dtype`` (a torch
+    dtype or one of ``KV_ELEMENT_BYTES``: an int8 cache keeps a scale per token and KV head)."""
+    element, scale = KV_ELEMENT_BYTES[str(kv_dtype).removeprefix("torch.")]
     return 2 * cfg.num_layers * cfg.num_kv_heads * (cfg.head_dim * element + scale)
 
 
-def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype | str") -> int:
+def kv_row_bytes(head_dim: int, dtype: "torch.dtype | str", kv_dtype: str = "auto") -> int:
+    """Bytes of one stored row (a token's KV head, K or V): ``head_dim`` values of
+    ``dtype``, or with ``kv_dtype="int8"`` ``head_dim`` codes and a float32 scale."""
+    stored = "int8" if parse_kv_dtype(kv_dtype) == "int8" else dtype
+    element, scale = KV_ELEMENT_BYTES[str(stored).removeprefix("torch.")]
+    return head_dim * element + scale
+
+
+def kv_block_bytes(cfg: "ModelConfig", page_size: int, dtype: "torch.dtype | str", kv_dtype: str = "auto") -> int:
     """Bytes of one block across all layers, K and V (= ``BlockPool.block_bytes()``)."""
-    return page_size * kv_bytes_per_token(cfg, dtype)
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * kv_row_bytes(cfg.head_dim, dtype, kv_dtype)
 
 
 def blocks_per_sequence(max_seq_len: int, page_size: int) -> int:
@@ -661,19 +682,26 @@ class _ScratchKV:
 
 
 def measure_activations(
-    model: "Model", ops, page_size: int, max_seq_len: int, prefill_chunk: int  # noqa: ANN001
+    model: "Model", ops, page_size: int, max_seq_len: int, prefill_chunk: int, kv_dtype: str = "auto"  # noqa: ANN001
 ) -> tuple[int, int]:
     """(prefill peak, decode peak) bytes above the baseline, measured on a CUDA device
     by a ``prefill_chunk``-token prefill at the end of a full context and one decode
-    step. The caching allocator is emptied afterwards."""
+    step (on a one-block pool of ``kv_dtype``). The caching allocator is emptied
+    afterwards."""
     import torch
+
+    from edge.kernels.kv_int8 import Int8KV
 
     dev, cfg = model.device, model.cfg
     if dev.type != "cuda":
         raise BudgetError("measure_activations needs a CUDA device; the CPU budget estimates from shapes")
     shape = (cfg.num_layers, 1, page_size, cfg.num_kv_heads, cfg.head_dim)
-    k_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
-    v_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
+    if parse_kv_dtype(kv_dtype) == "int8":
+        k_pool = Int8KV(torch.zeros(shape, device=dev, dtype=torch.int8), torch.zeros(shape[:-1], device=dev))
+        v_pool = Int8KV(torch.zeros(shape, device=dev, dtype=torch.int8), torch.zeros(shape[:-1], device=dev))
+    else:
+        k_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
+        v_pool = torch.zeros(shape, device=dev, dtype=model.dtype)
     table = torch.zeros(blocks_per_sequence(max_seq_len, page_size), dtype=torch.int32, device=dev)
     t = min(prefill_chunk, max_seq_len - 1) if max_seq_len > 1 else 1
     ids = torch.zeros(t, dtype=torch.long, device=dev)
@@ -717,32 +745,38 @@ def plan_kv_budget(
     memory: MemoryInfo | Callable[[], MemoryInfo] | None = None,
     cuda_graph: bool = False,
     reserve: int | str | None = None,
+    kv_dtype: str = "auto",
     vision_activations: int = 0,
 ) -> MemoryBudget:
     """The engine's budget: measure (GPU) or estimate (CPU) activations, probe memory
-    (unless ``memory`` is given), compute the block count. See the module docstring.
+    (unless ``memory`` is given), compute the block count of a pool of ``kv_dtype``
+    (int8: about twice the blocks of a bfloat16 pool). See the module docstring.
     ``vision_activations``: the vision tower's peak (edge/runtime/memory_plan.py
     ``tower_peak``); the tower runs before a prefill chunk's layers, so the larger counts."""
+    from edge.quant.gguf import DEQUANT_CHUNK_ELEMENTS as GGUF_CHUNK_ELEMENTS
+    from edge.quant.gguf import GGUFWeight
     from edge.quant.int4 import BLOCK_ROWS, Int4Weight
     from edge.quant.int4 import DEQUANT_CHUNK_ELEMENTS as INT4_CHUNK_ELEMENTS
     from edge.quant.q8_0 import DEQUANT_CHUNK_ELEMENTS, Int8Weight
 
     cfg, dev = model.cfg, model.device
-    block = kv_block_bytes(cfg, page_size, model.dtype)
+    block = kv_block_bytes(cfg, page_size, model.dtype, kv_dtype)
     weights = model.weight_bytes()
     graphs = 0
     if dev.type == "cuda":
-        prefill_peak, decode_peak = measure_activations(model, ops, page_size, max_seq_len, prefill_chunk)
+        prefill_peak, decode_peak = measure_activations(model, ops, page_size, max_seq_len, prefill_chunk, kv_dtype)
         activations = max(prefill_peak, decode_peak)
         if cuda_graph:
             graphs = GRAPH_SLOTS * decode_peak + GRAPH_OVERHEAD
     else:
-        # The float temporaries of the reference linears' largest expansion (int8 or int4).
+        # The float temporaries of the reference linears' largest expansion (int8, int4, GGUF).
         deq = max(
             [min(w.weight.numel(), max(1, DEQUANT_CHUNK_ELEMENTS // w.in_features) * w.in_features)
              for w in model.w.values() if isinstance(w, Int8Weight)]
             + [min(w.packed.shape[0], max(1, INT4_CHUNK_ELEMENTS // (BLOCK_ROWS * w.in_features)))
-               * BLOCK_ROWS * w.in_features for w in model.w.values() if isinstance(w, Int4Weight)],
+               * BLOCK_ROWS * w.in_features for w in model.w.values() if isinstance(w, Int4Weight)]
+            + [min(w.out_features, max(1, GGUF_CHUNK_ELEMENTS // w.in_features)) * w.in_features
+               for w in model.w.values() if isinstance(w, GGUFWeight)],
             default=0,
         )
         activations = estimate_activation_bytes(cfg, prefill_chunk, max_seq_len, model.dtype, deq)

@@ -18,6 +18,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from edge.runtime.backend import Backend, select_backend
@@ -30,6 +31,7 @@ from edge.runtime.budget import (
     MemoryBudget,
     MemoryInfo,
     default_prefill_chunk,
+    parse_kv_dtype,
     fmt_bytes,
     parse_bytes,
     parse_reserve,
@@ -46,7 +48,7 @@ from edge.kernels.paged_cuda import DecodeTuning
 from edge.model.kv import KVOutOfMemory, SequenceKV
 from edge.runtime.kv_contiguous import ContiguousKV
 from edge.runtime.kv_paged import BlockPool, PagedKVCache
-from edge.model.loader import expected_shapes, fused_layout
+from edge.model.loader import check_checkpoint_matches_config, expected_shapes, fused_layout
 from edge.model.decoder import Model
 from edge.quant.q8_0 import weight_tensors
 from edge.sampling import SamplerState, SamplingParams, sample
@@ -55,6 +57,7 @@ from edge.model.tokenizer import Tokenizer
 from edge.model.validate import check_finite_weights, model_directory
 
 if TYPE_CHECKING:
+    from edge.structured.matcher import GrammarMatcher
     from edge.model.vision.runtime import MultimodalPrompt, VisionLanguage
 
 log = logging.getLogger(__name__)
@@ -173,6 +176,7 @@ class Engine:
         stream_factory: Callable[[int], torch.cuda.Stream] | None = None,
         memory_reserve: int | str | None = None,
         vision: VisionLanguage | None = None,
+        kv_dtype: str = "auto",
         memory_plan: MemoryPlan | None = None,
     ) -> None:
         """``num_blocks`` sizes the pool exactly, with no budget checks (tests of logical
@@ -196,7 +200,11 @@ class Engine:
         their weights once per forward).
         ``stream_factory(priority)`` makes the CUDA streams the engine's users create
         (default ``torch.cuda.Stream``; an SM-restricted green context passes its own).
-        ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision)."""
+        ``vision``: the tower and multimodal RoPE of a vision-language model (edge/vision).
+        ``kv_dtype``: how K/V rows are held, "auto" (the model's dtype) or "int8" (codes
+        and a scale a row, edge/kernels/kv_int8.py), in the paged pool and the contiguous
+        cache alike."""
+        kv_dtype = parse_kv_dtype(kv_dtype)
         if kv_cache not in KV_KINDS:
             raise ValueError(f"kv_cache must be one of {KV_KINDS}, got {kv_cache!r}")
         if prefill_chunk is not None and prefill_chunk < 1:
@@ -212,6 +220,7 @@ class Engine:
             int8_tuning=int8_tuning,
             int4_tuning=int4_tuning,
             sms=sms,
+            kv_int8=kv_dtype == "int8",
         )
         log.info("backend: %s", self.backend.describe())
         model = model.with_backend(self.backend)
@@ -224,6 +233,7 @@ class Engine:
         self.device = model.device
         self.dtype = model.dtype
         self.kv_kind = kv_cache
+        self.kv_dtype = kv_dtype
         self.max_seq_len = max_seq_len or min(self.cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
         if prefill_chunk is None:
             prefill_chunk = self._default_prefill_chunk(memory_info)
@@ -247,6 +257,7 @@ class Engine:
                     memory=memory_info,
                     reserve=memory_reserve,
                     cuda_graph=cuda_graph is not False and graph_ok,
+                    kv_dtype=kv_dtype,
                     vision_activations=self._vision_activations(),
                 )
                 log.info("%s", self.budget.describe())
@@ -260,11 +271,13 @@ class Engine:
                 self.device,
                 self.dtype,
                 poison=poison_kv,
+                kv_dtype=kv_dtype,
             )
             self.kv = PagedKVCache(pool, self.max_seq_len, self.cfg.head_dim**-0.5, attention)
             if attention.graph_decode_options is not None:
                 self.kv.decode_options = attention.graph_decode_options(
-                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size
+                    self.dtype, self.cfg.head_dim, self.cfg.num_heads, self.cfg.num_kv_heads, page_size,
+                    kv_int8=kv_dtype == "int8",
                 )
         # The captured step reads its position on the device: CUDA attention kernels only.
         self.cuda_graph = bool(cuda_graph) if cuda_graph is not None else graph_ok
@@ -319,19 +332,26 @@ class Engine:
             from edge.model.random_model import default_model_path
 
             path = default_model_path()
-        path = model_directory(path)
+        from edge.model.gguf_loader import gguf_config, is_gguf_spec, load_gguf_model, open_model_file
+
+        # A GGUF file (or ollama:NAME): parsed and checked here, its weights loaded below.
+        gguf = open_model_file(path) if is_gguf_spec(path) else None
+        path = gguf.path if gguf is not None else model_directory(path)
         dev = torch.device(device) if device is not None else default_device()
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         from edge.model.vision.config import VLConfig, is_vision_language
 
-        vl = is_vision_language(path)
-        cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
+        vl = gguf is None and is_vision_language(path)
+        if gguf is not None:
+            cfg = gguf_config(gguf)
+        else:
+            cfg = VLConfig.from_pretrained(path).text if vl else ModelConfig.from_pretrained(path)
+        if gguf is None:
+            check_checkpoint_matches_config(path, cfg)
         seq_len = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-        on_status = options.pop("on_status", None)
-        first_compile = None
-        kernels = dev.type == "cuda" and options.get("kernels", "auto") != "reference"
-        if kernels:
-            # Fail before loading gigabytes of weights when the kernels cannot load.
+        cuda_kernels = dev.type == "cuda" and options.get("kernels", "auto") != "reference"
+        if cuda_kernels:
+            # Fail before planning or loading gigabytes of weights when the kernels cannot load.
             from edge.kernels import nvrtc
 
             try:
@@ -342,12 +362,22 @@ class Engine:
                 raise BackendUnavailable(kernel_fix_hint(exc)) from exc
         plan = _fit(path, dev, dt, seq_len, page_size, quantize, quant_lm_head, quant_embedding, cuda_graph, options)
         quant_lm_head, quant_embedding = (_loader_choice(plan.held.lm_head), _loader_choice(plan.held.embedding))
-        if kernels:
-            first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status)
+        on_status = options.pop("on_status", None)
+        first_compile = _start_first_compile(cfg, dt, dev, plan, options, on_status) if cuda_kernels else None
         # The tokenizer first: a broken tokenizer.json fails in a second, not after the weights.
-        tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").is_file() else None
+        if gguf is not None:
+            from edge.model.gguf_tokenizer import gguf_tokenizer
+
+            tokenizer = gguf_tokenizer(gguf, cfg.eos_token_ids)
+        else:
+            tokenizer = Tokenizer.from_pretrained(path) if (path / "tokenizer.json").exists() else None
         vision = None
-        if vl:
+        if gguf is not None:
+            model = load_gguf_model(gguf, cfg, dev, dt, seq_len, quantize)
+            if check_weights:  # the float tensors (norms, biases, float weights); blocks are bytes
+                tensors = ((name, t) for name, w in model.w.items() for t in weight_tensors(w))
+                check_finite_weights(tensors, fused_layout(expected_shapes(cfg)))
+        elif vl:
             from edge.model.vision.loader import checked_tensors, load_vision_language
 
             model, vision = load_vision_language(
@@ -411,7 +441,7 @@ class Engine:
             seq.slot = slot
             return seq
         if self._contiguous is None:
-            self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype)
+            self._contiguous = ContiguousKV(self.cfg, self.max_seq_len, self.device, self.dtype, self.kv_dtype)
         self._contiguous.release()
         return self._contiguous
 
@@ -455,18 +485,34 @@ class Engine:
         return torch.cat(outs) if all_logits else outs[-1]
 
     def decode(
-        self, seq: SequenceKV, token: torch.Tensor, sampler: SamplerState, greedy: bool, rope_delta: int = 0
+        self,
+        seq: SequenceKV,
+        token: torch.Tensor,
+        sampler: SamplerState,
+        greedy: bool,
+        rope_delta: int = 0,
+        bitmask: np.ndarray | None = None,
     ) -> torch.Tensor:
         """One decode step: feed ``token`` ([1] long, on the device), return the next
         one, still on the device (reading it is the caller's synchronisation point).
         Raises KVOutOfMemory, leaving ``seq`` unchanged, when no block is free.
-        ``rope_delta``: the RoPE offset after a prompt with images (edge/vision)."""
+        ``rope_delta``: the RoPE offset after a prompt with images (edge/vision).
+        ``bitmask``: the tokens a grammar allows (int32 words, edge/structured); such a
+        step runs eagerly, masking the logits before sampling."""
+        if bitmask is not None:
+            logits = self.forward(seq, token, rope_delta=rope_delta)
+            return sample(logits, sampler, greedy, self.bitmask_tensor(bitmask))
         decoder = self.slot_decoder(seq)
         if decoder is None:
             return sample(self.forward(seq, token, rope_delta=rope_delta), sampler, greedy)
         if decoder.bound is not seq:
             decoder.bind(seq, sampler, token, rope_delta)
         return torch.tensor([decoder.next_token(seq, greedy)])
+
+    def bitmask_tensor(self, bitmask: np.ndarray) -> torch.Tensor:
+        """A host grammar bitmask (int32 words, ``[words]`` or ``[positions, words]``) on
+        the device."""
+        return torch.from_numpy(bitmask).to(self.device, non_blocking=True)
 
     def settle(self, seq: SequenceKV) -> None:
         """Detach ``seq`` from its slot's graph decoder, rolling back any step launched
@@ -536,6 +582,12 @@ class Engine:
                 f"prompt of {len(prompt_ids)} tokens does not fit the context of {self.max_seq_len} tokens"
             )
 
+    def completion_room(self, prompt_len: int) -> int:
+        """Tokens a completion of a ``prompt_len``-token prompt may have: prompt and
+        completion together fill the context at most (as the API and transformers'
+        ``max_length`` count; the last token is never written to the cache)."""
+        return max(self.max_seq_len - prompt_len, 0)
+
     # -- one request on the calling thread ----------------------------------------------
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -546,24 +598,36 @@ class Engine:
         return self.tokenizer.encode(prompt)
 
     def stream(
-        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+        self,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams | None = None,
+        grammar: GrammarMatcher | None = None,
+        **overrides,
     ) -> Iterator[Chunk]:
         """Yield chunks as tokens are produced; the last one carries finish_reason and usage.
-        A :class:`~edge.model.vision.runtime.MultimodalPrompt` holds images (edge/vision)."""
+        A :class:`~edge.model.vision.runtime.MultimodalPrompt` holds images (edge/vision);
+        ``grammar`` constrains the output (edge/structured)."""
         params = replace(params or SamplingParams(), **overrides)
         params.validate()
         mm = None if isinstance(prompt, (str, list)) else prompt
         prompt_ids = self.encode(prompt) if mm is None else mm.ids
         self.check_prompt(prompt_ids, params.max_tokens)
-        gen = self.new_generation(prompt_ids, params, self._sampler)
+        params.max_tokens = min(params.max_tokens, self.completion_room(len(prompt_ids)))
+        gen = self.new_generation(prompt_ids, params, self._sampler, grammar)
         seq = self.new_sequence(slot=0)
         try:
             yield from self._run(seq, gen, mm)
         finally:
             self.end_sequence(seq)
 
-    def new_generation(self, prompt_ids: list[int], params: SamplingParams, sampler: SamplerState) -> Generation:
-        return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids))
+    def new_generation(
+        self,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        sampler: SamplerState,
+        grammar: GrammarMatcher | None = None,
+    ) -> Generation:
+        return Generation(self.tokenizer, prompt_ids, params, sampler, frozenset(self.cfg.eos_token_ids), grammar)
 
     def _run(self, seq: SequenceKV, gen: Generation, mm: MultimodalPrompt | None = None) -> Iterator[Chunk]:
         logits = self.prefill(seq, gen.prompt_ids, mm=mm)
@@ -573,7 +637,8 @@ class Engine:
             yield gen.finish("length")
             return
         greedy = gen.params.greedy
-        token = sample(logits, gen.sampler, greedy)
+        mask = gen.next_mask()
+        token = sample(logits, gen.sampler, greedy, None if mask is None else self.bitmask_tensor(mask))
         while True:
             chunk = gen.feed(int(token))
             if chunk.token_ids or chunk.text:
@@ -581,17 +646,21 @@ class Engine:
             if gen.done:
                 break
             try:
-                token = self.decode(seq, token, gen.sampler, greedy, rope_delta=delta)
+                token = self.decode(seq, token, gen.sampler, greedy, rope_delta=delta, bitmask=gen.next_mask())
             except KVOutOfMemory as exc:
                 yield gen.finish("length", message=str(exc))
                 return
         yield gen.finish()
 
     def generate(
-        self, prompt: str | list[int] | MultimodalPrompt, params: SamplingParams | None = None, **overrides
+        self,
+        prompt: str | list[int] | MultimodalPrompt,
+        params: SamplingParams | None = None,
+        grammar: GrammarMatcher | None = None,
+        **overrides,
     ) -> GenerationResult:
         params = replace(params or SamplingParams(), **overrides)
-        return GenerationResult.from_chunks(list(self.stream(prompt, params)))
+        return GenerationResult.from_chunks(list(self.stream(prompt, params, grammar)))
 
     def chat(self, messages: list[dict], params: SamplingParams | None = None, **overrides) -> GenerationResult:
         """Messages through the chat template; a vision-language model also takes
@@ -603,11 +672,15 @@ class Engine:
             raise ValueError(f"{self.model_dir} has no tokenizer.json: chat needs one")
         if self.vision is not None:
             return self.vision.prompt_from_messages(self.tokenizer, messages)
+        if any(isinstance(m.get("content"), list) and any(isinstance(p, dict) and p.get("type") in ("image", "image_url")
+                                                          for p in m["content"]) for m in messages):
+            self._vision()  # a text model's template cannot place an image: say so, in one line
         return self.tokenizer.encode_chat(messages)
 
     def _vision(self) -> VisionLanguage:
         if self.vision is None:
-            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images")
+            raise ValueError(f"{self.model_dir} is not a vision-language model: it takes no images "
+                             "(images need a Qwen3-VL or Qwen2.5-VL checkpoint)")
         return self.vision
 
     def score(self, token_ids: list[int]) -> torch.Tensor:
@@ -635,6 +708,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "kv_cache": self.kv_kind,
+            "kv_dtype": self.kv_dtype if self.kv_dtype != "auto" else str(self.dtype).removeprefix("torch."),
             "max_seq_len": self.max_seq_len,
             "prefill_chunk": self.prefill_chunk,
             "cuda_graph": self.cuda_graph,

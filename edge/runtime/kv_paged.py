@@ -4,7 +4,9 @@ A block id names the same page in every layer, so a sequence needs a single tabl
 shared by all layers. The host table is the truth; only entries changed since the
 last sync travel to the device (4 bytes at a page crossing, 0 inside a page).
 Pools are never cleared: correctness rests on kernels not reading past ``kv_len``,
-and ``poison=True`` fills every newly allocated block with NaN to prove it.
+and ``poison=True`` fills every newly allocated block with NaN to prove it. An int8
+pool (``kv_dtype="int8"``, edge/kernels/kv_int8.py) holds codes and a scale a row;
+poisoning fills its codes with -128 and its scales with NaN.
 """
 
 from __future__ import annotations
@@ -17,7 +19,9 @@ import numpy as np
 import torch
 
 from edge.model.config import ModelConfig
+from edge.runtime.budget import parse_kv_dtype
 from edge.kernels import reference
+from edge.kernels.kv_int8 import Int8KV
 from edge.kernels.reference import PagedKV, Rope
 from edge.model.kv import KVOutOfMemory
 
@@ -25,8 +29,9 @@ Reclaimer = Callable[[int], int]
 
 
 class BlockPool:
-    """K/V pools ``[layers, num_blocks, page_size, kv_heads, head_dim]`` with a free stack
-    and reference counts. Allocation never raises for lack of room: it returns None
+    """K/V pools ``[layers, num_blocks, page_size, kv_heads, head_dim]`` (in ``dtype``, or
+    :class:`Int8KV` codes and scales with ``kv_dtype="int8"``) with a free stack and
+    reference counts. Allocation never raises for lack of room: it returns None
     (logical OOM) after asking the reclaimer (the prefix cache) to give blocks back."""
 
     def __init__(
@@ -37,6 +42,7 @@ class BlockPool:
         device: torch.device,
         dtype: torch.dtype,
         poison: bool = False,
+        kv_dtype: str = "auto",
     ) -> None:
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {page_size}")
@@ -44,8 +50,13 @@ class BlockPool:
             raise ValueError(f"num_blocks must be positive, got {num_blocks}")
         shape = (cfg.num_layers, num_blocks, page_size, cfg.num_kv_heads, cfg.head_dim)
         # Uninitialized on purpose (lazy memset): clearing gigabytes at start buys nothing.
-        self.k = torch.empty(shape, device=device, dtype=dtype)
-        self.v = torch.empty(shape, device=device, dtype=dtype)
+        self.kv_dtype = parse_kv_dtype(kv_dtype)
+        if self.kv_dtype == "int8":
+            self.k: torch.Tensor | Int8KV = Int8KV.empty(shape, device)
+            self.v: torch.Tensor | Int8KV = Int8KV.empty(shape, device)
+        else:
+            self.k = torch.empty(shape, device=device, dtype=dtype)
+            self.v = torch.empty(shape, device=device, dtype=dtype)
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.poison = poison
@@ -61,8 +72,9 @@ class BlockPool:
         return len(self._free)
 
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V."""
-        per = self.k[:, 0].numel() * self.k.element_size()
+        """Bytes of one block across all layers, K and V (codes and scales of an int8 pool)."""
+        k = self.k[:, 0]
+        per = k.nbytes() if isinstance(k, Int8KV) else k.numel() * k.element_size()
         return 2 * per
 
     def alloc_many(self, n: int) -> list[int] | None:
@@ -78,8 +90,12 @@ class BlockPool:
         self.allocations += n
         if self.poison:
             idx = torch.tensor(blocks, device=self.k.device)
-            self.k.index_fill_(1, idx, float("nan"))
-            self.v.index_fill_(1, idx, float("nan"))
+            if isinstance(self.k, Int8KV):
+                self.k.poison(1, idx)
+                self.v.poison(1, idx)
+            else:
+                self.k.index_fill_(1, idx, float("nan"))
+                self.v.index_fill_(1, idx, float("nan"))
         return blocks
 
     def incref(self, block: int) -> None:

@@ -63,7 +63,7 @@ from edge.runtime.budget import (
     DEFAULT_UTILIZATION,
     GRAPH_OVERHEAD,
     GRAPH_SLOTS,
-    KV_DTYPES,
+    KV_ELEMENT_BYTES,
     SHARED_MEMORY_SEQUENCES,
     BudgetError,
     MemoryBudget,
@@ -636,7 +636,7 @@ def plan(
     kept = (DEFAULT_RESERVE if reserve is None else reserve) if kind == "integrated" else 0
     return MemoryPlan(
         name=ckpt.name, held=held, kind=kind, weights=weights, kv_dtype=kv_dtype,
-        kv_per_token={d: kv_block_bytes(cfg, 1, d) for d in kv_dtypes if d in KV_DTYPES},
+        kv_per_token={d: kv_block_bytes(cfg, 1, d) for d in kv_dtypes if d in KV_ELEMENT_BYTES},
         max_seq_len=seq, page_size=page_size, prefill_chunk=chunk, activations=max(activations, tower),
         graphs=graphs, tower=tower, runtime=runtime, reserve=kept, utilization=utilization, memory=memory,
         board=board, kv_blocks=kv_blocks, kv_memory=kv_memory, file_bytes=ckpt.file_bytes,

@@ -5,7 +5,10 @@ the baseline is the contiguous cache on the torch reference backend. On a GPU on
 is the production decode step as it ships: paged KV, CUDA graphs, the fused layer
 kernels and, with ``--quantize int8`` / ``int4``, the int8 / int4 GEMV plan. A divergence is accepted
 only at a genuine near-tie: where the baseline's top-2 logit gap is below
-``--tie-tolerance``. Exit code 0 only when every mode agrees.
+``--tie-tolerance``. Exit code 0 only when every mode agrees. With ``--kv-dtype int8``
+every engine, the baseline included, holds its K/V in int8 (edge/kernels/kv_int8.py):
+the paths must agree with each other; the drift against float K/V is
+tools/kv_drift.py's to report.
 
 On a GPU the default model is the ``qwen3-peaked`` preset (built once into the cache):
 its logits are peaked, so bfloat16 runs compare hundreds of tokens per case instead of
@@ -26,9 +29,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from edge.runtime.budget import KV_DTYPES
 from edge.runtime.engine import Engine, default_device
 from edge.quant.int4 import Int4Weight
 from edge.runtime.kv_paged import PagedKVCache
+from edge.runtime.verify_args import DESCRIPTION, add_verify_args
 from edge.sampling import SamplerState, SamplingParams
 
 if TYPE_CHECKING:
@@ -187,7 +192,7 @@ def modes(base: Engine, device: torch.device) -> dict[str, Engine]:
     def paged(name: str, **kw) -> None:
         out[name] = Engine(
             base.model, base.tokenizer, base.model_dir, kv_cache="paged", num_blocks=blocks,
-            page_size=base.page_size, max_seq_len=base.max_seq_len, vision=base.vision, **kw,
+            page_size=base.page_size, max_seq_len=base.max_seq_len, vision=base.vision, kv_dtype=base.kv_dtype, **kw,
         )
 
     paged("paged-reference", kernels="reference", cuda_graph=False)
@@ -233,26 +238,13 @@ def print_table(rows: list[Row], tie_tol: float) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="verify_paged", description=__doc__)
-    p.add_argument("--model", help="model directory (default: the embedded model, and the vision-language one)")
-    p.add_argument(
-        "--vision-model",
-        help="vision-language model directory or preset for the image cases when --model is not given "
-        "(default: qwen3-vl-peaked on a GPU, qwen3-vl-tiny on the CPU; none: skip them)",
-    )
-    p.add_argument("--device", help="cpu or cuda")
-    p.add_argument("--dtype", help="float32, bfloat16, float16")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--max-seq-len", type=int, default=1024)
-    p.add_argument("--tie-tolerance", type=float, help="top-2 gap under which a divergence is a tie")
-    p.add_argument(
-        "--quantize", choices=("none", "int8", "int4"), default="none",
-        help="int8: q8_0 projections; int4: W4A16 (RTN) projections; quantized while loading",
-    )
-    p.add_argument("--min-tokens", type=int, help="tokens each case generates (default: 200 on a GPU, 24 on the CPU)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    args = p.parse_args(argv)
+    p = argparse.ArgumentParser(prog="verify_paged", description=DESCRIPTION)
+    add_verify_args(p)
+    return run(p.parse_args(argv))
 
+
+def run(args: argparse.Namespace) -> int:
+    """The suite for parsed :func:`add_verify_args` options; 0 when every mode agrees."""
     device = torch.device(args.device) if args.device else default_device()
     models = [args.model] if args.model is not None else [default_model(device, args.dtype)]
     if args.model is None and (args.vision_model or "").lower() != "none":
@@ -273,12 +265,14 @@ def main(argv: list[str] | None = None) -> int:
             cuda_graph=False,
             kernels="reference",
             quantize=None if args.quantize == "none" else args.quantize,
+            kv_dtype=args.kv_dtype,
         )
         tie_tol = args.tie_tolerance if args.tie_tolerance is not None else DEFAULT_TIE_TOLERANCE[base.dtype]
         label, dtype = base.model_dir.name, str(base.dtype)
         headers.append(
             f"model {base.model_dir} ({base.cfg.architecture}{', images' if base.vision else ''}), {device}, "
-            f"{str(base.dtype).removeprefix('torch.')}, page {args.page_size}, quantize {args.quantize}; "
+            f"{str(base.dtype).removeprefix('torch.')}, page {args.page_size}, quantize {args.quantize}, "
+            f"kv {args.kv_dtype}; "
             "baseline: contiguous KV, reference backend"
         )
         engines = modes(base, device)

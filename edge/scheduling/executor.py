@@ -157,7 +157,7 @@ class ActionRunner:
                 run.seq = self.engine.new_sequence(slot=action.slot)
                 if action.shared:
                     run.seq.share_prefix(list(action.shared))
-                gen = self.engine.new_generation(req.prompt_ids, req.params, run.sampler)
+                gen = self.engine.new_generation(req.prompt_ids, req.params, run.sampler, req.grammar)
                 spec = req.params.speculative
                 if spec is not None:
                     proposer = make_proposer(spec, self.draft, action.slot)
@@ -197,7 +197,7 @@ class ActionRunner:
                 if req.params.max_tokens == 0:
                     self._finish(run, "length")  # prefill only: warms the prefix cache
                     return
-                token = sample(logits, run.sampler, req.params.greedy)
+                token = sample(logits, run.sampler, req.params.greedy, self._bitmask(gen))
                 run.next_input = token
                 pending = self.streams.defer(token, run.host_token)
         except KVOutOfMemory as exc:
@@ -290,7 +290,9 @@ class ActionRunner:
         req, gen, seq = run.request, run.gen, run.seq
         assert req is not None and gen is not None and seq is not None and run.next_input is not None
         with self.streams.on(run.lane, high=True, carry=run.next_input):
-            token = self.engine.decode(seq, run.next_input, run.sampler, req.params.greedy, rope_delta=req.rope_delta)
+            token = self.engine.decode(seq, run.next_input, run.sampler, req.params.greedy, rope_delta=req.rope_delta,
+                                       bitmask=gen.next_mask())
+            self._prepare_masks(run)
             value = self.streams.read(token)
         run.next_input = token
         with self._lock:
@@ -304,7 +306,7 @@ class ActionRunner:
         assert req is not None and gen is not None and seq is not None and spec is not None
         with self.streams.on(run.lane, high=True, carry=run.next_input):
             budget = gen.stop.max_tokens - gen.stop.count
-            tokens = spec.step(req.prompt_ids + gen.token_ids, budget)
+            tokens = spec.step(req.prompt_ids + gen.token_ids, budget, gen.grammar)
             run.next_input = torch.tensor([tokens[-1]], device=self.engine.device)
         with self._lock:
             self.policy.decoded(run.index, time.perf_counter(), len(_blocks(seq)))
@@ -318,6 +320,18 @@ class ActionRunner:
                 spec.keep(n)  # stop string, stop token or max_tokens inside the step
                 break
         return Chunk(ids, text)
+
+    def _bitmask(self, gen: Generation) -> torch.Tensor | None:
+        mask = gen.next_mask()
+        return None if mask is None else self.engine.bitmask_tensor(mask)
+
+    def _prepare_masks(self, running: _SlotRun) -> None:
+        """While ``running``'s step is on the device, compute the other constrained
+        slots' next masks (each is computed once per grammar state)."""
+        for run in self._runs:
+            gen = run.gen
+            if run is not running and gen is not None and gen.grammar is not None and not gen.done:
+                gen.next_mask()
 
     def _fail(self, run: _SlotRun, exc: BaseException) -> None:
         rid = run.request.id if run.request is not None else "?"

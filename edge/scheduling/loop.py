@@ -38,6 +38,7 @@ from edge.speculative.params import SpeculativeParams
 
 if TYPE_CHECKING:
     from edge.model.vision.runtime import MultimodalPrompt
+    from edge.structured.matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -156,16 +157,23 @@ class Scheduler:
         self._shutdown()
 
     def submit(
-        self, prompt_ids: list[int] | MultimodalPrompt, params: SamplingParams, request_id: str | None = None
+        self,
+        prompt_ids: list[int] | MultimodalPrompt,
+        params: SamplingParams,
+        request_id: str | None = None,
+        grammar: GrammarMatcher | None = None,
     ) -> RequestHandle:
-        """Queue a request (token ids, or a prompt with images from ``engine.vision``);
+        """Queue a request (token ids, or a prompt with images from ``engine.vision``;
+        ``grammar``: a structured-output matcher, edge/structured);
         raises SamplingError, PromptTooLong, InvalidPrompt, QueueFull,
         DuplicateRequestId, SchedulerStopped (edge/errors.py) or the governor's
         DeviceTooHot on the caller's thread."""
         params = dataclasses.replace(params)  # ours to resolve (seed); callers may reuse theirs
         params.validate()
         mm = None if isinstance(prompt_ids, list) else prompt_ids
-        if params.speculative is None and mm is None:
+        if params.speculative is not None and params.speculative.off:
+            params.speculative = None  # the request opts out of the server's default
+        elif params.speculative is None and mm is None:
             params.speculative = self.speculative
         elif params.speculative is not None:
             if mm is not None:
@@ -174,6 +182,7 @@ class Scheduler:
                 raise SamplingError("speculative method 'draft' needs a draft model; this server has none")
         ids = [int(t) for t in (prompt_ids if mm is None else mm.ids)]
         self.engine.check_prompt(ids, params.max_tokens)
+        params.max_tokens = min(params.max_tokens, self.engine.completion_room(len(ids)))
         vocab = self.engine.cfg.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -185,7 +194,7 @@ class Scheduler:
                 raise SchedulerStopped("scheduler is stopped")
             rid = request_id if request_id is not None else f"req-{uuid.uuid4().hex[:16]}"
             handle = RequestHandle(rid, self)
-            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle, mm=mm))
+            self.policy.enqueue(Request(rid, ids, params, time.perf_counter(), handle, mm=mm, grammar=grammar))
             if self.energy is not None:
                 self.energy.begin(rid)
         self._wake.set()

@@ -42,6 +42,7 @@ from edge.scheduling.request import RequestHandle
 
 if TYPE_CHECKING:
     from edge.model.vision.runtime import MultimodalPrompt
+    from edge.structured.matcher import GrammarMatcher
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,7 @@ class Request:
     cancelled: bool = False
     finished: bool = False
     mm: MultimodalPrompt | None = None  # a prompt with images (edge/vision)
+    grammar: GrammarMatcher | None = None  # structured output's matcher (edge/structured)
 
     @property
     def cache_ids(self) -> list[int]:

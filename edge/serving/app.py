@@ -15,6 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse, Response
 
 from edge.serving import schema
@@ -29,12 +30,14 @@ from edge.serving.errors import (
     error_response,
 )
 from edge.serving.guard import HostPolicy, RequestGuard
+from edge.serving.json_body import BodyParser
 from edge.serving.prompts import PromptEncoder
 from edge.serving.service import Service
 from edge.model.vision.request import ImageLimits, ImagePolicy
 
 log = logging.getLogger("edge.serving")
 
+CLIENT_GONE = 499  # nginx's status for "client closed request", in the request counts
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/cancel", "/health", "/metrics")
 
 
@@ -67,7 +70,8 @@ def create_app(service: Service) -> FastAPI:
     s = service.settings
     images = ImagePolicy(ImageLimits(s.image_max_bytes, s.image_max_pixels, s.image_max_memory), s.max_images, s.allow_remote_images)
     prompts = PromptEncoder(waiting=s.queue_size, images=images)
-    completions = Completions(service, prompts)
+    parser = BodyParser(waiting=s.queue_size)
+    completions = Completions(service, prompts, parser)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -77,6 +81,7 @@ def create_app(service: Service) -> FastAPI:
         finally:
             await asyncio.to_thread(service.shutdown)
             prompts.close()
+            parser.close()
 
     app = FastAPI(title="edge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.service = service
@@ -100,6 +105,13 @@ def create_app(service: Service) -> FastAPI:
     async def _internal_error(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
         return error_response(exc)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The client left (or its connection was closed for a stalled body) before its
+        # request was read: nobody to answer, nothing to report.
+        log.debug("%s %s: the client went away before its request was read", request.method, request.url.path)
+        return Response(status_code=CLIENT_GONE)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -8,7 +8,8 @@ OpenAI chat-completions wire format and SSE streaming, like any other client:
 * Ctrl-C interrupts the current answer (the stream is closed and the request
   cancelled with ``POST /v1/cancel/{id}``) and returns to the prompt; Ctrl-D quits;
 * ``/reset`` clears the history, ``/system TEXT`` sets the system prompt,
-  ``/set NAME VALUE`` changes a sampling parameter (``/set max_tokens 64``).
+  ``/set NAME VALUE`` changes a sampling parameter (``/set max_tokens 64``), ``/help``
+  lists the commands; any other ``/word`` is answered here, never sent as a prompt.
 
 ``--in-process`` starts the service inside this process (on a private Unix socket)
 for a self-contained session.
@@ -38,11 +39,15 @@ log = logging.getLogger(__name__)
 CANCEL_TIMEOUT_S = 10.0
 
 DEFAULT_URL = "http://127.0.0.1:8000"
-BANNER = (
-    "edge chat — /reset clears the history, /system TEXT sets the system prompt, "
-    "/image PATH attaches a picture to your next message (vision models), "
-    "/set NAME VALUE changes a sampling parameter, Ctrl-C stops an answer, Ctrl-D quits"
-)
+BANNER = "edge chat — /help lists the commands, Ctrl-C stops an answer, Ctrl-D quits"
+HELP = """commands (handled here, never sent to the model):
+  /help            this list
+  /reset           clear the history
+  /system TEXT     set the system prompt (and clear the history); /system alone clears it
+  /image PATH      attach a picture to your next message (vision-language models)
+  /set NAME VALUE  change a sampling parameter: {settable}
+  //TEXT           send TEXT starting with one '/' as a message
+Ctrl-C stops an answer, Ctrl-D quits."""
 SETTABLE = ("max_tokens", "temperature", "top_p", "top_k", "repetition_penalty", "seed", "ignore_eos")
 
 
@@ -57,7 +62,8 @@ class ChatClient:
     def __init__(self, url: str | None = None, uds: str | None = None, api_key: str | None = None) -> None:
         transport = httpx.HTTPTransport(uds=uds) if uds else None
         self.where = f"unix:{uds}" if uds else (url or DEFAULT_URL)
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # bytes: httpx encodes str header values as ASCII, and a key may be any UTF-8
+        headers = {"Authorization": f"Bearer {api_key}".encode()} if api_key else {}
         self.http = httpx.Client(
             base_url=url or ("http://edge" if uds else DEFAULT_URL),
             transport=transport,
@@ -65,6 +71,7 @@ class ChatClient:
             timeout=httpx.Timeout(10.0, read=600.0),
         )
         self.last_finish: str | None = None
+        self.last_tool_calls: list[dict] = []
         self.last_usage: dict | None = None
 
     def close(self) -> None:
@@ -98,9 +105,11 @@ class ChatClient:
             time.sleep(0.2)
 
     def stream_chat(self, messages: list[dict], params: dict[str, Any], request_id: str) -> Iterator[str]:
-        """Text deltas of the answer; ``last_finish``/``last_usage`` are set at the end.
+        """Text deltas of the answer; ``last_finish``/``last_usage`` (and the tool calls it
+        made, ``last_tool_calls``) are set at the end.
         Closing the iterator early closes the stream (the server cancels)."""
         self.last_finish, self.last_usage = None, None
+        self.last_tool_calls = []  # the answer's tool calls (OpenAI's shape)
         body = {"messages": messages, "stream": True, "stream_options": {"include_usage": True}, **params}
         with self.http.stream("POST", "/v1/chat/completions", json=body,
                               headers={"X-Request-Id": request_id}) as r:
@@ -119,9 +128,12 @@ class ChatClient:
                 if event.get("usage"):
                     self.last_usage = event["usage"]
                 for choice in event.get("choices", []):
-                    text = choice.get("delta", {}).get("content")
+                    delta = choice.get("delta", {})
+                    text = delta.get("content")
                     if text:
                         yield text
+                    for call in delta.get("tool_calls") or []:  # each arrives whole (edge/structured)
+                        self.last_tool_calls.append({k: call[k] for k in ("id", "type", "function") if k in call})
                     if choice.get("finish_reason"):
                         self.last_finish = choice["finish_reason"]
 
@@ -181,24 +193,33 @@ def run_chat(
             continue
         if not line:
             continue
-        if line == "/reset":
-            history.clear()
-            print("[history cleared]", file=out, flush=True)
-            continue
-        if line.startswith("/system"):
-            system = line.removeprefix("/system").strip() or None
-            history.clear()
-            print("[system prompt set]" if system else "[system prompt cleared]", file=out, flush=True)
-            continue
-        if line.startswith("/set"):
-            print(_set_param(params, line.removeprefix("/set").split()), file=out, flush=True)
-            continue
-        if line.startswith("/image"):
-            try:
-                images.append(image_part(line.removeprefix("/image").strip()))
-                print(f"[image attached: {len(images)} for the next message]", file=out, flush=True)
-            except (OSError, ValueError) as exc:
-                print(f"[cannot attach image: {exc}]", file=out, flush=True)
+        if line.startswith("//"):
+            line = line[1:]  # a message that starts with '/'
+        elif line.startswith("/"):
+            # Every /word is a command of this front-end: a mistyped one is said so here,
+            # never sent to the model as a prompt.
+            command, _, arg = line.partition(" ")
+            arg = arg.strip()
+            if command == "/help":
+                print(HELP.format(settable=", ".join(SETTABLE)), file=out, flush=True)
+            elif command == "/reset":
+                history.clear()
+                print("[history cleared]", file=out, flush=True)
+            elif command == "/system":
+                system = arg or None
+                history.clear()
+                print("[system prompt set]" if system else "[system prompt cleared]", file=out, flush=True)
+            elif command == "/set":
+                print(_set_param(params, arg.split()), file=out, flush=True)
+            elif command == "/image":
+                try:
+                    images.append(image_part(arg))
+                    print(f"[image attached: {len(images)} for the next message]", file=out, flush=True)
+                except (OSError, ValueError) as exc:
+                    print(f"[cannot attach image: {exc}]", file=out, flush=True)
+            else:
+                print(f"[unknown command {command}: /help lists the commands; //TEXT sends a message starting "
+                      "with '/']", file=out, flush=True)
             continue
         history.append({"role": "user", "content": [*images, {"type": "text", "text": line}] if images else line})
         images = []
@@ -211,6 +232,10 @@ def run_chat(
                 out.write(text)
                 out.flush()
                 reply.append(text)
+            calls = getattr(client, "last_tool_calls", [])  # a client without tools has none
+            for call in calls:
+                fn = call.get("function", {})
+                print(f"\n[tool call] {fn.get('name')}({fn.get('arguments', '')})", end="", file=out)
             print(file=out, flush=True)
         except KeyboardInterrupt:
             held.hold()  # a second Ctrl-C (a double press) is dropped until the next prompt
@@ -224,7 +249,10 @@ def run_chat(
             continue
         finally:
             stream.close()
-        history.append({"role": "assistant", "content": "".join(reply)})
+        answer: dict[str, Any] = {"role": "assistant", "content": "".join(reply)}
+        if getattr(client, "last_tool_calls", None):
+            answer["tool_calls"] = client.last_tool_calls
+        history.append(answer)
 
 
 def image_part(path: str) -> dict:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -30,8 +31,14 @@ from edge.serving.errors import (
     error_body,
 )
 from edge.errors import DuplicateRequestId
+from edge.serving.json_body import SCAN_STEP, BodyParser, ShapeLimits, ShapeScanner
+from edge.structured.errors import GrammarError
+from edge.structured.formats import ToolFormat, thinking_mode
+from edge.structured.output import OutputParser, ParsedOutput, parse_output
 
 if TYPE_CHECKING:
+    from edge.structured.matcher import GrammarMatcher
+    from edge.structured.request import StructuredRequest
     from edge.serving.prompts import PromptEncoder
     from edge.model.generation import Chunk
     from edge.serving.service import Service
@@ -58,9 +65,10 @@ def sse_event(obj: Any) -> str:
 def check_auth(service: Service, request: Request) -> None:
     if service.api_key is None:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), service.api_key.encode()):
+    # Bytes as sent (Starlette decodes headers as Latin-1): a UTF-8 key matches as UTF-8.
+    header = request.headers.get("authorization", "").encode("latin-1")
+    scheme, _, token = header.partition(b" ")
+    if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), service.api_key.encode()):
         raise Unauthorized("missing or incorrect API key: send 'Authorization: Bearer <key>'")
 
 
@@ -76,18 +84,30 @@ def check_ready(service: Service) -> None:
         raise Unavailable(f"the engine is not healthy: {why}", code="engine_unhealthy")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes."""
+async def read_body(request: Request, limit: int, scanner: ShapeScanner | None = None) -> bytearray:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes
+    (gathered part by part: no single copy of all of it on the event loop). With a
+    ``scanner``, its shape is scanned as it arrives and a hostile one refused (400)
+    before the rest is read. A refusal closes the connection: the client's remaining
+    bytes are not read."""
+    close = {"Connection": "close"}
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
-        raise BodyTooLarge(f"request body exceeds {limit} bytes")
-    parts, total = [], 0
-    async for part in request.stream():
-        total += len(part)
-        if total > limit:
-            raise BodyTooLarge(f"request body exceeds {limit} bytes")
-        parts.append(part)
-    return b"".join(parts)
+        raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
+    body = bytearray()
+    try:
+        async for part in request.stream():
+            if len(body) + len(part) > limit:
+                raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
+            body += part
+            if scanner is not None and len(body) - scanner.size >= SCAN_STEP:
+                scanner.feed(bytes(body[scanner.size:]))
+        if scanner is not None:
+            scanner.feed(bytes(body[scanner.size:]))
+    except (BadRequest, BodyTooLarge) as exc:
+        exc.headers |= close
+        raise
+    return body
 
 
 def body_limit(max_body: int | None, max_seq_len: int, image_bytes: int = 0) -> int:
@@ -113,9 +133,10 @@ def request_id(service: Service, request: Request, prefix: str) -> str:
 class Completions:
     """The two generation endpoints over one service and one prompt encoder."""
 
-    def __init__(self, service: Service, prompts: PromptEncoder) -> None:
+    def __init__(self, service: Service, prompts: PromptEncoder, parser: BodyParser) -> None:
         self.service = service
         self.prompts = prompts
+        self.parser = parser
 
     async def handle(self, request: Request, kind: str) -> Response:
         svc = self.service
@@ -125,19 +146,28 @@ class Completions:
         engine = svc.engine
         assert engine is not None
         image_bytes = self.prompts.images.body_bytes if engine.vision is not None else 0
-        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes))
+        images = self.prompts.images
+        one_image = images.body_bytes // max(1, images.max_images) + 256  # a data: URL, its prefix included
+        limits = ShapeLimits.for_context(engine.max_seq_len, body_limit(None, engine.max_seq_len),
+                                         one_image if engine.vision is not None else 0)
+        scanner = ShapeScanner(limits)
+        body = await read_body(request, body_limit(svc.settings.max_body, engine.max_seq_len, image_bytes), scanner)
         model = schema.ChatCompletionRequest if kind == "chat" else schema.CompletionRequest
-        req = schema.parse_request(body, model)
+        req = await self.parser.parse(body, model, limits, scanner.finish())
         del body
         schema.check_unsupported(req)
+        structured = schema.structured_request(req) if kind == "chat" else None
         prompt = await self.prompts.prompt(engine, req, kind)
         ids = prompt if isinstance(prompt, list) else prompt.ids
         params = schema.sampling_params(req, len(ids), engine.max_seq_len, svc.settings.default_max_tokens)
         rid = request_id(svc, request, "chatcmpl" if kind == "chat" else "cmpl")
         params.validate(engine.max_seq_len)
+        matcher, output = None, None
+        if structured is not None:
+            matcher, output = await self._structure(structured, ids, req)
         if svc.monitor is not None:
             svc.monitor.governor.check_admission()
-        handle = svc.scheduler.submit(prompt, params, request_id=rid)
+        handle = svc.scheduler.submit(prompt, params, request_id=rid, grammar=matcher)
         svc.active[rid] = handle
         svc.metrics.in_flight.inc()
         svc.metrics.prompt_tokens.inc(len(ids))
@@ -146,7 +176,7 @@ class Completions:
         tracked = _Tracked(svc, handle, rid, ENDPOINTS[kind], t0)
         chunks = self._consume(tracked)
         if req.stream:
-            events = self._sse(chunks, kind, rid, created, schema.include_usage(req))
+            events = self._sse(chunks, kind, rid, created, schema.include_usage(req), output)
 
             async def close_events() -> None:
                 # Runs after the response, also when the client went away mid-stream:
@@ -161,9 +191,29 @@ class Completions:
                 background=BackgroundTask(close_events),
             )
         try:
-            return await self._collect(request, chunks, handle, kind, rid, created, headers)
+            return await self._collect(request, chunks, handle, kind, rid, created, headers, output)
         finally:
             tracked.close(None)
+
+    async def _structure(
+        self, structured: StructuredRequest, ids: list[int], req: schema.ChatCompletionRequest
+    ) -> tuple[GrammarMatcher | None, OutputShape | None]:
+        """The request's grammar matcher (None: unconstrained), compiled off the event loop
+        within the compiler's time limit, and how to parse its output (None: plain text)."""
+        engine, grammars = self.service.engine, self.service.grammars
+        assert engine is not None
+        tok = engine.tokenizer
+        if tok is None or grammars is None:
+            if structured.constrained:
+                raise GrammarError("this model has no tokenizer.json: structured output needs one")
+            return None, None
+        enabled = (req.chat_template_kwargs or {}).get("enable_thinking")
+        tail = tok.decode(ids[-8:], skip_special_tokens=False)
+        thinking = thinking_mode(grammars.format, tok.chat_template, tail, enabled if isinstance(enabled, bool) else None)
+        structured = dataclasses.replace(structured, thinking=thinking)
+        grammar = await grammars.compile_async(structured)
+        output = OutputShape(grammars.format, thinking, structured.calls_tools)
+        return (grammar.matcher() if grammar is not None else None), (output if output.parses else None)
 
     async def _consume(self, tracked: _Tracked) -> AsyncIterator[Chunk]:
         """The request's chunks, with metrics; cancels the request if left early
@@ -193,21 +243,31 @@ class Completions:
             tracked.close(final)
 
     async def _sse(
-        self, chunks: AsyncIterator[Chunk], kind: str, rid: str, created: int, with_usage: bool
+        self, chunks: AsyncIterator[Chunk], kind: str, rid: str, created: int, with_usage: bool,
+        output: OutputShape | None = None,
     ) -> AsyncIterator[str]:
         model = self.service.model_id
+        parser = output.parser() if output is not None else None
         async with contextlib.aclosing(chunks):
             if kind == "chat":
                 yield sse_event(schema.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
             async for chunk in chunks:
                 reason = chunk.finish_reason
                 if chunk.text:
-                    if kind == "chat":
+                    if parser is not None:
+                        for delta in parser.feed(chunk.text):
+                            yield sse_event(schema.chat_chunk(rid, created, model, delta))
+                    elif kind == "chat":
                         yield sse_event(schema.chat_chunk(rid, created, model, {"content": chunk.text}))
                     else:
                         yield sse_event(schema.completion_chunk(rid, created, model, chunk.text))
                 if reason is None:
                     continue
+                if parser is not None:
+                    for delta in parser.finish():
+                        yield sse_event(schema.chat_chunk(rid, created, model, delta))
+                    if parser.calls and reason == "stop":
+                        reason = "tool_calls"
                 if reason == "error":
                     yield sse_event(error_body(GenerationFailed(chunk.message or "generation failed")))
                 if kind == "chat":
@@ -220,7 +280,7 @@ class Completions:
 
     async def _collect(
         self, request: Request, chunks: AsyncIterator[Chunk], handle: Any, kind: str, rid: str, created: int,
-        headers: dict[str, str],
+        headers: dict[str, str], output: OutputShape | None = None,
     ) -> Response:
         async def watch_disconnect() -> None:
             while True:
@@ -243,9 +303,33 @@ class Completions:
         if final is None or final.finish_reason == "error":
             msg = (final.message if final is not None else None) or "generation failed"
             raise GenerationFailed(msg, headers=headers)
-        build = schema.chat_completion if kind == "chat" else schema.completion
-        body = build(rid, created, self.service.model_id, "".join(parts), final.finish_reason, final.usage)
+        text = "".join(parts)
+        if kind == "chat":
+            parsed = output.parse(text) if output is not None else None
+            body = schema.chat_completion(rid, created, self.service.model_id, text, final.finish_reason, final.usage,
+                                          parsed)
+        else:
+            body = schema.completion(rid, created, self.service.model_id, text, final.finish_reason, final.usage)
         return JSONResponse(body, headers=headers)
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputShape:
+    """How a chat response's text splits into reasoning, content and tool calls."""
+
+    format: ToolFormat
+    thinking: str
+    tools: bool
+
+    @property
+    def parses(self) -> bool:
+        return self.tools or self.thinking != "off"
+
+    def parser(self) -> OutputParser:
+        return OutputParser(self.format, self.thinking, self.tools)
+
+    def parse(self, text: str) -> ParsedOutput:
+        return parse_output(text, self.format, self.thinking, self.tools)
 
 
 class _Tracked:

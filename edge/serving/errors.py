@@ -27,6 +27,7 @@ from edge.errors import (
     SchedulerStopped,
 )
 from edge.monitor import DeviceTooHot
+from edge.structured.errors import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +109,7 @@ ERRORS: dict[type[BaseException], ErrorSpec] = {
     PromptTooLong: ErrorSpec(400, code="context_length_exceeded", param="prompt"),
     InvalidPrompt: ErrorSpec(400, code="invalid_value", param="prompt"),
     SamplingError: ErrorSpec(400, code="invalid_value"),
+    GrammarError: ErrorSpec(400, code="invalid_value"),
     ChatTemplateError: ErrorSpec(400, code="invalid_value", param="messages"),
     ImageError: ErrorSpec(400, code="invalid_image", param="messages"),
     Unauthorized: ErrorSpec(401, code="invalid_api_key", headers=(("WWW-Authenticate", "Bearer"),)),

@@ -27,7 +27,7 @@ from edge.model.vision.request import ImagePolicy, count_images, fetch_images, r
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
-    from edge.model.tokenizer import Tokenizer
+    from edge.model.tokenizer import RenderedChat, Tokenizer
     from edge.model.vision.runtime import MultimodalPrompt
 
 
@@ -94,9 +94,10 @@ def encode_request(
         if tok is None or not tok.chat_template:
             raise BadRequest("this model has no chat template: use /v1/completions", param=param,
                              code="unsupported_model")
+        kwargs = schema.template_kwargs(req)
         if count_images(messages):
-            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {})
-        ids = _encode_text(tok, tok.apply_chat_template(messages), ctx, param)
+            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {}, kwargs)
+        ids = _encode_text(tok, _render(tok, messages, ctx, param, kwargs), ctx, param)
     else:
         param = "prompt"
         prompt = schema.completion_prompt(req)
@@ -115,11 +116,13 @@ def encode_request(
     if not ids:
         raise BadRequest("the prompt is empty", param=param, code="invalid_value")
     _check_fits(engine, ids, param)
+    _check_no_placeholders(engine, ids, param)
     return ids
 
 
 def _image_prompt(
-    engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes]
+    engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes],
+    kwargs: dict[str, Any],
 ) -> MultimodalPrompt:
     from edge.model.vision.runtime import split_images
 
@@ -128,7 +131,7 @@ def _image_prompt(
     rendered, sources = split_images(resolve_images(messages, images, fetched))
     # The text, then every image's header: a prompt too long for the context, or an image
     # too large to decode, fails before any image is decoded.
-    ids = _encode_text(tok, tok.apply_chat_template(rendered), engine.max_seq_len, "messages")
+    ids = _encode_text(tok, _render(tok, rendered, engine.max_seq_len, "messages", kwargs), engine.max_seq_len, "messages")
     headers = [vision.inspect(s, images.limits) for s in sources]
     image_tokens = sum(vision.image_tokens(h) for h in headers)
     total = len(ids) - len(sources) + image_tokens
@@ -145,15 +148,53 @@ def _image_prompt(
     return prompt
 
 
-def _encode_text(tok: Tokenizer, text: str, ctx: int, param: str) -> list[int]:
+def _encode_text(tok: Tokenizer, text: str | RenderedChat, ctx: int, param: str) -> list[int]:
+    """A raw prompt (special-token strings are tokens) or a rendered chat (only the
+    template's are), refused untokenized when too long to fit."""
+    _check_chars(tok, len(text if isinstance(text, str) else text.text), ctx, param)
+    return tok.encode_releasing_gil(text) if isinstance(text, str) else tok.encode_rendered(text)
+
+
+def _render(
+    tok: Tokenizer, messages: list[dict[str, Any]], ctx: int, param: str, kwargs: dict[str, Any] | None = None
+) -> RenderedChat:
+    """The chat template over messages (and tools) whose text can fit: a 50 MB message is
+    refused before the template copies it and its special tokens are looked for."""
+    kwargs = kwargs or {}
+    _check_chars(tok, _chars(messages) + _chars(kwargs), ctx, param)
+    return tok.render_chat(messages, **kwargs)
+
+
+def _chars(node: Any) -> int:
+    if isinstance(node, str):
+        return len(node)
+    if isinstance(node, dict):
+        return sum(_chars(v) for v in node.values())
+    if isinstance(node, list):
+        return sum(_chars(v) for v in node)
+    return 0
+
+
+def _check_chars(tok: Tokenizer, n: int, ctx: int, param: str) -> None:
     limit = ctx * tok.chars_per_token
-    if len(text) > limit:
+    if n > limit:
         raise BadRequest(
-            f"this model's maximum context length is {ctx} tokens; the prompt has {len(text)} characters, more "
+            f"this model's maximum context length is {ctx} tokens; the prompt has {n} characters, more "
             f"than {ctx} tokens of at most {tok.chars_per_token} characters each can hold",
             param=param, code="context_length_exceeded",
         )
-    return tok.encode_releasing_gil(text)
+
+
+def _check_no_placeholders(engine: Engine, ids: list[int], param: str) -> None:
+    """Image and video placeholder tokens come only from real images (a prompt of text or
+    token ids holding them would run the model on placeholders without pixels)."""
+    vision = engine.vision
+    if vision is None:
+        return
+    pads = {vision.cfg.image_token_id, vision.cfg.video_token_id}
+    if not pads.isdisjoint(ids):
+        raise BadRequest("the prompt holds image placeholder tokens; images go in image_url content parts of "
+                         "a chat request", param=param, code="invalid_value")
 
 
 def _check_fits(engine: Engine, ids: list[int], param: str) -> None:

@@ -14,31 +14,47 @@ conversion) and unknown fields are ignored, as OpenAI does. Parameter mapping:
 * ``frequency_penalty`` / ``presence_penalty``: only 0 is accepted (400 otherwise);
   use the ``repetition_penalty`` extension instead.
 * Extensions: ``top_k``, ``repetition_penalty``, ``ignore_eos``, ``speculative``
-  (``{"method": "ngram" | "draft", "num_tokens": 1..16}``; unset: the server's default).
+  (``{"method": "ngram" | "draft" | "off", "num_tokens": 1..16}``; unset: the server's default;
+  "off": plain decoding whatever the default).
   A speculative response's ``usage`` carries ``speculative``: steps, proposed and
   accepted tokens, tokens per step, acceptance rate.
-* Refused with 400: ``n`` > 1, ``logprobs``/``top_logprobs``, ``tools``/``functions``
-  and tool messages, ``response_format`` other than text, ``logit_bias``, ``echo``,
-  ``suffix``, ``best_of`` > 1, content parts other than text and ``image_url`` (the
-  latter only for vision-language models: edge/model/vision/request.py), batched prompts.
+* Structured output and tools (edge/structured, docs/structured.md): ``response_format``
+  (``json_object``, ``json_schema``), ``tools`` / ``tool_choice`` / ``parallel_tool_calls``,
+  ``tool`` messages and assistant messages with ``tool_calls``, ``chat_template_kwargs``
+  (e.g. ``{"enable_thinking": false}``). Responses carry ``tool_calls`` (finish_reason
+  ``tool_calls``) and a thinking model's ``reasoning_content``; ``usage.grammar`` (extension)
+  the host's mask time.
+* Refused with 400: ``n`` > 1, ``logprobs``/``top_logprobs``, the legacy ``functions`` /
+  ``function_call`` (use ``tools``), ``logit_bias``, ``echo``, ``suffix``, ``best_of`` > 1,
+  content parts other than text and ``image_url`` (the latter only for vision-language
+  models: edge/model/vision/request.py), batched prompts.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
-from typing import TYPE_CHECKING, Any, Literal
+import reprlib
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from edge.serving.errors import BadRequest
 
 if TYPE_CHECKING:  # torch stays out of the import path until the model loads
+    from edge.structured.output import ParsedOutput
+    from edge.structured.request import StructuredRequest
     from edge.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 16
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+_T = TypeVar("_T")
+# A list validated up to its first bad item: a million bad items make one error, not a
+# million (building them held the interpreter for seconds).
+Items = Annotated[list[_T], Field(fail_fast=True)]
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> BadRequest:
@@ -65,18 +81,15 @@ class ContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: str | Items[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
     function_call: Any = None
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = None
-
-
-class ResponseFormat(_Strict):
-    type: str
 
 
 class SpeculativeRequest(BaseModel):
@@ -94,7 +107,7 @@ class _Common(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     n: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Items[str] | None = None
     seed: int | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -108,7 +121,7 @@ class _Common(_Strict):
 
 
 class ChatCompletionRequest(_Common):
-    messages: list[ChatMessage]
+    messages: Items[ChatMessage]
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -116,11 +129,13 @@ class ChatCompletionRequest(_Common):
     functions: list[Any] | None = None
     tool_choice: Any = None
     function_call: Any = None
-    response_format: ResponseFormat | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | Items[int] | Items[str] | Items[Items[int]]
     logprobs: int | None = None
     echo: bool | None = False
     suffix: str | None = None
@@ -134,10 +149,10 @@ def parse_request(body: bytes, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate_json(body)
     except ValidationError as exc:
-        raise _validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
-def _validation_error(exc: ValidationError) -> BadRequest:
+def validation_error(exc: ValidationError) -> BadRequest:
     errors = exc.errors(include_url=False)
     err = errors[0]
     kind = err.get("type", "")
@@ -172,8 +187,18 @@ def _param_name(loc: list[Any]) -> str:
     return out or "body"
 
 
+def _brief_repr() -> reprlib.Repr:
+    r = reprlib.Repr()  # keyword arguments only from Python 3.12
+    r.maxlevel, r.maxlist, r.maxdict, r.maxstring, r.maxother = 2, 4, 4, 40, 40
+    return r
+
+
+_REPR = _brief_repr()
+
+
 def _short(value: Any) -> str:
-    s = repr(value)
+    # reprlib: a few items of a million-item list, not a repr of all of them
+    s = _REPR.repr(value)
     return s if len(s) <= 60 else s[:57] + "..."
 
 
@@ -182,7 +207,7 @@ def _short(value: Any) -> str:
 
 # Fields whose mere presence (truthy) asks for something this server does not do.
 _REJECT_WHEN_SET: dict[type, tuple[str, ...]] = {
-    ChatCompletionRequest: ("logit_bias", "logprobs", "top_logprobs", "tools", "functions"),
+    ChatCompletionRequest: ("logit_bias", "logprobs", "top_logprobs", "functions", "function_call"),
     CompletionRequest: ("logit_bias", "logprobs", "echo", "suffix"),
 }
 
@@ -200,19 +225,9 @@ def check_unsupported(req: _Common) -> None:
                 code="unsupported_parameter",
             )
     for name in _REJECT_WHEN_SET[type(req)]:
-        if getattr(req, name):
-            raise bad_request(f"{name} is not supported", param=name, code="unsupported_parameter")
-    if isinstance(req, ChatCompletionRequest):
-        for name in ("tool_choice", "function_call"):
-            v = getattr(req, name)
-            if v not in (None, "none", "auto"):
-                raise bad_request(f"{name} is not supported", param=name, code="unsupported_parameter")
-        if req.response_format is not None and req.response_format.type != "text":
-            raise bad_request(
-                f"response_format type {req.response_format.type!r} is not supported (only 'text')",
-                param="response_format",
-                code="unsupported_parameter",
-            )
+        if getattr(req, name) not in (None, False, "none", "auto", [], {}):
+            hint = "; use tools / tool_choice" if name in ("functions", "function_call") else ""
+            raise bad_request(f"{name} is not supported{hint}", param=name, code="unsupported_parameter")
     if isinstance(req, CompletionRequest) and req.best_of not in (None, 1):
         raise bad_request("only best_of=1 is supported", param="best_of", code="unsupported_parameter")
 
@@ -234,22 +249,35 @@ def chat_messages(req: ChatCompletionRequest, images: bool = False) -> list[dict
     and ``image_url`` parts in order."""
     if not req.messages:
         raise bad_request("'messages' must contain at least one message", param="messages", code="empty_array")
-    out: list[dict[str, str]] = []
+    out: list[dict[str, Any]] = []
     for i, m in enumerate(req.messages):
         param = f"messages[{i}]"
         role = m.role
         if role not in CHAT_ROLES:
-            if role in ("tool", "function"):
-                raise bad_request(f"{param}: {role} messages are not supported (no tool calling)",
+            if role == "function":
+                raise bad_request(f"{param}: function messages are not supported; use tool messages",
                                   param=f"{param}.role", code="unsupported_parameter")
             raise bad_request(
                 f"{param}: invalid role {role!r}; expected one of {', '.join(CHAT_ROLES)}",
                 param=f"{param}.role",
                 code="invalid_value",
             )
-        if m.tool_calls or m.function_call:
-            raise bad_request(f"{param}: tool calls are not supported", param=f"{param}.tool_calls",
-                              code="unsupported_parameter")
+        if m.function_call:
+            raise bad_request(f"{param}: function_call is not supported; use tool_calls",
+                              param=f"{param}.function_call", code="unsupported_parameter")
+        if m.tool_calls and role != "assistant":
+            raise bad_request(f"{param}: only assistant messages carry tool_calls", param=f"{param}.tool_calls",
+                              code="invalid_value")
+        extra: dict[str, Any] = {}
+        if m.tool_calls:
+            extra["tool_calls"] = [_history_call(call, f"{param}.tool_calls[{j}]") for j, call in enumerate(m.tool_calls)]
+        if role == "tool":
+            if not m.tool_call_id:
+                raise bad_request(f"{param}: a tool message needs tool_call_id", param=f"{param}.tool_call_id",
+                                  code="missing_required_parameter")
+            extra["tool_call_id"] = m.tool_call_id
+            if m.name:
+                extra["name"] = m.name
         content = m.content
         if content is None:
             if role != "assistant":
@@ -280,8 +308,49 @@ def chat_messages(req: ChatCompletionRequest, images: bool = False) -> list[dict
                 out.append({"role": role, "content": parts})
                 continue
             text = "".join(p["text"] for p in parts)
-        out.append({"role": "system" if role == "developer" else role, "content": text})
+        out.append({"role": "system" if role == "developer" else role, "content": text, **extra})
     return out
+
+
+def _history_call(call: Any, param: str) -> dict[str, Any]:
+    """An assistant message's earlier tool call as chat templates take it (transformers'
+    shape: ``arguments`` as an object where the client sent its JSON text)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+        raise bad_request(f"{param} needs function.name", param=f"{param}.function.name",
+                          code="missing_required_parameter")
+    args = fn.get("arguments", {})
+    if isinstance(args, str):
+        try:
+            args = json.loads(args) if args.strip() else {}
+        except ValueError:
+            raise bad_request(f"{param}.function.arguments is not JSON", param=f"{param}.function.arguments",
+                              code="invalid_value") from None
+    out: dict[str, Any] = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+    if isinstance(call.get("id"), str):
+        out["id"] = call["id"]
+    return out
+
+
+def structured_request(req: ChatCompletionRequest) -> StructuredRequest:
+    """The request's response format and tools, validated (GrammarError names the field);
+    the thinking mode is set once the prompt is rendered."""
+    from edge.structured.request import parse_structured
+
+    return parse_structured(req.response_format, req.tools, req.tool_choice, req.parallel_tool_calls)
+
+
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat template gets beside the messages: ``chat_template_kwargs`` and the
+    tools (as transformers' ``apply_chat_template(messages, tools=...)``)."""
+    from edge.structured.request import parse_tools
+
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
+              if k not in ("messages", "add_generation_prompt", "tools")}
+    tools = parse_tools(req.tools)
+    if tools:
+        kwargs["tools"] = [t.as_template_dict() for t in tools]
+    return kwargs
 
 
 def completion_prompt(req: CompletionRequest) -> str | list[int]:
@@ -337,8 +406,8 @@ def sampling_params(
         raise bad_request(f"top_p must be in [0, 1], got {top_p}", param="top_p", code="invalid_value")
     top_p = max(top_p, 1e-6)  # the most likely token always survives: 0 keeps just it
     top_k = 0 if req.top_k is None else req.top_k
-    if top_k < 0:
-        raise bad_request(f"top_k must be >= 0, got {top_k}", param="top_k", code="invalid_value")
+    if not 0 <= top_k < 1 << 63:  # (an int64 on the device; any k beyond the vocabulary keeps every token)
+        raise bad_request(f"top_k must be in [0, 2^63), got {top_k}", param="top_k", code="invalid_value")
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     if not (math.isfinite(rep) and 0.0 < rep <= 10.0):
         raise bad_request(f"repetition_penalty must be in (0, 10], got {rep}", param="repetition_penalty",
@@ -380,7 +449,7 @@ def include_usage(req: _Common) -> bool:
 # -- responses ----------------------------------------------------------------------------
 
 
-FinishReason = Literal["stop", "length", "cancelled", "error"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "error"]
 
 
 def usage_body(usage: Any) -> dict:
@@ -397,6 +466,9 @@ def usage_body(usage: Any) -> dict:
     speculative = getattr(usage, "speculative", None)
     if speculative is not None:
         body["speculative"] = jsonable(speculative)  # extension
+    grammar = getattr(usage, "grammar", None)
+    if grammar is not None:
+        body["grammar"] = jsonable(grammar)  # extension
     return body
 
 
@@ -457,8 +529,19 @@ def usage_chunk(kind: str, rid: str, created: int, model: str, usage: Any) -> di
     return _envelope(rid, created, model, obj, [], usage)
 
 
-def chat_completion(rid: str, created: int, model: str, text: str, finish_reason: str, usage: Any) -> dict:
-    message = {"role": "assistant", "content": text, "refusal": None}
+def chat_completion(
+    rid: str, created: int, model: str, text: str, finish_reason: str, usage: Any, parsed: ParsedOutput | None = None
+) -> dict:
+    """``parsed``: the text split into reasoning, content and tool calls (edge/structured)."""
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if parsed is not None:
+        message["content"] = parsed.content
+        if parsed.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning
+        if parsed.tool_calls:
+            message["tool_calls"] = [call.as_dict() for call in parsed.tool_calls]
+            if finish_reason == "stop":
+                finish_reason = "tool_calls"
     choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish_reason}
     return _envelope(rid, created, model, "chat.completion", [choice], usage)
 

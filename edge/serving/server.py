@@ -23,6 +23,8 @@ from typing import Any
 import uvicorn
 
 from edge.serving.app import create_app
+from edge.serving.connections import Config, ConnectionLimits, connection_cap
+from edge.serving.log_limits import limit_repeats
 from edge.serving.service import Service
 from edge.settings import Settings
 from edge.serving.uds import UnixListener
@@ -50,8 +52,11 @@ def build_server(settings: Settings, *, environ: dict[str, str] | None = None) -
     service = Service(settings, environ)
     app = create_app(service)
     level = settings.log_level.lower()
-    config = uvicorn.Config(
+    limits = ConnectionLimits(settings.header_timeout_s, settings.body_timeout_s, settings.keep_alive_s,
+                              connection_cap(settings.max_connections))
+    config = Config(
         app,
+        limits,
         host=settings.host,
         port=settings.port,
         log_level=level,
@@ -73,6 +78,7 @@ def build_server(settings: Settings, *, environ: dict[str, str] | None = None) -
 
 def serve(settings: Settings) -> int:
     """Run the service until SIGTERM/SIGINT; the exit code (0 on a clean shutdown)."""
+    limit_repeats()  # an attack repeats one message thousands of times a second
     server, service, listener = build_server(settings)
     where = f"unix:{settings.uds}" if settings.uds else f"http://{settings.host}:{settings.port}"
     log.info("edge serve: listening on %s, model %s", where, settings.model or "(embedded default)")

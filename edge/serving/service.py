@@ -32,6 +32,7 @@ from edge.settings import Settings, read_api_key
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
+    from edge.structured.compiler import GrammarCompiler
 
 log = logging.getLogger("edge.serving.service")
 
@@ -53,6 +54,7 @@ class Service:
         self.platform: dict[str, Any] | None = None
         self.engine: Engine | None = None
         self.scheduler: Any = None
+        self.grammars: GrammarCompiler | None = None  # structured output (edge/structured)
         self.state = "starting"  # starting, loading, warming, ready, failed, stopping
         self.error: str | None = None
         self.exit_code = 0
@@ -123,6 +125,7 @@ class Service:
                 max_seq_len=s.max_seq_len,
                 cuda_graph=s.cuda_graph,
                 check_weights=not s.skip_weight_check,
+                kv_dtype=s.kv_dtype,
                 quantize=s.quantize,
                 quant_lm_head=s.quant_lm_head,
                 quant_embedding=s.quant_embedding,
@@ -130,6 +133,12 @@ class Service:
                 **options,
             )
             self.engine = engine
+            if engine.tokenizer is not None:
+                from edge.structured.compiler import GrammarCompiler
+
+                # Builds the grammar engine's token trie in its own thread from now on.
+                self.grammars = GrammarCompiler(engine.tokenizer.to_json(), engine.cfg.vocab_size,
+                                                engine.tokenizer.eos_token_ids, time_limit_s=s.grammar_time_limit_s)
             from edge.runtime.platform_info import probe_platform
 
             self.platform = probe_platform().as_dict()  # versions and SMs, probed once
@@ -201,14 +210,17 @@ class Service:
         """One short generation through the scheduler: compiles kernels, captures CUDA
         graphs and renders the chat template before the first real request; the
         tokenizer's longest token (the prompt length bound) is measured here too."""
+        from edge.errors import ChatTemplateError, InvalidPrompt
         from edge.sampling import SamplingParams
 
         if engine.tokenizer is not None:
             log.debug("longest token: %d characters", engine.tokenizer.chars_per_token)
+        ids = [1, 2, 3, 4]
         if engine.tokenizer is not None and engine.tokenizer.chat_template:
-            ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
-        else:
-            ids = [1, 2, 3, 4]
+            try:
+                ids = engine.tokenizer.encode_chat([{"role": "user", "content": "Hello"}])
+            except (InvalidPrompt, ChatTemplateError) as exc:  # the requests that meet it get a 400
+                log.warning("warming up with token ids: %s", exc)
         handle = sched.submit(ids, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True),
                               request_id=f"warmup-{uuid.uuid4().hex[:8]}")
         final = None
@@ -261,6 +273,8 @@ class Service:
         if self.monitor is not None:
             with contextlib.suppress(Exception):
                 self.monitor.stop()
+        if self.grammars is not None:
+            self.grammars.close()
         self.watchdog.stop()
         self.notifier.close()
         log.info("stopped")

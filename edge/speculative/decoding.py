@@ -15,6 +15,9 @@ from edge.speculative.proposers import DraftModel, PromptLookup, Proposer
 from edge.speculative.verify import Verdict, verify, verify_step
 
 if TYPE_CHECKING:
+    import numpy as np
+
+    from edge.structured.matcher import GrammarMatcher
     from edge.runtime.engine import Engine
 
 log = logging.getLogger(__name__)
@@ -94,21 +97,28 @@ class SpeculativeDecoder:
         self._base = 0  # seq.length before the last step
         self._accepted = 0  # proposals the last step kept
 
-    def step(self, context: Sequence[int], budget: int) -> list[int]:
+    def step(self, context: Sequence[int], budget: int, grammar: GrammarMatcher | None = None) -> list[int]:
         """Tokens after ``context`` (prompt and output; its last token, the newest, is
         not in ``seq`` yet). ``budget``: the most tokens the request may still emit.
+        ``grammar``: a structured request's matcher, at the state after ``context``: the
+        proposals stop before the first token it rejects, and every verified position is
+        masked (greedy output stays that of plain constrained decoding).
         Raises KVOutOfMemory (``seq`` unchanged) only when not even one token fits."""
         k = min(self.k, budget - 1, self.engine.max_seq_len - self.seq.length - 1)
         proposed = self.proposer.propose(context, k)[:k] if k > 0 else []
+        masks = None
+        if grammar is not None:
+            proposed = proposed[: grammar.valid_prefix(proposed)]
+            masks = grammar.masks_along(proposed)
         self._base = self.seq.length
         try:
-            verdict = self._verify(int(context[-1]), proposed)
+            verdict = self._verify(int(context[-1]), proposed, masks)
         except KVOutOfMemory:
             if not proposed:
                 raise
             log.debug("no KV room for %d proposals: a plain step", len(proposed))
             proposed = []
-            verdict = self._verify(int(context[-1]), proposed)
+            verdict = self._verify(int(context[-1]), proposed, None if masks is None else masks[:1])
         self._accepted = verdict.accepted
         self.stats.steps += 1
         self.stats.proposed += len(proposed)
@@ -120,11 +130,12 @@ class SpeculativeDecoder:
             self.k = max(1, min(self.max_k, 1 + int(self._rate * self.max_k)))
         return verdict.tokens
 
-    def _verify(self, last: int, proposed: list[int]) -> Verdict:
+    def _verify(self, last: int, proposed: list[int], masks: np.ndarray | None = None) -> Verdict:
+        bitmasks = None if masks is None else self.engine.bitmask_tensor(masks)
         if self.verifier is None:
-            return verify(self.engine, self.seq, last, proposed, self.sampler, self.greedy)
+            return verify(self.engine, self.seq, last, proposed, self.sampler, self.greedy, bitmasks=bitmasks)
         assert isinstance(self.seq, PagedSequence)
-        return verify_step(self.verifier, self.seq, last, proposed, self.sampler, self.greedy)
+        return verify_step(self.verifier, self.seq, last, proposed, self.sampler, self.greedy, bitmasks=bitmasks)
 
     def describe(self) -> dict:
         """What the request's usage reports beside the counts."""

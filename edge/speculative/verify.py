@@ -23,7 +23,7 @@ import torch
 
 from edge.model.kv import SequenceKV
 from edge.runtime.kv_paged import PagedSequence
-from edge.sampling import SamplerState, sample, target_probs, uniform_noise
+from edge.sampling import SamplerState, apply_token_bitmask, sample, target_probs, uniform_noise
 
 if TYPE_CHECKING:
     from edge.runtime.engine import Engine
@@ -114,11 +114,15 @@ def verify(
     state: SamplerState,
     greedy: bool,
     draft_probs: torch.Tensor | None = None,
+    bitmasks: torch.Tensor | None = None,
 ) -> Verdict:
     """Feed ``last`` (the newest token, not yet in ``seq``) and ``proposed`` in one
     forward; keep ``last`` and the accepted proposals in the KV, roll the rejected ones
-    back (length and block table only). Raises KVOutOfMemory with ``seq`` unchanged."""
+    back (length and block table only). Raises KVOutOfMemory with ``seq`` unchanged.
+    ``bitmasks [k + 1, words]``: a grammar's allowed tokens at each position."""
     logits = engine.forward(seq, [last, *proposed], all_logits=True)
+    if bitmasks is not None:
+        logits = apply_token_bitmask(logits, bitmasks)
     verdict = accept(logits, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
     return verdict
@@ -132,13 +136,17 @@ def verify_step(
     state: SamplerState,
     greedy: bool,
     draft_probs: torch.Tensor | None = None,
+    bitmasks: torch.Tensor | None = None,
 ) -> Verdict:
     """:func:`verify` through the slot's verify decoder (edge/runtime/verify_graph.py: a
     CUDA graph per token count with the position on the device, or the same step run
-    eagerly on the reference backend). Greedy requests without penalties get the argmax
-    ids from the step itself; the others its logits, decided here."""
-    argmax = greedy and not state.use_penalty
+    eagerly on the reference backend). Greedy requests without penalties or a grammar
+    get the argmax ids from the step itself; the others its logits, decided here
+    (masked by ``bitmasks``, as in :func:`verify`)."""
+    argmax = greedy and not state.use_penalty and bitmasks is None
     out = decoder.run(seq, [last, *proposed], argmax)
+    if bitmasks is not None:
+        out = apply_token_bitmask(out, bitmasks)
     verdict = accept_greedy(out, proposed, state) if argmax else accept(out, proposed, state, greedy, draft_probs)
     seq.rollback(len(proposed) - verdict.accepted)
     if not argmax:

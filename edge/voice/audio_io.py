@@ -12,6 +12,7 @@ same thing for a recording as for a live speaker.
 from __future__ import annotations
 
 import queue
+import struct
 import time
 import wave
 from collections.abc import Iterator
@@ -96,23 +97,56 @@ class Framer:
         return frames
 
 
-def read_wav(path: str | Path) -> tuple[np.ndarray, int]:
-    """A PCM WAV file as mono float32 and its sample rate."""
+MAX_RATE = 384_000  # the highest rate audio interfaces record at
+MAX_CHANNELS = 64
+MAX_READ_SECONDS = 600.0  # read_wav's whole-file limit; WavSource streams any length
+WAV_BLOCK_S = 0.1  # WavSource reads this much at a time
+
+
+def open_wav(path: str | Path) -> wave.Wave_read:
+    """A PCM WAV file, opened with its header checked: ValueError (one line naming the
+    file and what is wrong) for anything but 8/16/32-bit PCM at a plausible rate."""
     try:
-        with wave.open(str(path), "rb") as w:
-            rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
-            raw = w.readframes(w.getnframes())
-    except (wave.Error, EOFError) as exc:
-        raise ValueError(f"{path}: not a PCM WAV file ({exc}); convert it, e.g. sox in.x -b 16 out.wav") from None
+        w = wave.open(str(path), "rb")
+    except (wave.Error, EOFError, struct.error) as exc:
+        why = str(exc) or "the file ends inside its header"
+        raise ValueError(f"{path}: not a PCM WAV file ({why}); convert it, e.g. sox in.x -b 16 out.wav") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a directory, not a WAV file") from None
+    rate, width, channels = w.getframerate(), w.getsampwidth(), w.getnchannels()
+    problem = None
+    if not 1 <= rate <= MAX_RATE:
+        problem = f"its header says {rate} Hz; a WAV file's rate is 1..{MAX_RATE} Hz"
+    elif not 1 <= channels <= MAX_CHANNELS:
+        problem = f"its header says {channels} channels"
+    elif width not in (1, 2, 4):
+        problem = f"{8 * width}-bit samples are not supported (use 8, 16 or 32-bit PCM)"
+    if problem is not None:
+        w.close()
+        raise ValueError(f"{path}: {problem}")
+    return w
+
+
+def _pcm_to_float(raw: bytes, width: int, channels: int) -> np.ndarray:
+    """Interleaved PCM -> mono float32 (whole frames only)."""
+    raw = raw[:len(raw) - len(raw) % (width * channels)]
     if width == 1:
         x = (np.frombuffer(raw, np.uint8).astype(np.float32) - 128.0) / 128.0
     elif width == 2:
         x = np.frombuffer(raw, "<i2").astype(np.float32) / 32768.0
-    elif width == 4:
-        x = np.frombuffer(raw, "<i4").astype(np.float32) / 2147483648.0
     else:
-        raise ValueError(f"{path}: {8 * width}-bit WAV is not supported (use 8, 16 or 32-bit PCM)")
-    return to_mono(x.reshape(-1, channels)), rate
+        x = np.frombuffer(raw, "<i4").astype(np.float32) / 2147483648.0
+    return to_mono(x.reshape(-1, channels))
+
+
+def read_wav(path: str | Path, max_seconds: float = MAX_READ_SECONDS) -> tuple[np.ndarray, int]:
+    """A short PCM WAV file as mono float32 and its sample rate (longer than
+    ``max_seconds``: ValueError; :class:`WavSource` streams long recordings)."""
+    with open_wav(path) as w:
+        rate, width, channels, n = w.getframerate(), w.getsampwidth(), w.getnchannels(), w.getnframes()
+        if n / rate > max_seconds:
+            raise ValueError(f"{path}: {n / rate:.0f} s of audio, more than {max_seconds:.0f} s to read at once")
+        return _pcm_to_float(w.readframes(n), width, channels), rate
 
 
 def write_wav(path: str | Path, pcm: np.ndarray, rate: int) -> None:
@@ -142,15 +176,26 @@ def paced(frames: Iterator[np.ndarray], t0: float) -> Iterator[Frame]:
 
 
 class WavSource:
-    """A WAV file (any rate, any channel count) played in at real time."""
+    """A WAV file (any rate, any channel count) played in at real time, read
+    ``WAV_BLOCK_S`` at a time: an hour-long recording costs no more memory than a second."""
 
     def __init__(self, path: str | Path) -> None:
-        x, rate = read_wav(path)
-        self.seconds = x.size / rate
-        self._frames = Framer().push(resample(x, rate, SAMPLE_RATE), final=True)
+        self.path = path
+        with open_wav(path) as w:  # refused here, before the session starts
+            self.rate = w.getframerate()
+            self.seconds = w.getnframes() / self.rate
+
+    def _blocks(self) -> Iterator[np.ndarray]:
+        resampler, framer = StreamResampler(self.rate, SAMPLE_RATE), Framer()
+        with open_wav(self.path) as w:
+            width, channels = w.getsampwidth(), w.getnchannels()
+            block = max(1, int(self.rate * WAV_BLOCK_S))
+            while raw := w.readframes(block):
+                yield from framer.push(resampler(_pcm_to_float(raw, width, channels)))
+        yield from framer.push(resampler(np.zeros(0, np.float32), last=True), final=True)
 
     def frames(self, t0: float) -> Iterator[Frame]:
-        return paced(iter(self._frames), t0)
+        return paced(self._blocks(), t0)
 
     def close(self) -> None:
         pass

@@ -52,6 +52,12 @@ def add_voice_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--json", action="store_true",
                    help="one JSON object per turn on stdout (transcript, answer, heard text, usage, timings); "
                         "the conversation text goes to stderr")
+    g.add_argument("--tools", help="file of OpenAI tools (a JSON list, docs/examples/tools.json) the model may call")
+    g.add_argument("--tool-handler", metavar="MODULE:FUNCTION",
+                   help="runs each call as FUNCTION(name, arguments); its result goes back to the model, whose "
+                        "answer is spoken (docs/structured.md)")
+    g.add_argument("--tool-choice", choices=("auto", "required"), default=None,
+                   help="with --tools: required makes the first answer of a turn a call (default auto)")
 
 
 def run_voice(args: argparse.Namespace, connect: Callable[[], Any], params: dict[str, Any]) -> int:
@@ -63,6 +69,13 @@ def run_voice(args: argparse.Namespace, connect: Callable[[], Any], params: dict
         logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.no_audio and args.output:
         raise ValueError("--output and --no-audio exclude each other")
+    handler = None
+    if args.tool_handler:
+        from edge.voice.tools import load_handler
+
+        if "tools" not in params:
+            raise ValueError("--tool-handler needs --tools FILE")
+        handler = load_handler(args.tool_handler)
     source = _source(args)
     vad = SileroVad()
     recognizer = _recognizer(args)
@@ -81,7 +94,7 @@ def run_voice(args: argparse.Namespace, connect: Callable[[], Any], params: dict
     options = VoiceOptions(
         vad_threshold=args.vad_threshold, silence_ms=args.silence_ms, min_speech_ms=args.min_speech_ms,
         partial_ms=args.partial_ms, barge_in=not args.no_barge_in, on_eof=args.on_eof,
-        system=args.system or None, params=params,
+        system=args.system or None, params=params, tool_handler=handler,
     )
     session = VoiceSession(connect, source, vad, recognizer, synthesizer, player, sink, options,
                            out=sys.stderr if args.json else sys.stdout, json_out=sys.stdout if args.json else None)

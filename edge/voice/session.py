@@ -29,16 +29,19 @@ from typing import Any, TextIO
 import httpx
 import numpy as np
 
-from edge.serving.chat_client import ChatClient, ServiceError
+from edge.serving.chat_client import CANCEL_TIMEOUT_S, ChatClient, ServiceError
 from edge.voice.asr import Recognizer
 from edge.voice.audio_io import FRAME_S, AudioSource
 from edge.voice.phrases import PhraseCutter, has_words
 from edge.voice.player import AudioSink, Player
 from edge.voice.tts import Speech, Synthesizer
+from edge.voice.tools import MAX_TOOL_ROUNDS, ToolHandler, run_calls
 from edge.voice.turns import Turn
 from edge.voice.vad import Endpointer, SileroVad
 
 log = logging.getLogger("edge.voice")
+
+CANCEL_ACK_WAIT_S = 2 * CANCEL_TIMEOUT_S + 1.0  # the cancel request's two attempts
 
 
 @dataclass
@@ -52,6 +55,7 @@ class VoiceOptions:
     on_eof: str = "finish"  # end of input: "finish" the answer, or "cancel" it
     system: str | None = None
     params: dict[str, Any] = field(default_factory=dict)  # sampling fields of each request
+    tool_handler: ToolHandler | None = None  # runs the model's tool calls (edge/voice/tools.py)
     first_phrase_chars: int = 24  # the first piece is short: it decides when the first sound comes
     phrase_chars: int = 160
 
@@ -77,6 +81,8 @@ class VoiceSession:
         self.history: list[dict] = []
         self.turns: list[Turn] = []
         self._active: Turn | None = None
+        self._onsets = 0  # utterances begun (listen thread); a transcript older than the last waits for it
+        self._carried = ""  # the words of utterances that the next one superseded
         self._print_lock = threading.Lock()
         self._asr_q: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._tts_q: queue.Queue[tuple[Turn, str | None] | None] = queue.Queue()
@@ -121,10 +127,13 @@ class VoiceSession:
                 else:
                     preroll.append(frame.pcm)
             elif event.kind == "start":
+                with self._lock:  # before the barge-in: a turn that starts after this sees it (_start_turn)
+                    self._onsets += 1
+                    onset = self._onsets
                 if o.barge_in:
                     self._interrupt("barge-in", onset=event.t, detected=frame.t)
                 preroll.append(frame.pcm)
-                self._asr_q.put(("start", event.t))
+                self._asr_q.put(("start", (event.t, onset)))
                 for pcm in preroll:
                     self._asr_q.put(("audio", pcm))
                 preroll.clear()
@@ -164,7 +173,7 @@ class VoiceSession:
 
     def _asr_loop(self) -> None:
         rec, every = self.recognizer, self.options.partial_ms / 1000.0
-        open_, marks, partials, last_hyp, last_t = False, {}, [], "", 0.0
+        open_, marks, partials, last_hyp, last_t, onset = False, {}, [], "", 0.0, 0
         while True:
             kind, value = self._asr_q.get()
             if kind == "quit":
@@ -172,7 +181,8 @@ class VoiceSession:
             try:
                 if kind == "start":
                     rec.start()
-                    open_, marks, partials, last_hyp, last_t = True, {"speech_start": value}, [], "", time.monotonic()
+                    t, onset = value
+                    open_, marks, partials, last_hyp, last_t = True, {"speech_start": t}, [], "", time.monotonic()
                 elif kind == "audio" and open_:
                     rec.accept(value)
                     now = time.monotonic()
@@ -188,7 +198,7 @@ class VoiceSession:
                     text = rec.finish().strip()
                     marks.update(value, transcript=time.monotonic())
                     if text:
-                        self._start_turn(text, marks, partials)
+                        self._start_turn(text, marks, partials, onset)
                     else:
                         self._say("[no words recognized]\n")
             except Exception:  # a recognizer failure loses this utterance, not the session
@@ -221,16 +231,28 @@ class VoiceSession:
 
     # -- turns -----------------------------------------------------------------------------------
 
-    def _start_turn(self, text: str, marks: dict[str, float], partials: list[str]) -> None:
+    def _start_turn(self, text: str, marks: dict[str, float], partials: list[str], onset: int = 0) -> None:
         # an answer to the first half of a sentence said with a pause in it gives way
         # to the answer to the whole (barge-in only sees onsets, not a continued utterance)
         self._interrupt("next utterance")
-        with self._lock:
-            turn = Turn(len(self.turns) + 1, text, f"voice-{uuid.uuid4().hex}", marks, partials)
-            messages = self._messages(text)
-            turn.history_sent = [dict(m) for m in self.history]
-            self.turns.append(turn)
-            self._active = turn
+        with self._lock:  # one section with the listen thread's onset count (see _listen)
+            if onset and self._onsets > onset:
+                # The user spoke again before this transcript was final: its barge-in found
+                # no turn to stop, so no answer to this utterance alone; its words open the next.
+                self._carried = f"{self._carried} {text}".strip()
+                turn = None
+            else:
+                text, self._carried = f"{self._carried} {text}".strip(), ""
+                turn = Turn(len(self.turns) + 1, text, f"voice-{uuid.uuid4().hex}", marks, partials)
+                messages = self._messages(text)
+                turn.history_sent = [dict(m) for m in self.history]
+                self.turns.append(turn)
+                self._active = turn
+        if turn is None:
+            log.info("utterance %d: the next one began before its transcript was final; answering both together",
+                     onset)
+            self._say(f"you: {text} ...\n")
+            return
         self._say(f"you: {text}\nedge: ")
         th = threading.Thread(target=self._respond, args=(turn, messages), name=f"voice-turn-{turn.index}",
                               daemon=True)
@@ -241,7 +263,37 @@ class VoiceSession:
         client = self._streams[turn.index % 2]
         cutter = PhraseCutter(self.options.first_phrase_chars, self.options.phrase_chars)
         turn.mark("request_sent")
-        stream = client.stream_chat(messages, self.options.params, turn.request_id)
+        params = self.options.params
+        for round_ in range(MAX_TOOL_ROUNDS + 1):
+            start = len(turn.answer)
+            self._stream_round(turn, client, cutter, messages, params)
+            calls = client.last_tool_calls
+            if (not calls or self.options.tool_handler is None or turn.error is not None
+                    or turn.cancelled.is_set() or round_ == MAX_TOOL_ROUNDS):
+                break
+            for call in calls:
+                fn = call.get("function", {})
+                self._say(f"[tool call] {fn.get('name')}({fn.get('arguments', '')})\n")
+            # The results go back; the next answer may call again, or speak.
+            messages = messages + run_calls(self.options.tool_handler, "".join(turn.answer[start:]), calls)
+            turn.tool_messages += messages[-len(calls) - 1:]
+            params = {**params, "tool_choice": "auto"}
+        turn.mark("request_ended" if turn.finish_reason == "cancelled" else "generation_done")
+        if turn.error is None and not turn.cancelled.is_set():
+            if self.synthesizer is not None:
+                rest = cutter.flush()
+                if rest:
+                    self._tts_q.put((turn, rest))
+                self._tts_q.put((turn, None))
+                while not (turn.played_out.wait(0.05) or turn.cancelled.is_set() or self._audio_closed.is_set()):
+                    pass
+            self._say("\n")
+        self._finish_turn(turn)
+
+    def _stream_round(self, turn: Turn, client: ChatClient, cutter: PhraseCutter, messages: list[dict],
+                      params: dict[str, Any]) -> None:
+        """One request of the turn: its text spoken (or printed) as it streams."""
+        stream = client.stream_chat(messages, params, turn.request_id)
         try:
             for delta in stream:
                 now = time.monotonic()
@@ -249,6 +301,8 @@ class VoiceSession:
                 turn.token_times.append(now)
                 turn.answer.append(delta)
                 if turn.cancelled.is_set():
+                    if "cancel_acked" in turn.marks and turn.cancel_status != 200:
+                        break  # the cancel came before the service had the request: leaving cancels it
                     continue  # read on: the stream ends once the service has cancelled
                 if self.synthesizer is None:
                     turn.add_spoken(delta)
@@ -262,27 +316,19 @@ class VoiceSession:
             self._say(f"\n[error: {exc}]\n")
         finally:
             stream.close()
-        turn.mark("request_ended" if turn.finish_reason == "cancelled" else "generation_done")
-        if turn.error is None and not turn.cancelled.is_set():
-            if self.synthesizer is not None:
-                rest = cutter.flush()
-                if rest:
-                    self._tts_q.put((turn, rest))
-                self._tts_q.put((turn, None))
-                while not (turn.played_out.wait(0.05) or turn.cancelled.is_set() or self._audio_closed.is_set()):
-                    pass
-            self._say("\n")
-        self._finish_turn(turn)
 
     def _finish_turn(self, turn: Turn) -> None:
         if turn.cancelled.is_set():  # the output device marks it at its next block
             turn.wait_mark("audio_stopped", 1.0)
+            # The stream can end before the cancel's own answer is back: the report
+            # waits for it (cancel_status).
+            turn.wait_mark("cancel_acked", CANCEL_ACK_WAIT_S)
         with self._lock:
             if self._active is turn:
                 self._active = None
             if turn.heard is None and turn.error is None:
                 turn.heard = "".join(turn.answer)  # played (or printed) to the end
-                self.history += [{"role": "user", "content": turn.user_text},
+                self.history += [{"role": "user", "content": turn.user_text}, *turn.tool_messages,
                                  {"role": "assistant", "content": turn.heard}]
         log.info("%s", turn.summary())
         if self.json_out is not None:

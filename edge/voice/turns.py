@@ -49,6 +49,7 @@ class Turn:
         self.cancel_status: int | None = None
         self.heard: str | None = None  # the assistant message kept in the history
         self.history_sent: list[dict] = []  # the earlier messages the request carried
+        self.tool_messages: list[dict] = []  # the calls the model made and their results
 
     def mark(self, name: str, t: float | None = None) -> None:
         with self._lock:

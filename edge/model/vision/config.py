@@ -7,12 +7,12 @@ first published) or under ``text_config`` (Qwen3-VL, and anything transformers >
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from edge.model.config import ConfigError, ModelConfig
+from edge.model.files import read_json_object
 
 # The VL architecture -> (tower kind, the text decoder's causal-LM architecture).
 VL_ARCHITECTURES = {
@@ -99,11 +99,7 @@ class VLConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> VLConfig:
-        file = Path(path) / "config.json"
-        try:
-            return cls.from_dict(json.loads(file.read_text()))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read {file}: {exc}") from exc
+        return cls.from_dict(read_json_object(Path(path) / "config.json", ConfigError))
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> VLConfig:
@@ -143,14 +139,14 @@ class VLConfig:
 
 def vl_architecture(d: dict[str, Any]) -> str | None:
     """The VL architecture a config.json names, or None for a text-only model."""
-    return next((a for a in d.get("architectures") or [] if a in VL_ARCHITECTURES), None)
+    archs = d.get("architectures") if isinstance(d, dict) else None
+    return next((a for a in archs if a in VL_ARCHITECTURES), None) if isinstance(archs, list) else None
 
 
 def is_vision_language(path: str | Path) -> bool:
-    file = Path(path) / "config.json"
     try:
-        return vl_architecture(json.loads(file.read_text())) is not None
-    except (OSError, json.JSONDecodeError):
+        return vl_architecture(read_json_object(Path(path) / "config.json", ConfigError)) is not None
+    except (OSError, ConfigError):  # the text model's loader names what is wrong
         return False
 
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edge.errors import ImageError
+from edge.model.files import read_json_object
 from edge.model.vision.request import ImageLimits
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
@@ -64,11 +64,9 @@ class ProcessorConfig:
     def from_pretrained(cls, path: str | Path) -> ProcessorConfig:
         file = Path(path) / PREPROCESSOR_FILE
         try:
-            data = json.loads(file.read_text())
+            data = read_json_object(file, ImageError)
         except FileNotFoundError:
             raise ImageError(f"{file} is missing: a vision-language model needs its image processor settings") from None
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ImageError(f"cannot read {file}: {exc}") from exc
         return cls.from_dict(data)
 
     @classmethod

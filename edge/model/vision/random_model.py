@@ -295,6 +295,7 @@ def make_vl_model(
     dtype: str = "float32",
     max_shard_bytes: int | None = None,
     std: float = INIT_STD,
+    progress: bool = False,
     **text_overrides: Any,
 ) -> Path:
     """Write a random-weight VL model directory and return its path. ``std``: the weights'
@@ -330,7 +331,7 @@ def make_vl_model(
         text_name = name.replace("model.language_model.", "model.", 1)
         return config_tensor({"init_profile": profile}, text_name, shape, seed, torch_dtype)
 
-    write_weights(out, shapes, tensor, torch_dtype, max_shard_bytes)
+    write_weights(out, shapes, tensor, torch_dtype, max_shard_bytes, progress)
     return out
 
 

@@ -1,0 +1,75 @@
+"""Slow and excess connections against a live ``edge serve`` (edge/serving/connections.py):
+request heads and bodies that never complete are closed, connections past the cap
+(below the file-descriptor limit) get 503, the log stays short, and SIGTERM with
+stalled bodies exits cleanly without tracebacks."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from hostile_support import SlowClients
+from test_server_support import CHAT, HELLO, ServerProc, server_env
+
+from edge.serving.connections import BACKLOG, FD_RESERVE, connection_cap
+from edge.serving.log_limits import RepeatLimiter
+
+NOFILE = 256  # the server's descriptor limit: the cap must stay below it
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory):
+    env = server_env(EDGE_HEADER_TIMEOUT_S="1", EDGE_BODY_TIMEOUT_S="2", EDGE_MAX_CONNECTIONS="40")
+    srv = ServerProc(tmp_path_factory.mktemp("connections"), env=env, nofile=NOFILE)
+    try:
+        yield srv.wait_ready()
+    finally:
+        srv.stop()
+
+
+def test_the_cap_fits_the_descriptor_limit() -> None:
+    assert connection_cap(256, limit=1024, in_use=20) == 256
+    assert connection_cap(256, limit=300, in_use=20) == 300 - 20 - FD_RESERVE - 2 * BACKLOG
+    with pytest.raises(ValueError, match="file descriptor limit"):
+        connection_cap(256, limit=64, in_use=10)
+
+
+def test_repeats_are_summarized() -> None:
+    limiter = RepeatLimiter(window_s=0.2)
+    rec = [logging.LogRecord("asyncio", logging.ERROR, __file__, 1, "socket.accept() out of system resource",
+                             None, None) for _ in range(4)]
+    assert [limiter.filter(r) for r in rec[:3]] == [True, False, False]
+    time.sleep(0.25)
+    assert limiter.filter(rec[3]) and "(and 2 more like it" in rec[3].getMessage()
+
+
+def test_slow_and_excess_connections(server: ServerProc) -> None:
+    with server.client() as c:
+        assert c.get("/health").status_code == 200  # a connection opened before the attack
+        slow = SlowClients(server, 150)  # silent, half a head, a stalled body, in turn: past the cap of 40
+        try:
+            assert slow.failed == 0  # none hangs: the excess are answered and closed
+            r = c.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
+            assert r.status_code == 200, r.text
+            fig = slow.outcome(wait_s=30.0)  # the head (1 s) and body (2 s) deadlines, on a busy machine
+        finally:
+            slow.close()
+        assert fig["answered_503"] > 0 and fig["still_open"] == 0, (fig, server.log()[-3000:])
+        assert c.get("/health").status_code == 200
+    log = server.log()
+    assert "Traceback" not in log and "out of system resource" not in log, log[-3000:]
+    assert log.count("refused a connection") <= 2, log[-3000:]  # one line per 10 s, with a count
+
+
+def test_sigterm_with_stalled_bodies_exits_quietly(server: ServerProc) -> None:
+    slow = SlowClients(server, 20, "body")
+    try:
+        t0 = time.monotonic()
+        assert server.stop() == 0
+        took = time.monotonic() - t0
+    finally:
+        slow.close()
+    log = server.log()
+    assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert "timeout graceful shutdown exceeded" not in log, took
