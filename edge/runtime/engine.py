@@ -93,7 +93,7 @@ def _fit(
     reserve = options.get("memory_reserve")
     p = fit(
         Checkpoint.from_dir(path), quantize=quantize, lm_head=lm_head, embedding=embedding, kind=kind,
-        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size,
+        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size, kv_dtype=options.get("kv_dtype"),
         kv_blocks=options.get("kv_blocks"), kv_memory=None if options.get("kv_memory") is None else parse_bytes(
             options["kv_memory"]),
         reserve=None if reserve is None else parse_reserve(reserve),

@@ -617,7 +617,7 @@ def plan(
     dtype = dtype_name(dtype or ("float32" if kind == "cpu" else "bfloat16"))
     held = held or held_form(ckpt, dtype, quantize, lm_head, embedding)
     seq = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    kv_dtype = kv_dtype or dtype
+    kv_dtype = dtype if kv_dtype in (None, "auto") else kv_dtype  # "auto": the engine's, the model's dtype
     kv_dtypes = kv_dtypes or tuple(dict.fromkeys((kv_dtype, *(d for d in ("bfloat16", "int8") if kind != "cpu"))))
     weights = weight_parts(ckpt, held)
     runtime = RUNTIME_BYTES[kind] if runtime is None else runtime
@@ -814,7 +814,7 @@ def fit_settings(settings: Any, device_kind: str | None = None) -> MemoryPlan | 
         Checkpoint.from_dir(settings.model), quantize=settings.quantize, lm_head=settings.quant_lm_head,
         embedding=settings.quant_embedding, kind=kind, memory=memory, dtype=settings.dtype,
         max_seq_len=settings.max_seq_len, page_size=settings.page_size, kv_blocks=settings.kv_blocks,
-        kv_memory=settings.kv_memory, reserve=settings.memory_reserve, prefill_chunk=None,
+        kv_memory=settings.kv_memory, kv_dtype=settings.kv_dtype, reserve=settings.memory_reserve, prefill_chunk=None,
         cuda_graph=settings.cuda_graph, runtime=runtime_to_come(kind),
     )
 
