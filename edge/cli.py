@@ -614,8 +614,8 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--quant-embedding", choices=("auto", "float", "int8"), default="auto", help=EMBEDDING_HELP)
     pl.add_argument("--max-seq-len", type=POSITIVE_INT, help="context length (default: min(model max, 4096))")
     pl.add_argument("--page-size", type=_checked(power_of_two), default=16, help="tokens per KV block")
-    pl.add_argument("--kv-dtype", choices=("bfloat16", "float16", "float32", "int8"),
-                    help="the KV cache's dtype (default: the model's)")
+    pl.add_argument("--kv-dtype", choices=("auto", "int8"), help="how K/V rows are held: auto (the model's dtype) or "
+                    "int8 (codes and a float32 scale a row)")
     pl.add_argument("--memory-reserve", type=_reserve_size, help=RESERVE_HELP)
     pl.add_argument("--json", action="store_true", help="print JSON")
     pl.add_argument("--table", action="store_true", help="a markdown table: each model in bf16, int8 and int4 on "

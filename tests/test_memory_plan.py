@@ -239,3 +239,11 @@ def test_the_service_exits_with_78_when_the_model_cannot_fit(tmp_path, monkeypat
     assert service.error.startswith("DoesNotFit: m bfloat16 needs")
     unit = (Path(__file__).resolve().parents[1] / "systemd" / "edge.service").read_text()
     assert "RestartPreventExitStatus=78" in unit
+
+
+@pytest.mark.parametrize("kv_dtype", ["auto", "int8"])
+def test_the_plans_kv_is_the_engines(tiny_untied, kv_dtype: str) -> None:
+    engine = Engine.from_pretrained(tiny_untied, device="cpu", dtype="float32", kv_dtype=kv_dtype)
+    plan = engine.memory_plan
+    assert plan.kv_dtype == ("float32" if kv_dtype == "auto" else "int8")
+    assert plan.block_bytes == engine.budget.block_bytes == engine.kv.pool.block_bytes()

@@ -93,3 +93,18 @@ def test_the_plan_is_what_the_backend_loads(monkeypatch, int4: bool) -> None:
         shared_memory=nvrtc.shared_memory(idx), int4_scale_dtypes=(torch.float16,) if int4 else (),
     )
     assert loaded == set(planned)
+
+
+@pytest.mark.cuda
+def test_a_first_start_compiles_ahead_and_reports_progress(tmp_path: Path, monkeypatch) -> None:
+    from edge.runtime.engine import Engine
+
+    monkeypatch.setenv("EDGE_CACHE_DIR", str(tmp_path))
+    lines: list[str] = []
+    engine = Engine.from_pretrained(device="cuda", on_status=lines.append)
+    assert lines[0].startswith("compiling ") and "kernel variants" in lines[0]
+    assert any(line.startswith("kernels ") for line in lines) and lines[-1].startswith("kernels compiled in")
+    assert engine.backend.kind == "cuda"
+    again: list[str] = []
+    Engine.from_pretrained(device="cuda", on_status=again.append)
+    assert again == []  # every variant cached: nothing compiled ahead

@@ -79,9 +79,11 @@ def _fit(
     (``num_blocks`` / ``memory_info``)."""
     if dev.type == "cpu":
         kind = "cpu"
-    else:
+    elif torch.cuda.is_available():
         kind = "integrated" if getattr(torch.cuda.get_device_properties(dev), "is_integrated", False) else "discrete"
-    faked = "num_blocks" in options or "memory_info" in options
+    else:  # no CUDA here: what runs next names that, the plan cannot probe anything
+        kind = "discrete"
+    faked = "num_blocks" in options or "memory_info" in options or (kind != "cpu" and not torch.cuda.is_available())
     memory = None
     if not faked:
         try:
@@ -91,7 +93,7 @@ def _fit(
     reserve = options.get("memory_reserve")
     p = fit(
         Checkpoint.from_dir(path), quantize=quantize, lm_head=lm_head, embedding=embedding, kind=kind,
-        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size,
+        memory=memory, dtype=dtype, max_seq_len=seq_len, page_size=page_size, kv_dtype=options.get("kv_dtype"),
         kv_blocks=options.get("kv_blocks"), kv_memory=None if options.get("kv_memory") is None else parse_bytes(
             options["kv_memory"]),
         reserve=None if reserve is None else parse_reserve(reserve),

@@ -196,7 +196,7 @@ def _headers(root: Path) -> dict[str, tuple[dict[str, str], dict[str, tuple[str,
                     infos[key] = (s.get_dtype(), tuple(s.get_shape()))
                 out[name] = (f.metadata() or {}, infos)
         except Exception as exc:  # safetensors raises its own error types for corrupt headers
-            raise CheckpointError(f"{root / name}: cannot read its safetensors header: {exc}") from None
+            raise CheckpointError(f"cannot read safetensors file {root / name}: {exc}") from None
     return out
 
 
@@ -428,6 +428,7 @@ class MemoryPlan:
     board: Board | None = None
     kv_blocks: int | None = None  # explicit sizes: the plan checks them, the budget warns
     kv_memory: int | None = None
+    file_bytes: int = 0  # the checkpoint's safetensors files on disk (0: a preset)
     notes: tuple[str, ...] = field(default=())
 
     @property
@@ -518,6 +519,7 @@ class MemoryPlan:
             "memory_kind": self.kind,
             "weights": dict(self.weights),
             "weight_bytes": self.weight_bytes,
+            "file_bytes": self.file_bytes,
             "runtime": self.runtime,
             "activations": self.activations,
             "vision_tower_activations": self.tower,
@@ -551,7 +553,8 @@ class MemoryPlan:
         else:
             where = f"{self.kind}: memory not known here (checked when the engine starts)"
         lines.append(f"memory     {where}")
-        lines.append(f"weights    {g(self.weight_bytes):>10}")
+        disk = f"  ({g(self.file_bytes)} of safetensors on disk)" if self.file_bytes else ""
+        lines.append(f"weights    {g(self.weight_bytes):>10}{disk}")
         layers = self.weights
         for part, n in layers.items():
             if n:
@@ -614,7 +617,7 @@ def plan(
     dtype = dtype_name(dtype or ("float32" if kind == "cpu" else "bfloat16"))
     held = held or held_form(ckpt, dtype, quantize, lm_head, embedding)
     seq = max_seq_len or min(cfg.max_position_embeddings, DEFAULT_MAX_SEQ_LEN)
-    kv_dtype = kv_dtype or dtype
+    kv_dtype = dtype if kv_dtype in (None, "auto") else kv_dtype  # "auto": the engine's, the model's dtype
     kv_dtypes = kv_dtypes or tuple(dict.fromkeys((kv_dtype, *(d for d in ("bfloat16", "int8") if kind != "cpu"))))
     weights = weight_parts(ckpt, held)
     runtime = RUNTIME_BYTES[kind] if runtime is None else runtime
@@ -636,7 +639,7 @@ def plan(
         kv_per_token={d: kv_block_bytes(cfg, 1, d) for d in kv_dtypes if d in KV_ELEMENT_BYTES},
         max_seq_len=seq, page_size=page_size, prefill_chunk=chunk, activations=max(activations, tower),
         graphs=graphs, tower=tower, runtime=runtime, reserve=kept, utilization=utilization, memory=memory,
-        board=board, kv_blocks=kv_blocks, kv_memory=kv_memory,
+        board=board, kv_blocks=kv_blocks, kv_memory=kv_memory, file_bytes=ckpt.file_bytes,
     )
 
 
@@ -811,7 +814,7 @@ def fit_settings(settings: Any, device_kind: str | None = None) -> MemoryPlan | 
         Checkpoint.from_dir(settings.model), quantize=settings.quantize, lm_head=settings.quant_lm_head,
         embedding=settings.quant_embedding, kind=kind, memory=memory, dtype=settings.dtype,
         max_seq_len=settings.max_seq_len, page_size=settings.page_size, kv_blocks=settings.kv_blocks,
-        kv_memory=settings.kv_memory, reserve=settings.memory_reserve, prefill_chunk=None,
+        kv_memory=settings.kv_memory, kv_dtype=settings.kv_dtype, reserve=settings.memory_reserve, prefill_chunk=None,
         cuda_graph=settings.cuda_graph, runtime=runtime_to_come(kind),
     )
 

@@ -56,7 +56,7 @@ def apply_threads(device_type: str, requested: int | None = None) -> int:
         torch.set_num_interop_threads(1)  # the engine runs no parallel torch graphs
     except RuntimeError:  # torch allows it once, before any inter-op work
         pass
-    log.info("torch CPU threads: %d of %d cores%s", n, available_cores(), "" if requested is None else " (as set)")
+    log.debug("torch CPU threads: %d of %d cores%s", n, available_cores(), "" if requested is None else " (as set)")
     return n
 
 

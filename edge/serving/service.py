@@ -93,7 +93,8 @@ class Service:
             from edge.runtime.threads import apply_threads
             from edge.scheduling import Scheduler
 
-            apply_threads(torch_device_type(s.device, default_device), s.torch_threads)
+            threads = apply_threads(torch_device_type(s.device, default_device), s.torch_threads)
+            log.info("torch CPU threads: %d", threads)
             options: dict[str, Any] = {}
             if s.kv_blocks:
                 options["kv_blocks"] = s.kv_blocks
