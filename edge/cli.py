@@ -425,6 +425,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         model_directory(settings.model)
     try:
         fit_settings(settings)
+    except DoesNotFit:
+        raise
     except ValueError as exc:  # a broken checkpoint, found before loading: the service's load-failure line
         logging.getLogger("edge.serving.service").error("model load failed: %s", exc)
         return 1

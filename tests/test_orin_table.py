@@ -66,7 +66,7 @@ def test_tables_and_projection(tool, capsys: pytest.CaptureFixture) -> None:  # 
     assert tool.main(["--fraction", "AGX Orin 64 GB=0.5"]) == 0
     out = capsys.readouterr().out
     assert "pending #24" not in out
-    assert out.count("| qwen3-8b | int4 | 5.7 |") == 3  # every board: int4 projections, bf16 lm_head and embedding
+    assert out.count("| qwen3-8b | int4 | 4.6 |") == 3  # every board: 4.92 GB of int4 weights
     agx = [line for line in out.splitlines() if line.startswith("| AGX Orin 64 GB | 16 | 204.8 | qwen3-8b | int8 |")]
     cells = [c.strip() for c in agx[0].strip("|").split("|")]
     assert float(cells[-1]) == pytest.approx(0.5 * float(cells[6]), abs=0.51)

@@ -19,7 +19,6 @@ board's SM count (``--fraction``), else the column says so.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,11 +39,12 @@ from edge.runtime.budget import (  # noqa: E402
     kv_row_bytes,
 )
 from edge.model.config import ModelConfig  # noqa: E402
+from edge.runtime.memory_plan import Checkpoint, held_form, weight_parts  # noqa: E402
 from edge.quant.q8_0 import DEFAULT_GROUP_SIZE  # noqa: E402
-from edge.runtime import memory_plan as mp  # noqa: E402
 from edge.model.random_model import model_config  # noqa: E402
 
 GiB = 1 << 30
+EMBED = "model.embed_tokens.weight"
 PAGE_SIZE = 16
 PREFILL_CHUNK = 512
 FORMATS = ("bf16", "int8", "int4")
@@ -76,24 +76,22 @@ def preset_config(preset: str) -> ModelConfig:
     return ModelConfig.from_dict(model_config(preset=preset))
 
 
-def _held(cfg: ModelConfig, fmt: str, group_size: int) -> tuple[mp.Checkpoint, mp.Held]:
-    """A float checkpoint of ``cfg`` as the engine holds it in ``fmt`` (the plan's loader rules)."""
-    ckpt = mp.Checkpoint(cfg.architecture, cfg, stored_dtype="bfloat16")
-    quantize = None if fmt == "bf16" else fmt
-    return ckpt, mp.held_form(ckpt, "bfloat16", quantize, group_size=group_size)
-
-
 def weight_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """What the loaded model holds (``Model.weight_bytes``), as ``edge plan`` counts it: int8
-    and int4 quantize the projections; lm_head and embedding stay bf16 unless chosen lossy."""
-    ckpt, held = _held(cfg, fmt, group_size)
-    return sum(mp.weight_parts(ckpt, held).values())
+    """What the loaded model holds (``Model.weight_bytes``, from edge/runtime/memory_plan.py):
+    bf16 tensors; for int8 the projections (and an untied lm_head) as int8 with one float32
+    scale per group; for int4 the projections as 4-bit codes with a float16 scale and a
+    uint8 zero point per group, and the lm_head and the embedding as int8 rows (as these
+    tables have always counted int4; `edge plan` gives the as-published default)."""
+    ckpt = Checkpoint("preset", cfg)
+    quantize = {"bf16": None, "int8": "int8", "int4": "int4"}[fmt]
+    rows = "int8" if fmt == "int4" else "auto"
+    return sum(weight_parts(ckpt, held_form(ckpt, "bfloat16", quantize, rows, rows, group_size)).values())
 
 
 def embedding_row_bytes(cfg: ModelConfig, fmt: str, group_size: int = DEFAULT_GROUP_SIZE) -> int:
-    """Bytes of one embedding row as loaded."""
-    ckpt, held = _held(cfg, fmt, group_size)
-    return mp.row_table_bytes(1, cfg.hidden_size, held.embedding, held)
+    """Bytes of one embedding row as loaded (int4 models hold int8 rows)."""
+    h = cfg.hidden_size
+    return h + 4 * (h // group_size) if fmt == "int4" else 2 * h
 
 
 def decode_bytes_per_token(cfg: ModelConfig, fmt: str, context: int, kv_dtype: str = "auto") -> int:
