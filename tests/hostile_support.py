@@ -263,14 +263,18 @@ class SlowClients:
             self.proc.wait()
 
 
+def rss_mib(pid: int) -> float:
+    """A process's resident memory (VmRSS), MiB."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:"))) / 1024
+
+
 def process_figures(server: ServerProc) -> dict:
     """The server's resident memory, open files and threads, and its KV blocks in use."""
     pid = server.proc.pid
-    status = Path(f"/proc/{pid}/status").read_text()
-    rss_kib = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS:")))
     m = server.metrics()
     return {
-        "rss_mib": round(rss_kib / 1024, 1),
+        "rss_mib": round(rss_mib(pid), 1),
         "open_files": len(os.listdir(f"/proc/{pid}/fd")),
         "threads": len(os.listdir(f"/proc/{pid}/task")),
         "kv_blocks_used": m['edge_kv_blocks{state="used"}'],

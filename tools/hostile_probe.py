@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-from hostile_support import Attackers, HealthProbe, SlowClients, StreamProbe  # noqa: E402
+from hostile_support import Attackers, HealthProbe, SlowClients, StreamProbe, rss_mib  # noqa: E402
 from test_server_support import CHAT, ServerProc, server_env  # noqa: E402
 
 WATCHDOG_USEC = 2_000_000
@@ -259,11 +259,11 @@ def images(tmp: Path) -> list[dict]:
         text_ms = _text_request_ms(srv)
         for th in senders:
             th.join()
-        rss0 = peak = _rss_mib(srv)
+        rss0 = peak = rss_mib(srv.proc.pid)
         with Probes(srv, sink) as probes:
             senders = post(2)
             while any(th.is_alive() for th in senders):
-                peak = max(peak, _rss_mib(srv))
+                peak = max(peak, rss_mib(srv.proc.pid))
                 time.sleep(0.05)
             time.sleep(1.2)
             fig = probes.figures()
@@ -273,13 +273,6 @@ def images(tmp: Path) -> list[dict]:
     return [{"attack": "2 requests x 4 images of 6300x6300 beside a text stream", "statuses": statuses,
              "text_request_ms": text_ms, "quiet_text_request_ms": quiet_text_ms,
              "rss_growth_mib": round(peak - rss0, 1), **fig}]
-
-
-def _rss_mib(srv: ServerProc) -> float:
-    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
 
 
 ATTACKS = {"malformed": malformed, "long": long_string, "slow": slow, "inject": inject, "images": images}

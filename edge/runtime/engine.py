@@ -660,10 +660,10 @@ class Engine:
         return self.tokenizer.encode_chat(messages)
 
     def run_towers(self, mm: MultimodalPrompt, start: int, end: int, budget_s: float | None,
-                   progress: Callable[[], None] | None = None) -> bool:
+                   progress: Callable[[], None] | None = None) -> None:
         """A slice of the vision tower's work for prompt tokens [start, end) of ``mm``
-        (:meth:`VisionLanguage.run_towers`); True when it is all done and nothing ran."""
-        return self._vision().run_towers(mm, start, end, budget_s, progress)
+        (:meth:`VisionLanguage.run_towers`)."""
+        self._vision().run_towers(mm, start, end, budget_s, progress)
 
     def _vision(self) -> VisionLanguage:
         if self.vision is None:

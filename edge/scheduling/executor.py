@@ -229,10 +229,8 @@ class ActionRunner:
         for the pacing."""
         if not background:
             return self.engine.forward(seq, ids, mm=mm, progress=self._beat)
-        with self._timed_chunk() as ran:
-            logits = self.engine.forward(seq, ids, mm=mm, progress=self._beat)
-            ran.append(len(ids))
-        return logits
+        with self._timed_chunk(len(ids)):
+            return self.engine.forward(seq, ids, mm=mm, progress=self._beat)
 
     def _tower_slice(self, mm: MultimodalPrompt, action: Prefill) -> bool:
         """Before a background chunk with images: a slice of their vision-tower passes,
@@ -240,23 +238,24 @@ class ActionRunner:
         through a long pass. True when the features are ready (nothing ran)."""
         if not mm.towers_due(action.start, action.stop):
             return True
-        with self._timed_chunk():
+        with self._timed_chunk(0):
             self.engine.run_towers(mm, action.start, action.stop, self.policy.pacing.budget_s, progress=self._beat)
         return False
 
     @contextlib.contextmanager
-    def _timed_chunk(self) -> Iterator[list[int]]:
-        """Time the background work in the block for the pacing; the caller appends the
-        prompt tokens it prefilled (none for tower work: its time paces, but is not fitted)."""
+    def _timed_chunk(self, tokens: int) -> Iterator[None]:
+        """Time the background work in the block for the pacing, as ``tokens`` prompt tokens
+        when it completes (0 for tower work: its time paces, but is not fitted)."""
         timer = self.streams.timer()
         with self._lock:
             self.policy.pacing.chunk_started(time.perf_counter())
-        ran: list[int] = []
+        ran = 0
         try:
-            yield ran
+            yield
+            ran = tokens
         finally:
             timer.stop()
-            self._timing = (timer, sum(ran))
+            self._timing = (timer, ran)
             self._poll_timing()  # known at once on the CPU
 
     def _take_first_token(self, run: _SlotRun) -> None:

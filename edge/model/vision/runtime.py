@@ -195,37 +195,36 @@ class VisionLanguage:
         """The tower's features of the prompt's image ``index`` (run once a prompt);
         ``progress`` is called after each tower block (the engine loop's heartbeat)."""
         if index not in prompt._features:
-            run = self._pass(prompt, index)
-            while not run.step():
-                if progress is not None:
-                    progress()
-            self._finish_pass(prompt, index)
+            self._advance(prompt, index, None, time.perf_counter(), progress)
         return prompt._features[index]
 
     def run_towers(self, prompt: MultimodalPrompt, start: int, end: int, budget_s: float | None,
-                   progress: Callable[[], None] | None = None) -> bool:
-        """A slice of the tower passes of the images in tokens [start, end): blocks until
-        ``budget_s`` is spent (at least one; one when None). True when those images'
-        features are all ready and nothing ran."""
-        todo = prompt.towers_due(start, end)
-        if not todo:
-            return True
+                   progress: Callable[[], None] | None = None) -> None:
+        """A slice of the tower passes of the images in tokens [start, end)
+        (:meth:`MultimodalPrompt.towers_due`): blocks until ``budget_s`` is spent (at least
+        one; one when None)."""
         t0 = time.perf_counter()
-        for index in todo:
-            run = self._pass(prompt, index)
-            while True:
-                done = run.step()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()  # the slice's time is the device's
-                if progress is not None:
-                    progress()
-                if done:
-                    self._finish_pass(prompt, index)
-                if budget_s is None or time.perf_counter() - t0 >= budget_s:
-                    return False
-                if done:
-                    break
-        return False
+        for index in prompt.towers_due(start, end):
+            if not self._advance(prompt, index, budget_s if budget_s is not None else 0.0, t0, progress):
+                return
+
+    def _advance(self, prompt: MultimodalPrompt, index: int, budget_s: float | None, t0: float,
+                 progress: Callable[[], None] | None) -> bool:
+        """Run image ``index``'s pass block by block until it is done (True) or, with a
+        budget, until ``budget_s`` since ``t0`` is spent (False: the pass stays for later)."""
+        run = self._pass(prompt, index)
+        while True:
+            done = run.step()
+            if budget_s is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).synchronize()  # a slice's time is the device's
+            if progress is not None:
+                progress()
+            if done:
+                self._finish_pass(prompt, index)
+            if budget_s is not None and time.perf_counter() - t0 >= budget_s:
+                return False
+            if done:
+                return True
 
     def _pass(self, prompt: MultimodalPrompt, index: int) -> TowerPass:
         if index not in prompt._passes:

@@ -91,7 +91,6 @@ class TowerPass:
     def __init__(self, steps: Generator[None, None, list[ImageFeatures]]) -> None:
         self._steps = steps
         self.result: list[ImageFeatures] | None = None
-        self.blocks_run = 0
 
     def step(self) -> bool:
         """Run the next block (the merger with the last); True once the features are ready."""
@@ -99,7 +98,6 @@ class TowerPass:
             with torch.inference_mode():
                 try:
                     next(self._steps)
-                    self.blocks_run += 1
                 except StopIteration as done:
                     self.result = done.value
         return self.result is not None
