@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 
+import httpx
 import pytest
 from hostile_support import SlowClients
 from test_server_support import CHAT, HELLO, ServerProc, server_env
@@ -44,17 +45,35 @@ def test_repeats_are_summarized() -> None:
     assert limiter.filter(rec[3]) and "(and 2 more like it" in rec[3].getMessage()
 
 
+def _post_until_served(c, body: dict, within_s: float) -> httpx.Response:
+    """POST as a well-behaved client does: on 503 wait the Retry-After and try again."""
+    deadline = time.monotonic() + within_s
+    while True:
+        r = c.post(CHAT, json=body)
+        if r.status_code != 503 or time.monotonic() > deadline:
+            return r
+        time.sleep(float(r.headers.get("retry-after", "1")))
+
+
 def test_slow_and_excess_connections(server: ServerProc) -> None:
-    with server.client() as c:
-        assert c.get("/health").status_code == 200  # a connection opened before the attack
-        slow = SlowClients(server, 150)  # silent, half a head, a stalled body, in turn: past the cap of 40
-        try:
-            assert slow.failed == 0  # none hangs: the excess are answered and closed
-            r = c.post(CHAT, json={"messages": HELLO, "max_tokens": 2})
-            assert r.status_code == 200, r.text
-            fig = slow.outcome(wait_s=30.0)  # the head (1 s) and body (2 s) deadlines, on a busy machine
-        finally:
-            slow.close()
+    with server.client() as c, server.client() as streaming:
+        assert c.get("/health").status_code == 200
+        # a request in flight before the attack keeps its connection and ends whole
+        body = {"messages": HELLO, "max_tokens": 48, "ignore_eos": True, "stream": True}
+        with streaming.stream("POST", CHAT, json=body) as stream:
+            assert stream.status_code == 200
+            slow = SlowClients(server, 150)  # silent, half a head, a stalled body, in turn: past the cap of 40
+            try:
+                assert slow.failed == 0  # none hangs: the excess are answered and closed
+                text = "".join(stream.iter_text())
+                assert text.endswith("data: [DONE]\n\n"), text[-300:]
+                # a new client meets 503 + Retry-After while the cap is full, then is served once the
+                # head (1 s) and body (2 s) deadlines have shed the slow connections
+                r = _post_until_served(c, {"messages": HELLO, "max_tokens": 2}, within_s=30.0)
+                assert r.status_code == 200, r.text
+                fig = slow.outcome(wait_s=30.0)
+            finally:
+                slow.close()
         assert fig["answered_503"] > 0 and fig["still_open"] == 0, (fig, server.log()[-3000:])
         assert c.get("/health").status_code == 200
     log = server.log()
