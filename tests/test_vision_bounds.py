@@ -102,11 +102,11 @@ def test_images_use_their_own_worker(engine, monkeypatch) -> None:
     started, release = threading.Event(), threading.Event()
     real = prompts_module.encode_request
 
-    def slow_images(eng, req, kind, images, fetched):  # noqa: ANN001, ANN202
+    def slow_images(eng, req, kind, images, fetched, decoder):  # noqa: ANN001, ANN202
         if prompts_module.schema.image_urls(req):
             started.set()
             release.wait(10)
-        return real(eng, req, kind, images, fetched)
+        return real(eng, req, kind, images, fetched, decoder)
 
     monkeypatch.setattr(prompts_module, "encode_request", slow_images)
     encoder = PromptEncoder(workers=1, waiting=0, image_workers=1, image_waiting=0)

@@ -84,30 +84,38 @@ def check_ready(service: Service) -> None:
         raise Unavailable(f"the engine is not healthy: {why}", code="engine_unhealthy")
 
 
-async def read_body(request: Request, limit: int, scanner: ShapeScanner | None = None) -> bytearray:
-    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes
-    (gathered part by part: no single copy of all of it on the event loop). With a
+async def read_body(request: Request, limit: int, scanner: ShapeScanner | None = None) -> bytes:
+    """The body, refused with 413 as soon as it is known to exceed ``limit`` bytes. With a
     ``scanner``, its shape is scanned as it arrives and a hostile one refused (400)
     before the rest is read. A refusal closes the connection: the client's remaining
-    bytes are not read."""
+    bytes are not read. The parts are joined once, at the end: ``bytes.join`` copies a
+    large body with the GIL released, where growing a buffer part by part holds it for
+    each reallocation's copy (25 ms at a time for a 20 MB body)."""
     close = {"Connection": "close"}
     size = request.headers.get("content-length")
     if size is not None and size.isdigit() and int(size) > limit:
         raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
-    body = bytearray()
+    parts: list[bytes] = []
+    unscanned: list[bytes] = []
+    total = unscanned_bytes = 0
     try:
         async for part in request.stream():
-            if len(body) + len(part) > limit:
+            total += len(part)
+            if total > limit:
                 raise BodyTooLarge(f"request body exceeds {limit} bytes", headers=close)
-            body += part
-            if scanner is not None and len(body) - scanner.size >= SCAN_STEP:
-                scanner.feed(bytes(body[scanner.size:]))
-        if scanner is not None:
-            scanner.feed(bytes(body[scanner.size:]))
+            parts.append(part)
+            if scanner is not None:
+                unscanned.append(part)
+                unscanned_bytes += len(part)
+                if unscanned_bytes >= SCAN_STEP:
+                    scanner.feed(b"".join(unscanned))
+                    unscanned, unscanned_bytes = [], 0
+        if scanner is not None and unscanned:
+            scanner.feed(b"".join(unscanned))
     except (BadRequest, BodyTooLarge) as exc:
         exc.headers |= close
         raise
-    return body
+    return b"".join(parts)
 
 
 def body_limit(max_body: int | None, max_seq_len: int, image_bytes: int = 0) -> int:

@@ -10,8 +10,10 @@ A chat request with images (a vision-language model) goes to its own pool, one w
 with a few requests waiting (more get 429): its remote images are fetched on the event
 loop (when the policy allows them), then the worker reads every image's header, refuses
 what cannot fit (the context, or the memory one decode may take: 400) before decoding
-anything, and decodes and preprocesses the images one at a time. So images never delay a
-text request's tokenizing, and one image's pixels at a time are decoded in the process.
+anything, and has the images decoded and resized one at a time in a child process
+(``decode_process.py``: Pillow holds the GIL through parts of a decode). So images never
+delay a text request's tokenizing, nor hold the interpreter the streams and the engine
+loop run in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from edge.serving import schema
 from edge.serving.errors import BadRequest, PromptsBusy
 from edge.errors import PromptTooLong
+from edge.model.vision.decode_process import DecodeProcess
 from edge.model.vision.request import ImagePolicy, count_images, fetch_images, resolve_images
 
 if TYPE_CHECKING:
@@ -56,6 +59,7 @@ class PromptEncoder:
         self._images = _Pool(image_workers, image_waiting, "edge-image")
         self.capacity = self._text.capacity
         self.images = images or ImagePolicy()
+        self.decoder = DecodeProcess()
 
     async def prompt(self, engine: Engine, req: Any, kind: str) -> list[int] | MultimodalPrompt:
         urls = schema.image_urls(req) if kind == "chat" and engine.vision is not None else []
@@ -68,7 +72,7 @@ class PromptEncoder:
         try:
             fetched = await fetch_images(urls, self.images) if urls else {}
             return await asyncio.get_running_loop().run_in_executor(
-                pool.executor, encode_request, engine, req, kind, self.images, fetched
+                pool.executor, encode_request, engine, req, kind, self.images, fetched, self.decoder
             )
         finally:
             pool.admitted -= 1
@@ -76,13 +80,16 @@ class PromptEncoder:
     def close(self) -> None:
         for pool in (self._text, self._images):
             pool.executor.shutdown(wait=False, cancel_futures=True)
+        self.decoder.close()
 
 
 def encode_request(
-    engine: Engine, req: Any, kind: str, images: ImagePolicy | None = None, fetched: dict[str, bytes] | None = None
+    engine: Engine, req: Any, kind: str, images: ImagePolicy | None = None, fetched: dict[str, bytes] | None = None,
+    decoder: DecodeProcess | None = None,
 ) -> list[int] | MultimodalPrompt:
     """The prompt of a chat or completion request: token ids, or a MultimodalPrompt for
-    chat messages holding images (``fetched``: their remote URLs' bytes); BadRequest
+    chat messages holding images (``fetched``: their remote URLs' bytes; ``decoder``: the
+    process that decodes them, else this one); BadRequest
     when it is empty, not encodable or longer than the context, ImageError for an image
     that is unusable or over the ``images`` policy's limits."""
     tok = engine.tokenizer
@@ -96,7 +103,7 @@ def encode_request(
                              code="unsupported_model")
         kwargs = schema.template_kwargs(req)
         if count_images(messages):
-            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {}, kwargs)
+            return _image_prompt(engine, tok, messages, images or ImagePolicy(), fetched or {}, kwargs, decoder)
         ids = _encode_text(tok, _render(tok, messages, ctx, param, kwargs), ctx, param)
     else:
         param = "prompt"
@@ -122,7 +129,7 @@ def encode_request(
 
 def _image_prompt(
     engine: Engine, tok: Tokenizer, messages: list[dict[str, Any]], images: ImagePolicy, fetched: dict[str, bytes],
-    kwargs: dict[str, Any],
+    kwargs: dict[str, Any], decoder: DecodeProcess | None,
 ) -> MultimodalPrompt:
     from edge.model.vision.runtime import split_images
 
@@ -143,7 +150,11 @@ def _image_prompt(
         )
     for header in headers:
         vision.check_memory(header, images.limits)
-    prompt = vision.build_prompt(ids, [vision.prepare(s, images.limits) for s in sources])
+    if decoder is not None:
+        prepared = [decoder.prepare(s, images.limits, vision.processor) for s in sources]
+    else:
+        prepared = [vision.prepare(s, images.limits) for s in sources]
+    prompt = vision.build_prompt(ids, prepared)
     _check_fits(engine, prompt.ids, "messages")
     return prompt
 

@@ -28,15 +28,17 @@ import io
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from edge.errors import ImageError
 from edge.model.files import read_json_object
 from edge.model.vision.request import ImageLimits
+
+if TYPE_CHECKING:
+    import torch
 
 PREPROCESSOR_FILE = "preprocessor_config.json"
 
@@ -300,6 +302,8 @@ def patch_values(raw: np.ndarray, cfg: ProcessorConfig) -> torch.Tensor:
     """uint8 ``[H, W, C]`` -> the tower's float32 ``[patches, C x temporal x patch x patch]``
     in merge-block order (raster blocks, raster patches inside a block, each patch
     channel-major, the still image repeated over the temporal patch)."""
+    import torch  # here: the image decoding process imports this module without torch
+
     p, m, tp = cfg.patch_size, cfg.merge_size, cfg.temporal_patch_size
     height, width, c = raw.shape
     gh, gw = height // p, width // p
