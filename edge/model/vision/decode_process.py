@@ -1,59 +1,37 @@
 """Image decoding in a child process of its own, so that no image can hold the server's
 interpreter.
 
-Pillow keeps the GIL through parts of a decode (allocating a 40-megapixel frame takes tens
-of milliseconds with it held), and every torch op of the engine loop's decode step gives
-the GIL up and must win it back: beside a large decode each step waits for it over and
-over, and a stream stalls for a tenth of a second. In a child process the decode, the EXIF
-turn, the RGB conversion and the resize hold only the child's interpreter; the server gets
-back the resized pixels (:class:`~edge.model.vision.preprocess.PreparedImage`). The child
-imports Pillow and numpy, not torch, and runs at a lower CPU priority than the token loop.
-A decoder crash (a malformed file meeting a codec bug) costs one 400 and a new child, not
-the service.
+Pillow keeps the GIL through parts of a decode (allocating a large frame among them), and
+every torch op of the engine loop's decode step gives the GIL up and must win it back:
+beside a large decode each step waits for it over and over, and a stream stalls. In a
+child process the decode, the EXIF turn, the RGB conversion and the resize hold only the
+child's interpreter; the server gets back the resized pixels
+(:class:`~edge.model.vision.preprocess.PreparedImage`). The child imports Pillow and
+numpy, not torch, and runs at a lower CPU priority than the token loop. A decoder crash
+(a malformed file meeting a codec bug) costs one 400 and a new child, not the service.
 
-The protocol is one request at a time over the child's stdin / stdout: a length-prefixed
-pickle each way (both ends are this module; nothing from the network is unpickled).
+The child is spawned and spoken to over a pipe as the voice front-end's recognizer is
+(``edge/voice/asr.py``), one request at a time.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import os
-import pickle
 import signal
-import struct
-import subprocess
-import sys
 import threading
-from pathlib import Path
-from typing import IO, Any
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
 
 from edge.errors import ImageError
 from edge.model.vision.request import ImageLimits
 
 log = logging.getLogger(__name__)
 
-_LENGTH = struct.Struct("<Q")
 # The decode is batch work beside the token loop: on a board with few cores it yields them.
 CHILD_NICENESS = 10
-
-
-def _write_frame(stream: IO[bytes], obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    stream.write(_LENGTH.pack(len(data)))
-    stream.write(data)
-    stream.flush()
-
-
-def _read_frame(stream: IO[bytes]) -> Any:
-    head = stream.read(_LENGTH.size)
-    if len(head) < _LENGTH.size:
-        raise EOFError
-    (n,) = _LENGTH.unpack(head)
-    data = stream.read(n)
-    if len(data) < n:
-        raise EOFError
-    return pickle.loads(data)
 
 
 class DecodeProcess:
@@ -61,7 +39,7 @@ class DecodeProcess:
     first image and again after a crash. Thread-safe (one decode at a time)."""
 
     def __init__(self) -> None:
-        self._proc: subprocess.Popen[bytes] | None = None
+        self._child: tuple[BaseProcess, Connection] | None = None
         self._lock = threading.Lock()
 
     def prepare(self, data: bytes, limits: ImageLimits, cfg: Any) -> Any:
@@ -70,12 +48,11 @@ class DecodeProcess:
         from edge.model.vision.preprocess import PreparedImage
 
         with self._lock:
-            proc = self._running()
-            assert proc.stdin is not None and proc.stdout is not None
+            _, conn = self._running()
             try:
-                _write_frame(proc.stdin, (bytes(data), limits, cfg))
-                reply = _read_frame(proc.stdout)
-            except (EOFError, OSError, pickle.UnpicklingError):
+                conn.send((bytes(data), limits, cfg))
+                reply = conn.recv()
+            except (EOFError, OSError):
                 code = self._reap()
                 log.warning("the image decoding process stopped (exit code %s); a new one starts at the next image",
                             code)
@@ -85,52 +62,58 @@ class DecodeProcess:
         _, raw, grid, digest = reply
         return PreparedImage(raw, grid, digest, cfg.merge_size, cfg)
 
-    def _running(self) -> subprocess.Popen[bytes]:
-        if self._proc is None or self._proc.poll() is not None:
-            root = str(Path(__file__).resolve().parents[3])  # the folder holding the edge package
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-            self._proc = subprocess.Popen(
-                [sys.executable, "-m", "edge.model.vision.decode_process"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, close_fds=True,
-            )
-        return self._proc
+    def _running(self) -> tuple[BaseProcess, Connection]:
+        if self._child is None or not self._child[0].is_alive():
+            if self._child is not None:
+                self._reap()
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads
+            conn, child = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(child,), name="edge-image-decode", daemon=True)
+            proc.start()
+            child.close()
+            self._child = (proc, conn)
+        return self._child
 
     def _reap(self) -> int | None:
-        proc, self._proc = self._proc, None
-        if proc is None:
+        child, self._child = self._child, None
+        if child is None:
             return None
+        proc, conn = child
+        conn.close()
         proc.kill()
-        return proc.wait()
+        proc.join()
+        return proc.exitcode
 
     @property
     def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+        return None if self._child is None else self._child[0].pid
 
     def close(self) -> None:
         """End the child (it exits at the end of its input)."""
         with self._lock:
-            proc, self._proc = self._proc, None
-        if proc is None:
+            child, self._child = self._child, None
+        if child is None:
             return
-        try:
-            if proc.stdin is not None:
-                proc.stdin.close()
-            proc.wait(timeout=2)
-        except (OSError, subprocess.TimeoutExpired):
+        proc, conn = child
+        conn.close()
+        proc.join(2.0)
+        if proc.is_alive():
             proc.kill()
-            proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
+            proc.join()
 
 
-def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
-    """The child: requests until the end of its input."""
+def _serve(conn: Connection) -> None:
+    """The child: requests until the parent closes its end."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server ends us
+    try:
+        os.nice(CHILD_NICENESS)
+    except OSError:
+        pass
     from edge.model.vision.preprocess import decode_image, preprocess
 
     while True:
         try:
-            data, limits, cfg = _read_frame(inp)
+            data, limits, cfg = conn.recv()
         except EOFError:
             return
         try:
@@ -140,19 +123,4 @@ def _serve(inp: IO[bytes], out: IO[bytes]) -> None:
             reply = ("error", str(exc))
         except Exception as exc:  # whatever the input: one line back, never a dead server
             reply = ("error", f"cannot decode image: {type(exc).__name__}: {exc}")
-        _write_frame(out, reply)
-
-
-def main() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server ends us
-    try:
-        os.nice(CHILD_NICENESS)
-    except OSError:
-        pass
-    out = os.fdopen(os.dup(1), "wb")
-    os.dup2(2, 1)  # a library's print must not land in the protocol
-    _serve(sys.stdin.buffer, out)
-
-
-if __name__ == "__main__":
-    main()
+        conn.send(reply)

@@ -124,8 +124,8 @@ def data_url_bytes(url: str, max_bytes: int) -> bytes:
         raise ImageError(f"data URL is not valid base64: {exc}") from None
 
 
-# Characters decoded at a time (a multiple of 4): one call holds the GIL about a millisecond
-# where a 15 MB image's in one go held it over 100 ms, stalling every other thread.
+# Characters decoded at a time (a multiple of 4): one call holds the GIL, so a large image
+# decoded in one go would stall every other thread (docs/reliability.md, Images).
 B64_STEP = 1 << 18
 
 
