@@ -20,7 +20,7 @@ from edge.errors import ImageError
 from edge.model.vision.decode_process import DecodeProcess
 from edge.model.vision.preprocess import ProcessorConfig, decode_image, preprocess
 from edge.model.vision.random_model import make_vl_model
-from edge.model.vision.request import B64_STEP, ImageLimits, b64decode_in_steps
+from edge.model.vision.request import B64_STEP, ImageLimits, b64decode_in_steps, data_url_bytes
 from edge.runtime.engine import Engine
 from edge.serving import schema
 from edge.serving.prompts import PromptEncoder
@@ -114,20 +114,44 @@ def test_base64_in_steps_refuses_what_the_whole_refuses(bad: str) -> None:
         b64decode_in_steps(bad)
 
 
+@pytest.mark.parametrize("size", [0, 3, 3 * B64_STEP + 5])
+def test_the_child_decodes_base64(decoder: DecodeProcess, size: int) -> None:
+    raw = os.urandom(size)
+    assert decoder.b64decode(base64.b64encode(raw).decode()) == raw
+
+
+@pytest.mark.parametrize("bad", ["QQ==" + "QUJD" * (B64_STEP // 4), "QUJD" * (B64_STEP // 4) + "Q!==",
+                                 "QUJD" * B64_STEP + "Q"], ids=["early padding", "bad digit", "length"])
+def test_the_childs_base64_refusals_are_this_process_s(decoder: DecodeProcess, bad: str) -> None:
+    url = "data:image/png;base64," + bad
+    with pytest.raises(ImageError) as here:
+        data_url_bytes(url, 2**30)
+    with pytest.raises(ImageError) as there:
+        data_url_bytes(url, 2**30, decoder.b64decode)
+    for exc in (here.value, there.value):
+        assert str(exc).startswith("data URL is not valid base64: ") and "\n" not in str(exc)
+    assert decoder.b64decode(base64.b64encode(b"still up").decode()) == b"still up"
+
+
 def test_the_prompt_workers_decode_in_the_child(tmp_path: Path) -> None:
     path = make_vl_model(tmp_path / "vl", "qwen3-vl-tiny", std=0.1)
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32", max_seq_len=256, page_size=8)
-    data = photo(96, 64)
+    data = photo(320, 320, "PNG")  # noise: a data URL longer than one base64 step
     url = "data:image/png;base64," + base64.b64encode(data).decode()
+    assert len(url) > B64_STEP
     body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                                     {"type": "text", "text": "hi"}]}]}
     import json
 
     req = schema.parse_request(json.dumps(body).encode(), schema.ChatCompletionRequest)
     encoder = PromptEncoder(workers=1, waiting=0)
+    calls: list[str] = []
+    b64decode = encoder.decoder.b64decode
+    encoder.decoder.b64decode = lambda text: calls.append(text) or b64decode(text)  # type: ignore[method-assign]
     try:
         mm = asyncio.run(encoder.prompt(engine, req, "chat"))
         assert encoder.decoder.pid is not None  # the child decoded it
+        assert len(calls) == 1 and len(calls[0]) == len(url) - len("data:image/png;base64,")  # its base64 too
     finally:
         encoder.close()
     here = engine.vision.prepare(data)

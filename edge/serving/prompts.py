@@ -135,7 +135,9 @@ def _image_prompt(
 
     vision = engine.vision
     assert vision is not None
-    rendered, sources = split_images(resolve_images(messages, images, fetched))
+    # The server's base64 is decoded in the image decoding process too: one call holds an interpreter.
+    b64decode = decoder.b64decode if decoder is not None else None
+    rendered, sources = split_images(resolve_images(messages, images, fetched, b64decode))
     # The text, then every image's header: a prompt too long for the context, or an image
     # too large to decode, fails before any image is decoded.
     ids = _encode_text(tok, _render(tok, rendered, engine.max_seq_len, "messages", kwargs), engine.max_seq_len, "messages")

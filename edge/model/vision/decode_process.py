@@ -1,11 +1,12 @@
 """Image decoding in a child process of its own, so that no image can hold the server's
-interpreter.
+interpreter: the base64 of a data URL and the pixels both.
 
 Pillow keeps the GIL through parts of a decode (allocating a large frame among them), and
 every torch op of the engine loop's decode step gives the GIL up and must win it back:
 beside a large decode each step waits for it over and over, and a stream stalls. In a
-child process the decode, the EXIF turn, the RGB conversion and the resize hold only the
-child's interpreter; the server gets back the resized pixels
+child process the base64 decode, the image decode, the EXIF turn, the RGB conversion and
+the resize hold only the child's interpreter; the server gets back the encoded bytes (to
+read the header from) and then the resized pixels
 (:class:`~edge.model.vision.preprocess.PreparedImage`). The child imports Pillow and
 numpy, not torch, and runs at a lower CPU priority than the token loop. A decoder crash
 (a malformed file meeting a codec bug) costs one 400 and a new child, not the service.
@@ -16,6 +17,8 @@ The child is spawned and spoken to over a pipe as the voice front-end's recogniz
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
 import multiprocessing
 import os
@@ -42,15 +45,24 @@ class DecodeProcess:
         self._child: tuple[BaseProcess, Connection] | None = None
         self._lock = threading.Lock()
 
+    def b64decode(self, text: str) -> bytes:
+        """``base64.b64decode(text, validate=True)`` in the child (one call over megabytes
+        holds an interpreter throughout); ImageError when it is not base64."""
+        return self._call("b64", text)[0]
+
     def prepare(self, data: bytes, limits: ImageLimits, cfg: Any) -> Any:
         """``decode_image`` then ``preprocess`` of ``data`` in the child: a PreparedImage, or
         ImageError (the child's one line, or that it stopped)."""
         from edge.model.vision.preprocess import PreparedImage
 
+        raw, grid, digest = self._call("prepare", bytes(data), limits, cfg)
+        return PreparedImage(raw, grid, digest, cfg.merge_size, cfg)
+
+    def _call(self, op: str, *args: Any) -> tuple:
         with self._lock:
             _, conn = self._running()
             try:
-                conn.send((bytes(data), limits, cfg))
+                conn.send((op, *args))
                 reply = conn.recv()
             except (EOFError, OSError):
                 code = self._reap()
@@ -59,8 +71,7 @@ class DecodeProcess:
                 raise ImageError(f"cannot decode image: the decoder stopped on it (exit code {code})") from None
         if reply[0] == "error":
             raise ImageError(reply[1])
-        _, raw, grid, digest = reply
-        return PreparedImage(raw, grid, digest, cfg.merge_size, cfg)
+        return reply[1:]
 
     def _running(self) -> tuple[BaseProcess, Connection]:
         if self._child is None or not self._child[0].is_alive():
@@ -109,18 +120,30 @@ def _serve(conn: Connection) -> None:
         os.nice(CHILD_NICENESS)
     except OSError:
         pass
-    from edge.model.vision.preprocess import decode_image, preprocess
-
     while True:
         try:
-            data, limits, cfg = conn.recv()
+            op, *args = conn.recv()
         except EOFError:
             return
         try:
-            image = preprocess(decode_image(data, limits, cfg), cfg)
-            reply: tuple = ("ok", image.raw, image.grid, image.digest)
+            reply: tuple = ("ok", *(_b64(*args) if op == "b64" else _prepare(*args)))
         except ImageError as exc:
             reply = ("error", str(exc))
         except Exception as exc:  # whatever the input: one line back, never a dead server
             reply = ("error", f"cannot decode image: {type(exc).__name__}: {exc}")
         conn.send(reply)
+
+
+def _b64(text: str) -> tuple:
+    try:
+        return (base64.b64decode(text, validate=True),)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"data URL is not valid base64: {exc}") from None
+
+
+def _prepare(data: bytes, limits: ImageLimits, cfg: Any) -> tuple:
+    from edge.model.vision.preprocess import decode_image, preprocess
+
+    image = preprocess(decode_image(data, limits, cfg), cfg)
+    return image.raw, image.grid, image.digest
+

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,11 +72,13 @@ async def fetch_images(urls: list[str], policy: ImagePolicy) -> dict[str, bytes]
 
 
 def resolve_images(
-    messages: list[dict[str, Any]], policy: ImagePolicy, fetched: Mapping[str, bytes]
+    messages: list[dict[str, Any]], policy: ImagePolicy, fetched: Mapping[str, bytes],
+    b64decode: Callable[[str], bytes] | None = None,
 ) -> list[dict[str, Any]]:
     """The messages with each ``image_url`` part replaced by ``{"type": "image", "image":
     bytes}`` (what ``VisionLanguage.prompt_from_messages`` takes); remote URLs come from
-    ``fetched`` (:func:`fetch_images`)."""
+    ``fetched`` (:func:`fetch_images`), data URLs are decoded by ``b64decode`` (the image
+    decoding process's, in the server) or here a step at a time."""
     n = count_images(messages)
     if n > policy.max_images:
         raise ImageError(f"{n} images in one request; the limit is {policy.max_images}")
@@ -89,16 +91,18 @@ def resolve_images(
         parts = []
         for part in content:
             if part.get("type") == "image_url":
-                parts.append({"type": "image", "image": image_bytes(part["image_url"]["url"], policy, fetched)})
+                url = part["image_url"]["url"]
+                parts.append({"type": "image", "image": image_bytes(url, policy, fetched, b64decode)})
             else:
                 parts.append(part)
         out.append({**m, "content": parts})
     return out
 
 
-def image_bytes(url: str, policy: ImagePolicy, fetched: Mapping[str, bytes]) -> bytes:
+def image_bytes(url: str, policy: ImagePolicy, fetched: Mapping[str, bytes],
+                b64decode: Callable[[str], bytes] | None = None) -> bytes:
     if url.startswith("data:"):
-        return data_url_bytes(url, policy.limits.max_bytes)
+        return data_url_bytes(url, policy.limits.max_bytes, b64decode)
     if url.startswith(REMOTE_SCHEMES):
         if url not in fetched:
             raise ImageError("remote image URLs are disabled on this server (send the image as a data: URL)")
@@ -106,8 +110,9 @@ def image_bytes(url: str, policy: ImagePolicy, fetched: Mapping[str, bytes]) -> 
     raise ImageError(f"unsupported image URL {url[:40]!r}: expected a data: URL")
 
 
-def data_url_bytes(url: str, max_bytes: int) -> bytes:
-    """The bytes of a ``data:[<mime>][;base64],<data>`` URL holding an image."""
+def data_url_bytes(url: str, max_bytes: int, b64decode: Callable[[str], bytes] | None = None) -> bytes:
+    """The bytes of a ``data:[<mime>][;base64],<data>`` URL holding an image (its base64
+    decoded by ``b64decode``, which raises ImageError, or here a step at a time)."""
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:"):
         raise ImageError("malformed data URL: expected data:image/...;base64,...")
@@ -118,6 +123,8 @@ def data_url_bytes(url: str, max_bytes: int) -> bytes:
         raise ImageError("data URL must be base64-encoded (data:image/...;base64,...)")
     if len(payload) * 3 // 4 > max_bytes + 2:
         raise ImageError(f"image of about {len(payload) * 3 // 4} bytes exceeds the limit of {max_bytes} bytes")
+    if b64decode is not None and len(payload) > B64_STEP:
+        return b64decode(payload)
     try:
         return b64decode_in_steps(payload)
     except (binascii.Error, ValueError) as exc:
