@@ -192,3 +192,26 @@ def test_env_example_is_valid_config() -> None:
     assert values["EDGE_HOST"] == "127.0.0.1"
     settings, _ = resolve({}, {}, path)
     assert settings.port == 8000 and settings.queue_size == 8
+
+
+def test_what_loading_made_is_frozen_out_of_garbage_collection() -> None:
+    """A full collection over the loaded model holds every thread, the token loop's too:
+    the service freezes it once ready, and gives it back to the collector when it stops."""
+    import gc
+
+    from edge.serving.service import Service
+    from edge.settings import Settings
+
+    gc.unfreeze()
+    svc = Service(Settings(), environ={})  # no NOTIFY_SOCKET, no monitor settings
+    try:
+        svc.start()
+        deadline = time.monotonic() + 120
+        while svc.state not in ("ready", "failed") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert svc.state == "ready", svc.error
+        assert gc.get_freeze_count() > 10_000  # the engine, torch and the libraries
+        assert not gc.is_tracked(svc.engine) or svc.engine not in gc.get_objects(generation=2)
+    finally:
+        svc.shutdown()
+    assert gc.get_freeze_count() == 0
