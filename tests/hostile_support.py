@@ -25,6 +25,15 @@ import httpx  # noqa: E402
 from test_server_support import CHAT, HELLO, ServerProc, server_env, slots_idle  # noqa: E402
 
 
+def _event_text(data: str) -> str:
+    """What an SSE event says, less its request id and time."""
+    try:
+        choice = json.loads(data)["choices"][0]
+    except (ValueError, KeyError, IndexError, TypeError):
+        return data
+    return json.dumps([choice.get("delta"), choice.get("text"), choice.get("finish_reason")])
+
+
 @dataclass
 class StreamProbe:
     """A long streaming request in a thread, recording when each event arrives."""
@@ -32,6 +41,7 @@ class StreamProbe:
     server: ServerProc
     max_tokens: int | None = 3000
     times: list[float] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
     status: int | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -55,6 +65,7 @@ class StreamProbe:
             for line in r.iter_lines():
                 if line.startswith("data: "):
                     self.times.append(time.monotonic())
+                    self.texts.append(_event_text(line[6:]))
                 if self._stop.is_set():
                     return
 
@@ -67,6 +78,25 @@ class StreamProbe:
         """Gaps between consecutive events, for gaps ending in [t0, t1]."""
         ts = list(self.times)
         return [(b - a) * 1e3 for a, b in zip(ts, ts[1:]) if t0 <= b <= t1]
+
+    def run(self, timeout: float = 120.0) -> StreamProbe:
+        """The whole stream, to its end."""
+        self.start()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        return self
+
+    def delays_ms(self, reference: StreamProbe, t0: float, t1: float) -> list[float] | None:
+        """For gaps ending in [t0, t1], each gap less the gap between the same two events of
+        ``reference``, the same greedy request streamed on a quiet server: the delay the
+        server added, apart from what the text holds (tokens that end inside a character
+        are sent with the next, so even a quiet stream has gaps of several tokens). None
+        when the two streams' events differ."""
+        ts, rs = list(self.times), reference.times
+        n = min(len(ts), len(rs))
+        if self.texts[:n] != reference.texts[:n]:
+            return None
+        return [((ts[i] - ts[i - 1]) - (rs[i] - rs[i - 1])) * 1e3 for i in range(1, n) if t0 <= ts[i] <= t1]
 
 
 @dataclass

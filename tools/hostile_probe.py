@@ -80,6 +80,8 @@ class Probes:
         self.server, self.watchdog = server, watchdog
 
     def __enter__(self) -> Probes:
+        # The same greedy stream on the quiet server first: the gaps its text alone makes.
+        self.reference = StreamProbe(self.server).run()
         self.stream = StreamProbe(self.server).start()
         self.health = HealthProbe(self.server).start()
         self.n_warm = len(self.health.latencies_ms)
@@ -97,11 +99,15 @@ class Probes:
         the same for the quiet window, and the watchdog's largest gaps."""
         t1 = time.monotonic()
         gaps, quiet = self.stream.gaps_ms(self.t0, t1), self.stream.gaps_ms(self.t0 - QUIET_S, self.t0)
+        delays = self.stream.delays_ms(self.reference, self.t0, t1)
+        quiet_delays = self.stream.delays_ms(self.reference, self.t0 - QUIET_S, self.t0)
         lat = self.health.latencies_ms
         return {
             "attack_s": round(t1 - self.t0, 2),
             "stream_gap_ms": _spread(gaps),
             "quiet_stream_gap_ms": _spread(quiet),
+            "stream_delay_ms": _spread(delays) if delays is not None else "the streams differ",
+            "quiet_stream_delay_ms": _spread(quiet_delays) if quiet_delays is not None else "the streams differ",
             "health_ms": _spread(lat[self.n_quiet:]),
             "quiet_health_ms": _spread(lat[self.n_warm:self.n_quiet]),
             "health_not_200": sum(s != 200 for s in self.health.statuses),
