@@ -32,7 +32,7 @@ from edge.serving.errors import BadRequest, BodyTooLarge, PromptsBusy
 from edge.serving.schema import parse_request, validation_error
 
 SCAN_CHUNK = 1 << 20  # the most the scanner looks at in one step
-SCAN_STEP = 1 << 20  # a body arriving is scanned each time this much more of it is in (fewer, larger numpy passes)
+SCAN_STEP = 64 << 10  # a body arriving is scanned each time this much more of it is in (one step holds the event loop)
 BLOB_BYTES = 16 << 10  # strings this long leave the skeleton
 PIECE_BYTES = 1 << 20  # a long string is decoded this much at a time
 MAX_PIECE_BYTES = 4 << 20  # escape sequences so dense that no cut is found within this: refused
