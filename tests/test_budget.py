@@ -111,6 +111,36 @@ def test_probe_discrete_honours_the_per_process_memory_fraction(tmp_path: Path) 
     assert probe_memory("cuda", process_share=(0.01, 4 * GiB), **probe).available == 0
 
 
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+def test_probe_discrete_asks_torch_with_a_device_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                       device: str) -> None:
+    """``torch.cuda.get_per_process_memory_fraction`` refuses an index-less "cuda", which
+    is what the default device is: the probe resolves the index first."""
+    from types import SimpleNamespace
+
+    from torch._utils import _get_device_index
+
+    asked: list[int] = []
+
+    def fraction(d: object) -> float:
+        asked.append(_get_device_index(d, optional=False))  # torch's own check: "cuda" raises
+        return 0.5
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(is_integrated=False))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (70 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", fraction)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d: 0)
+    m = probe_memory(device, meminfo=tmp_path / "missing")
+    assert asked == [0] and (m.total, m.available) == (80 * GiB, 40 * GiB)
+
+
+@pytest.mark.cuda
+def test_probe_the_default_gpu() -> None:
+    m = probe_memory("cuda")
+    assert m.kind in ("discrete", "integrated") and 0 < m.available <= m.total
+
+
 V2_ROOT = "0::/\n"
 V1_ROOT = "9:name=systemd:/\n4:memory:/\n2:cpu,cpuacct:/\n0::/\n"
 

@@ -327,7 +327,8 @@ def probe_memory(
         else:
             free, total = mem_get_info()
         if process_share is None and mem_get_info is None:
-            process_share = (torch.cuda.get_per_process_memory_fraction(dev), torch.cuda.memory_reserved(dev))
+            index = dev.index if dev.index is not None else torch.cuda.current_device()  # "cuda" has none
+            process_share = (torch.cuda.get_per_process_memory_fraction(index), torch.cuda.memory_reserved(index))
         fraction, held = process_share or (1.0, 0)
         if fraction < 1.0:
             share = max(0, int(total * fraction) - held)
