@@ -111,7 +111,7 @@ def test_probe_discrete_honours_the_per_process_memory_fraction(tmp_path: Path) 
     assert probe_memory("cuda", process_share=(0.01, 4 * GiB), **probe).available == 0
 
 
-@pytest.mark.parametrize("device", ["cuda", "cuda:0"])
+@pytest.mark.parametrize("device", ["cuda", "cuda:0"], ids=["default-device", "index-0"])  # ("cuda" would skip it)
 def test_probe_discrete_asks_torch_with_a_device_index(monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                                        device: str) -> None:
     """``torch.cuda.get_per_process_memory_fraction`` refuses an index-less "cuda", which
