@@ -36,12 +36,16 @@ def _event_text(data: str) -> str:
 
 @dataclass
 class StreamProbe:
-    """A long streaming request in a thread, recording when each event arrives."""
+    """A long streaming request in a thread, recording when each event arrives. With
+    ``repeat``, the same request again each time it ends (a GPU finishes 3000 tokens in
+    seconds), until stopped; ``pos`` is each event's place in its own stream."""
 
     server: ServerProc
     max_tokens: int | None = 3000
+    repeat: bool = False
     times: list[float] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)
     status: int | None = None
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -60,13 +64,20 @@ class StreamProbe:
         body: dict = {"messages": HELLO, "ignore_eos": True, "stream": True, "temperature": 0}
         if self.max_tokens is not None:
             body["max_tokens"] = self.max_tokens
-        with self.server.client(timeout=120.0) as c, c.stream("POST", CHAT, json=body) as r:
-            self.status = r.status_code
-            for line in r.iter_lines():
-                if line.startswith("data: "):
-                    self.times.append(time.monotonic())
-                    self.texts.append(_event_text(line[6:]))
-                if self._stop.is_set():
+        with self.server.client(timeout=120.0) as c:
+            while True:
+                with c.stream("POST", CHAT, json=body) as r:
+                    self.status = r.status_code
+                    n = 0
+                    for line in r.iter_lines():
+                        if line.startswith("data: "):
+                            self.times.append(time.monotonic())
+                            self.texts.append(_event_text(line[6:]))
+                            self.pos.append(n)
+                            n += 1
+                        if self._stop.is_set():
+                            return
+                if not self.repeat or self.status != 200 or self._stop.is_set():
                     return
 
     def stop(self) -> None:
@@ -75,9 +86,9 @@ class StreamProbe:
             self._thread.join(30)
 
     def gaps_ms(self, t0: float, t1: float) -> list[float]:
-        """Gaps between consecutive events, for gaps ending in [t0, t1]."""
-        ts = list(self.times)
-        return [(b - a) * 1e3 for a, b in zip(ts, ts[1:]) if t0 <= b <= t1]
+        """Gaps between consecutive events of one stream, for gaps ending in [t0, t1]."""
+        ts, pos = list(self.times), list(self.pos)
+        return [(ts[i] - ts[i - 1]) * 1e3 for i in range(1, min(len(ts), len(pos))) if pos[i] and t0 <= ts[i] <= t1]
 
     def run(self, timeout: float = 120.0) -> StreamProbe:
         """The whole stream, to its end."""
@@ -92,11 +103,16 @@ class StreamProbe:
         server added, apart from what the text holds (tokens that end inside a character
         are sent with the next, so even a quiet stream has gaps of several tokens). None
         when the two streams' events differ."""
-        ts, rs = list(self.times), reference.times
-        n = min(len(ts), len(rs))
-        if self.texts[:n] != reference.texts[:n]:
-            return None
-        return [((ts[i] - ts[i - 1]) - (rs[i] - rs[i - 1])) * 1e3 for i in range(1, n) if t0 <= ts[i] <= t1]
+        ts, texts, pos, rs = list(self.times), list(self.texts), list(self.pos), reference.times
+        out = []
+        for i in range(1, min(len(ts), len(texts), len(pos))):
+            p = pos[i]
+            if not p or not t0 <= ts[i] <= t1 or p >= len(rs):
+                continue
+            if texts[i] != reference.texts[p]:
+                return None
+            out.append(((ts[i] - ts[i - 1]) - (rs[p] - rs[p - 1])) * 1e3)
+        return out
 
 
 @dataclass

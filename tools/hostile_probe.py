@@ -82,7 +82,7 @@ class Probes:
     def __enter__(self) -> Probes:
         # The same greedy stream on the quiet server first: the gaps its text alone makes.
         self.reference = StreamProbe(self.server).run()
-        self.stream = StreamProbe(self.server).start()
+        self.stream = StreamProbe(self.server, repeat=True).start()
         self.health = HealthProbe(self.server).start()
         self.n_warm = len(self.health.latencies_ms)
         time.sleep(QUIET_S)  # the quiet window: several watchdog pings
