@@ -146,4 +146,3 @@ def _prepare(data: bytes, limits: ImageLimits, cfg: Any) -> tuple:
 
     image = preprocess(decode_image(data, limits, cfg), cfg)
     return image.raw, image.grid, image.digest
-

@@ -111,8 +111,8 @@ def image_bytes(url: str, policy: ImagePolicy, fetched: Mapping[str, bytes],
 
 
 def data_url_bytes(url: str, max_bytes: int, b64decode: Callable[[str], bytes] | None = None) -> bytes:
-    """The bytes of a ``data:[<mime>][;base64],<data>`` URL holding an image (its base64
-    decoded by ``b64decode``, which raises ImageError, or here a step at a time)."""
+    """The bytes of a ``data:[<mime>][;base64],<data>`` URL holding an image (base64 of
+    more than a step decoded by ``b64decode``, which raises ImageError, else here)."""
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:"):
         raise ImageError("malformed data URL: expected data:image/...;base64,...")
