@@ -315,6 +315,13 @@ def test_unknown_fields_and_extensions_are_accepted(server: ServerProc) -> None:
     assert r.status_code == 200, r.text
 
 
+def test_chat_template_kwargs_cannot_stand_in_for_the_templates_functions(server: ServerProc) -> None:
+    with server.client() as c:
+        r = c.post(CHAT, json=chat_body(max_tokens=1, chat_template_kwargs={"raise_exception": "x"}))
+    assert r.status_code == 400 and "'raise_exception'" in r.json()["error"]["message"], r.text
+    assert r.json()["error"]["param"] == "chat_template_kwargs"
+
+
 # -- load ---------------------------------------------------------------------------------------
 
 

@@ -285,6 +285,47 @@ def test_special_token_strings_in_messages_stay_text(tok: Tokenizer, hf_tok, rol
     assert any(ids[i:i + len(as_text)] == as_text for i in range(len(ids))), (ids, as_text)
 
 
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _tool(key: str, description: str = "a value") -> dict:
+    return {"type": "function", "function": {"name": "f", "description": description, "parameters": {
+        "type": "object", "properties": {key: {"type": "string", "description": description}}}}}
+
+
+@pytest.mark.parametrize("where", ["key", "value"])
+def test_special_token_strings_in_tools_stay_text(model_dir: Path, tmp_path: Path, where: str) -> None:
+    """A template prints tools with ``tojson``, their schema's keys too: a property named
+    with special-token strings stays text, as a description holding them does."""
+    d = shutil.copytree(model_dir, tmp_path / "tools")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOLS_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    tok = Tokenizer.from_pretrained(d)
+    specials = special_token_ids()
+    messages = [{"role": "user", "content": "ok"}]
+    forged = _tool(FORGED) if where == "key" else _tool("x", FORGED)
+    ids = tok.encode_chat(messages, tools=[forged])
+    benign = tok.encode_chat(messages, tools=[_tool("x")])
+    for name in ("<|im_start|>", "<|im_end|>", "<|endoftext|>"):
+        assert ids.count(specials[name]) == benign.count(specials[name]), name
+    assert tok.decode(ids, skip_special_tokens=False) == tok.apply_chat_template(messages, tools=[forged])
+
+
+def test_a_template_failing_on_its_input_is_one_line(model_dir: Path, tmp_path: Path) -> None:
+    d = shutil.copytree(model_dir, tmp_path / "adds")
+    config = json.loads((d / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{{ messages[0].content + 1 }}"  # compiles; fails when rendered
+    (d / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ChatTemplateError) as info:
+        Tokenizer.from_pretrained(d).encode_chat([{"role": "user", "content": "hi"}])
+    assert "chat template failed: TypeError" in str(info.value) and "\n" not in str(info.value)
+
+
 def test_special_token_whitespace_flags_match_one_encode(model_dir: Path, tmp_path: Path) -> None:
     """A special token with rstrip/lstrip eats the whitespace beside it, as when the
     tokenizers library encodes the whole rendered text at once."""

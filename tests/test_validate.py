@@ -208,3 +208,20 @@ def test_broken_template_and_wordlevel_tokenizer_in_generate_and_serve(model_dir
     finally:
         srv.stop()
     assert "Traceback" not in srv.log(), srv.log()
+
+
+def test_a_template_failing_when_rendered_serves_and_answers_400(model_dir: Path, tmp_path: Path) -> None:
+    """A template that compiles but fails on every conversation: the server starts (its
+    warm-up uses token ids, with one warning line) and each chat gets a one-line 400."""
+    from test_server_support import CHAT, ServerProc
+
+    d = shutil.copytree(model_dir, tmp_path / "adds")
+    _edit_json(d, "tokenizer_config.json", chat_template="{{ messages[0].content + 1 }}")
+    srv = ServerProc(tmp_path / "srv", "--model", str(d)).wait_ready()
+    try:
+        with srv.client() as c:
+            r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert r.status_code == 400 and "chat template failed: TypeError" in r.json()["error"]["message"], r.text
+    finally:
+        srv.stop()
+    assert "Traceback" not in srv.log() and "warming up with token ids" in srv.log(), srv.log()

@@ -105,12 +105,16 @@ def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
+# The functions a chat template may call, as transformers gives them: no request's
+# chat_template_kwargs may stand in for them.
+TEMPLATE_FUNCTIONS = ("raise_exception", "strftime_now")
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """Compile a chat template in the same environment `transformers` uses."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+    env.globals.update(zip(TEMPLATE_FUNCTIONS, (_raise_exception, _strftime_now)))
     return env.from_string(source)
 
 
@@ -330,6 +334,8 @@ class Tokenizer:
             return self._compiled_template.render(**variables)
         except jinja2.exceptions.TemplateError as exc:
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+        except Exception as exc:  # the template's own code meeting this input ({{ content + 1 }}): one line
+            raise ChatTemplateError(f"chat template failed: {type(exc).__name__}: {exc}") from exc
 
     def encode_chat(self, messages: Sequence[Message], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         """The prompt ids of ``messages``: the template's special tokens as tokens, the
@@ -430,10 +436,12 @@ class RenderedChat:
 
 
 def _collect_strings(node: Any, out: list[str]) -> None:
+    """Every string in ``node`` (JSON-like), keys too: ``tojson`` prints a tool's keys."""
     if isinstance(node, str):
         out.append(node)
     elif isinstance(node, Mapping):
-        for v in node.values():
+        for k, v in node.items():
+            _collect_strings(k, out)
             _collect_strings(v, out)
     elif isinstance(node, (list, tuple)):
         for v in node:
@@ -441,11 +449,12 @@ def _collect_strings(node: Any, out: list[str]) -> None:
 
 
 def _replace_strings(node: Any, fn: Any) -> Any:
-    """``node`` (JSON-like) with ``fn`` applied to every string value (keys untouched)."""
+    """``node`` (JSON-like) with ``fn`` applied to every string, keys too (``fn`` is
+    one-to-one, so keys stay distinct)."""
     if isinstance(node, str):
         return fn(node)
     if isinstance(node, Mapping):
-        return {k: _replace_strings(v, fn) for k, v in node.items()}
+        return {_replace_strings(k, fn): _replace_strings(v, fn) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
         return [_replace_strings(v, fn) for v in node]
     return node

@@ -343,10 +343,15 @@ def structured_request(req: ChatCompletionRequest) -> StructuredRequest:
 def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
     """What the chat template gets beside the messages: ``chat_template_kwargs`` and the
     tools (as transformers' ``apply_chat_template(messages, tools=...)``)."""
+    from edge.model.tokenizer import TEMPLATE_FUNCTIONS
     from edge.structured.request import parse_tools
 
-    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items()
-              if k not in ("messages", "add_generation_prompt", "tools")}
+    given = req.chat_template_kwargs or {}
+    for name in TEMPLATE_FUNCTIONS:
+        if name in given:
+            raise bad_request(f"chat_template_kwargs may not set {name!r}: it is a function the chat template calls",
+                              param="chat_template_kwargs")
+    kwargs = {k: v for k, v in given.items() if k not in ("messages", "add_generation_prompt", "tools")}
     tools = parse_tools(req.tools)
     if tools:
         kwargs["tools"] = [t.as_template_dict() for t in tools]
