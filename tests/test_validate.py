@@ -225,3 +225,16 @@ def test_a_template_failing_when_rendered_serves_and_answers_400(model_dir: Path
     finally:
         srv.stop()
     assert "Traceback" not in srv.log() and "warming up with token ids" in srv.log(), srv.log()
+
+
+def test_an_empty_model_path_is_named_as_such() -> None:
+    """``--model "$(edge pull NAME)"`` after a failed download passes an empty string."""
+    line = one_line_error(edge_cli("generate", "--model", "", "--max-tokens", "1"))
+    assert "empty string" in line and "edge pull" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a machine without a GPU answers")
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_a_gpu_device_without_a_gpu_is_one_line(kernels: str) -> None:
+    line = one_line_error(edge_cli("generate", "--device", "cuda", "--kernels", kernels, "--max-tokens", "1"))
+    assert "sees no CUDA GPU" in line and "--device cpu" in line

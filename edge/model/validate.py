@@ -40,6 +40,9 @@ class NotAModelDirectory(ValueError):
 def model_directory(path: str | Path) -> Path:
     """``path`` as a model directory; FileNotFoundError when it is missing,
     NotAModelDirectory when it is a file (naming the directory that may have been meant)."""
+    if isinstance(path, str) and not path.strip():  # Path("") is the current directory
+        raise FileNotFoundError("the model directory given is an empty string (did the command meant to print it, "
+                                "such as `edge pull`, fail?)")
     p = Path(path)
     if p.is_dir():
         return p

@@ -334,6 +334,13 @@ class Engine:
             path = default_model_path()
         path = model_directory(path)
         dev = torch.device(device) if device is not None else default_device()
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            from edge.runtime.backend import BackendUnavailable
+
+            raise BackendUnavailable(
+                f"device {dev}: torch {torch.__version__} sees no CUDA GPU here; use --device cpu "
+                "(or, on a GPU machine, a CUDA build of torch: docs/install.md)"
+            )
         dt = parse_dtype(dtype) if dtype is not None else (torch.float32 if dev.type == "cpu" else torch.bfloat16)
         from edge.model.vision.config import VLConfig, is_vision_language
 
