@@ -1,4 +1,4 @@
-"""`tools/bench.py vision` on the CPU at the tiny preset: the JSON report holds every
+"""`tools/bench.py vision` on the CPU (the tiny preset, its default there): the JSON report holds every
 field the GPU run records, and the image token counts are the HF image processor's."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ SIZES = [(64, 48), (96, 64)]
 def test_bench_vision_smoke() -> None:
     sizes = ",".join(f"{w}x{h}" for w, h in SIZES)
     r = subprocess.run(
-        [sys.executable, str(ROOT / "tools/bench.py"), "vision", "--device", "cpu", "--preset", "qwen3-vl-tiny",
+        [sys.executable, str(ROOT / "tools/bench.py"), "vision", "--device", "cpu",  # the tiny preset by default
          "--dtype", "float32", "--sizes", sizes, "--decode-tokens", "8", "--repeats", "1", "--max-seq-len", "512"],
         capture_output=True, text=True, timeout=300, check=False, cwd=ROOT,
     )

@@ -1,14 +1,14 @@
 #!/usr/bin/env python3
-"""edge benchmarks. Prints one JSON document on stdout (a short table on stderr).
+"""edge benchmarks. Prints one JSON document on stdout.
 
-Modes (one function each; add new ones as subcommands in ``build_parser``):
+Modes:
 
   decode     end-to-end decode benchmark (tools/bench_decode.py)
 
   scheduler  two-slot scheduler: background-prefill slowdown, switch gap, second-turn
              TTFT with and without prefix reuse (tools/bench_scheduler.py)
 
-  vision     a random qwen3-vl-8b-shaped model: vision-tower time and TTFT for 448x448
+  vision     a random qwen3-vl-8b-shaped model (on the CPU: qwen3-vl-tiny): vision-tower time and TTFT for 448x448
              and 1280x720 images, decode tok/s after an image and after text of the
              same length (tools/bench_vision.py)
 

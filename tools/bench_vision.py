@@ -39,7 +39,8 @@ from edge.model.vision.tower import VisionTower
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="qwen3-vl-8b", choices=sorted(VL_PRESETS))
+    p.add_argument("--preset", default=None, choices=sorted(VL_PRESETS),
+                   help="default: qwen3-vl-8b on a GPU, qwen3-vl-tiny on the CPU")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--device", default="cuda", help="cuda (cpu: a smoke run of the tiny presets)")
     p.add_argument("--sizes", default="448x448,1280x720", help="image sizes WxH")
@@ -104,6 +105,8 @@ def _ms(fn) -> float:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.preset is None:  # an 8B-shaped model in float32 fills most of a small machine's memory
+        args.preset = "qwen3-vl-tiny" if torch.device(args.device).type == "cpu" else "qwen3-vl-8b"
     engine = build_engine(args)
     vision = engine.vision
     params = SamplingParams(max_tokens=args.decode_tokens, ignore_eos=True)
