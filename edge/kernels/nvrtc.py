@@ -44,7 +44,7 @@ _SYSTEM_HEADERS = ("cuda_fp16.h", "cuda_fp16.hpp", "cuda_bf16.h", "cuda_bf16.hpp
 _INSTALL_HINT = (
     "install the CUDA Python stack of your driver's CUDA major version: pip install 'edge-llm[cuda]' "
     "(CUDA 13) or 'edge-llm[cuda12]' (CUDA 12); on a Jetson 'edge-llm[jetson]' with "
-    "constraints-jetpack6.txt and JetPack's CUDA toolkit (README, Installing on a Jetson)"
+    "constraints-jetpack6.txt and JetPack's CUDA toolkit (docs/install.md, A Jetson)"
 )
 
 
