@@ -519,9 +519,21 @@ def cmd_monitor(args: argparse.Namespace) -> int:
     return run_monitor_cli(args.period, args.count, args.json, args.source, args.sysfs_root)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("edge-llm")
+    except PackageNotFoundError:  # run from a source tree that pip did not install
+        from edge import __version__
+
+        return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="edge", description="LLM inference for NVIDIA Jetson Orin")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    parser.add_argument("--version", action="version", version=f"edge {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate from a prompt (default: the embedded model)")

@@ -210,3 +210,10 @@ def test_generate_at_the_end_of_the_context_counts_as_the_server(capsys) -> None
     assert server == 2
     assert len(api.token_ids) == len(scheduled.token_ids) == len(cli["token_ids"]) == server
     assert cli["finish_reason"] == "length" and "message" not in cli
+
+
+def test_version() -> None:
+    from edge import __version__
+
+    r = run("-m", "edge.cli", "--version")
+    assert r.returncode == 0 and r.stdout.strip() == f"edge {__version__}", (r.stdout, r.stderr)
