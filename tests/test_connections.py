@@ -81,6 +81,50 @@ def test_slow_and_excess_connections(server: ServerProc) -> None:
     assert log.count("refused a connection") <= 2, log[-3000:]  # one line per 10 s, with a count
 
 
+def _post_raw(server: ServerProc, path: str, body: bytes) -> tuple[bytes, list[str]]:
+    """``body`` sent whole from one thread while another reads the answer to its end: what
+    came back, and the sender's errors (a client that sends and reads at once)."""
+    import socket
+    import threading
+
+    s = socket.create_connection(("127.0.0.1", server.port))
+    s.settimeout(30)
+    s.sendall(f"POST {path} HTTP/1.1\r\nhost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+              f"content-length: {len(body)}\r\n\r\n".encode())
+    errors: list[str] = []
+
+    def send() -> None:
+        try:
+            for i in range(0, len(body), 1 << 16):
+                s.sendall(body[i:i + (1 << 16)])
+        except OSError as exc:
+            errors.append(repr(exc))
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    answer = b""
+    try:
+        while chunk := s.recv(1 << 16):
+            answer += chunk
+    except OSError as exc:
+        errors.append(repr(exc))
+    sender.join(30)
+    s.close()
+    return answer, errors
+
+
+def test_a_client_still_sending_gets_the_early_answer(server: ServerProc) -> None:
+    """A body refused before it is all in (413 from its Content-Length, 400 from its shape):
+    the answer reaches a client still sending, which meets no connection reset."""
+    too_large = b'{"messages": [{"role": "user", "content": "' + b"x" * (8 << 20) + b'"}]}'
+    too_many = b'{"prompt": [null' + b",0" * ((1 << 20) // 2 - 16) + b"]}"
+    for path, body, status in ((CHAT, too_large, b" 413 "), ("/v1/completions", too_many, b" 400 ")):
+        answer, errors = _post_raw(server, path, body)
+        assert status in answer.split(b"\r\n", 1)[0] and b'"error"' in answer and not errors, (answer[:200], errors)
+    with server.client() as c:  # and the server goes on
+        assert c.post(CHAT, json={"messages": HELLO, "max_tokens": 1}).status_code == 200
+
+
 def test_sigterm_with_stalled_bodies_exits_quietly(server: ServerProc) -> None:
     slow = SlowClients(server, 20, "body")
     try:

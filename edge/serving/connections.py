@@ -12,7 +12,12 @@ on every retry). Its HTTP/1.1 protocol is extended here:
   client gone and ends without a traceback);
 * past ``max_connections`` open connections a new one is answered 503 and closed at
   once, so the process never runs out of descriptors;
-* on shutdown, connections still sending a body are closed rather than waited for.
+* on shutdown, connections still sending a body are closed rather than waited for;
+* an answer sent before the request's body is in (a 413 for a body too large, a 400 for
+  one refused by its shape) is followed by a lingering close: the write side is shut,
+  so the answer and then the end reach the client, and what it still sends is read
+  and dropped for at most ``LINGER_S``. Closing with unread bytes would send a reset,
+  and a client still sending loses the answer to it.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ FD_RESERVE = 64  # descriptors kept for the process itself: model files, sockets
 # reaches the protocol (and its cap): that many, twice (accepted, and refused but not
 # yet closed), must fit beside the cap.
 BACKLOG = 32
+LINGER_S = 2.0  # how long a client still sending after its answer is read from before the close
 
 
 @dataclass(frozen=True)
@@ -103,6 +109,8 @@ class GuardedH11Protocol(H11Protocol):
         self.limits: ConnectionLimits = config.connection_limits
         self._deadline: asyncio.TimerHandle | None = None
         self._refused = False
+        self._raw: asyncio.Transport | None = None
+        self._lingering = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         if len(self.connections) >= self.limits.max_connections:
@@ -112,7 +120,8 @@ class GuardedH11Protocol(H11Protocol):
             transport.write(BUSY_RESPONSE)
             transport.close()
             return
-        super().connection_made(transport)
+        self._raw = transport
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         self._expect_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -122,8 +131,34 @@ class GuardedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if not self._refused:
+        if not self._refused and not self._lingering:  # lingering: the answer is out, the rest is dropped
             super().data_received(data)
+
+    def eof_received(self) -> bool | None:
+        if self._lingering:
+            self._close_now()
+            return False
+        return super().eof_received()
+
+    def linger(self) -> bool:
+        """Called for a close while the request body is still arriving: shut the write
+        side after the answer and drop what still comes, until the client ends or
+        ``LINGER_S`` passes. False when a plain close is what is wanted."""
+        raw = self._raw
+        if (self._lingering or raw is None or raw.is_closing() or self.conn.their_state is not h11.SEND_BODY
+                or not raw.can_write_eof()):
+            return False
+        self._lingering = True
+        self._cancel_deadline()
+        raw.write_eof()
+        raw.resume_reading()  # flow control may have paused it: read, so as to drop
+        self._deadline = self.loop.call_later(LINGER_S, self._close_now)
+        return True
+
+    def _close_now(self) -> None:
+        self._cancel_deadline()
+        if self._raw is not None and not self._raw.is_closing():
+            self._raw.close()
 
     def handle_events(self) -> None:
         cycle = self.cycle
@@ -138,8 +173,8 @@ class GuardedH11Protocol(H11Protocol):
             self._expect_head()
 
     def shutdown(self) -> None:
-        if self._receiving_body():  # nobody waits for a body that may never come
-            self.transport.close()
+        if self._lingering or self._receiving_body():  # nobody waits for a body that may never come
+            self._close_now()
             return
         super().shutdown()
 
@@ -173,3 +208,24 @@ class GuardedH11Protocol(H11Protocol):
         if self.cycle is cycle and self._receiving_body() and not self.transport.is_closing():
             log.info("closed a connection whose request body did not arrive in %.0f s", self.limits.body_timeout_s)
             self.transport.close()
+
+
+class _LingeringTransport:
+    """The connection's transport as uvicorn sees it: a close while the request body is
+    still arriving lingers (:meth:`GuardedH11Protocol.linger`), and the connection then
+    counts as closing."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: GuardedH11Protocol) -> None:
+        self._transport, self._protocol = transport, protocol
+        self.write = transport.write  # the per-event calls, bound once
+        self.get_extra_info = transport.get_extra_info
+
+    def close(self) -> None:
+        if not self._protocol.linger():
+            self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
