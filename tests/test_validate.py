@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -181,7 +182,7 @@ def test_hostile_model_directories_fail_fast(model_dir: Path, tmp_path: Path, na
 def test_broken_template_and_wordlevel_tokenizer_in_generate_and_serve(model_dir: Path, tmp_path: Path) -> None:
     """One line in `edge generate` and `edge serve` alike; a tokenizer that cannot encode a
     word refuses that text (400), not the model."""
-    from test_server_support import CHAT, ServerProc
+    from test_server_support import ServerProc
 
     bad_template = shutil.copytree(model_dir, tmp_path / "template")
     _edit_json(bad_template, "tokenizer_config.json", chat_template="{% if %}")
@@ -200,31 +201,32 @@ def test_broken_template_and_wordlevel_tokenizer_in_generate_and_serve(model_dir
         "pre_tokenizer": {"type": "Whitespace"}}))
     line = one_line_error(edge_cli("generate", "--model", str(wordlevel), "--prompt", "hello", "--max-tokens", "2"))
     assert "cannot encode this text" in line and "Missing [UNK]" in line
-    srv = ServerProc(tmp_path / "srv2", "--model", str(wordlevel)).wait_ready()
+    r, log = _one_chat(wordlevel, tmp_path / "srv2", "hello there")
+    assert r.status_code == 400 and "cannot encode" in r.json()["error"]["message"], r.text
+    assert "Traceback" not in log, log
+
+
+def _one_chat(model: Path, tmp: Path, content: str) -> tuple[Any, str]:
+    """One chat request to ``edge serve --model model``: its answer and the server's log."""
+    from test_server_support import CHAT, ServerProc
+
+    srv = ServerProc(tmp, "--model", str(model)).wait_ready()
     try:
         with srv.client() as c:
-            r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 1})
-            assert r.status_code == 400 and "cannot encode" in r.json()["error"]["message"], r.text
+            r = c.post(CHAT, json={"messages": [{"role": "user", "content": content}], "max_tokens": 1})
     finally:
         srv.stop()
-    assert "Traceback" not in srv.log(), srv.log()
+    return r, srv.log()
 
 
 def test_a_template_failing_when_rendered_serves_and_answers_400(model_dir: Path, tmp_path: Path) -> None:
     """A template that compiles but fails on every conversation: the server starts (its
     warm-up uses token ids, with one warning line) and each chat gets a one-line 400."""
-    from test_server_support import CHAT, ServerProc
-
     d = shutil.copytree(model_dir, tmp_path / "adds")
     _edit_json(d, "tokenizer_config.json", chat_template="{{ messages[0].content + 1 }}")
-    srv = ServerProc(tmp_path / "srv", "--model", str(d)).wait_ready()
-    try:
-        with srv.client() as c:
-            r = c.post(CHAT, json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
-        assert r.status_code == 400 and "chat template failed: TypeError" in r.json()["error"]["message"], r.text
-    finally:
-        srv.stop()
-    assert "Traceback" not in srv.log() and "warming up with token ids" in srv.log(), srv.log()
+    r, log = _one_chat(d, tmp_path / "srv", "hi")
+    assert r.status_code == 400 and "chat template failed: TypeError" in r.json()["error"]["message"], r.text
+    assert "Traceback" not in log and "warming up with token ids" in log, log
 
 
 def test_an_empty_model_path_is_named_as_such() -> None:
