@@ -140,6 +140,11 @@ class GuardedH11Protocol(H11Protocol):
             return False
         return super().eof_received()
 
+    @property
+    def lingering(self) -> bool:
+        """The answer is out and the write side shut; what arrives is dropped."""
+        return self._lingering
+
     def linger(self) -> bool:
         """Called for a close while the request body is still arriving: shut the write
         side after the answer and drop what still comes, until the client ends or
@@ -225,7 +230,7 @@ class _LingeringTransport:
             self._transport.close()
 
     def is_closing(self) -> bool:
-        return self._protocol._lingering or self._transport.is_closing()
+        return self._protocol.lingering or self._transport.is_closing()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
